@@ -1,0 +1,26 @@
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include "cpp/bindings/bindings.h"
+#include "cpp/build_info.h"
+
+namespace py = pybind11;
+
+namespace freescale {
+
+void register_build_info(py::module_& m) {
+  m.def("build_info", [] {
+    BuildInfo info = build_info();
+    py::dict d;
+    d["version"] = info.version;
+    d["cuda"] = info.cuda;
+    d["nvshmem"] = info.nvshmem;
+    d["cuda_archs"] = info.cuda_archs;
+    d["transports"] = info.transports;
+    return d;
+  });
+  m.def("cuda_device_count", &cuda_device_count, py::call_guard<py::gil_scoped_release>(),
+        "CUDA devices visible to this process (0 without CUDA support, driver or GPU).");
+}
+
+}  // namespace freescale

@@ -1,0 +1,145 @@
+// Binds Config, AllToAllLayout, Bootstrap (subclassed in Python), Work (an op's state) and
+// Communicator. Pointers cross as integers only here, never in the Python API.
+#include <pybind11/functional.h>
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <chrono>
+#include <cmath>
+#include <optional>
+
+#include "cpp/bindings/bindings.h"
+#include "cpp/bootstrap.h"
+#include "cpp/communicator.h"
+#include "cpp/config.h"
+#include "cpp/layout.h"
+#include "cpp/op_state.h"
+
+namespace py = pybind11;
+
+namespace freescale {
+namespace {
+
+// Python subclasses implement rank(), size() and allgather(bytes) -> list[bytes].
+class PyBootstrap : public Bootstrap {
+ public:
+  int rank() const override { PYBIND11_OVERRIDE_PURE(int, Bootstrap, rank, ); }
+  int size() const override { PYBIND11_OVERRIDE_PURE(int, Bootstrap, size, ); }
+  std::vector<std::string> allgather(const std::string& mine) override {
+    py::gil_scoped_acquire gil;
+    py::function fn = py::get_override(static_cast<const Bootstrap*>(this), "allgather");
+    if (!fn) throw Error(ErrorCode::kInternal, "Bootstrap subclass must implement allgather(bytes) -> list[bytes]");
+    py::object result = fn(py::bytes(mine));
+    std::vector<std::string> out;
+    for (py::handle item : result) out.push_back(item.cast<std::string>());
+    if (out.size() != static_cast<size_t>(size())) {
+      throw Error(ErrorCode::kInternal, "Bootstrap.allgather returned " + std::to_string(out.size()) +
+                                            " blobs for a world of " + std::to_string(size()));
+    }
+    return out;
+  }
+  void barrier() override {
+    py::gil_scoped_acquire gil;
+    py::function fn = py::get_override(static_cast<const Bootstrap*>(this), "barrier");
+    if (fn) {
+      fn();
+    } else {
+      Bootstrap::barrier();
+    }
+  }
+};
+
+std::chrono::microseconds to_timeout(std::optional<double> seconds) {
+  if (!seconds) return std::chrono::microseconds(-1);
+  if (!std::isfinite(*seconds) || *seconds < 0) throw InvalidArgument("timeout must be a non-negative number of seconds");
+  return std::chrono::microseconds(static_cast<int64_t>(*seconds * 1e6));
+}
+
+}  // namespace
+
+void register_communicator(py::module_& m) {
+  py::class_<Config>(m, "Config")
+      .def(py::init<>())
+      .def_static("from_env", &Config::from_env, "Reads every FREESCALE_* variable (ValueError names a bad one).")
+      .def_readwrite("chunk_bytes", &Config::chunk_bytes)
+      .def_readwrite("arena_bytes", &Config::arena_bytes)
+      .def_readwrite("timeout_ms", &Config::timeout_ms)
+      .def_readwrite("aging_us", &Config::aging_us)
+      .def_readwrite("transport", &Config::transport)
+      .def("validate", &Config::validate);
+
+  py::class_<AllToAllLayout>(m, "AllToAllLayout")
+      .def_static("packed", &AllToAllLayout::packed, py::arg("send_bytes"), py::arg("recv_bytes"),
+                  "Blocks back to back in rank order (dist.all_to_all_single's layout), in bytes.")
+      .def_readonly("send_bytes", &AllToAllLayout::send_bytes)
+      .def_readonly("send_offsets", &AllToAllLayout::send_offsets)
+      .def_readonly("recv_bytes", &AllToAllLayout::recv_bytes)
+      .def_readonly("recv_offsets", &AllToAllLayout::recv_offsets);
+
+  py::class_<Bootstrap, PyBootstrap, std::shared_ptr<Bootstrap>>(m, "Bootstrap")
+      .def(py::init<>())
+      .def("rank", &Bootstrap::rank)
+      .def("size", &Bootstrap::size)
+      .def("allgather", &Bootstrap::allgather)
+      .def("barrier", &Bootstrap::barrier);
+
+  py::class_<OpState, std::shared_ptr<OpState>>(m, "Work", "The state of one submitted collective.")
+      .def_readonly("seq", &OpState::seq)
+      .def_readonly("priority", &OpState::priority)
+      .def(
+          "wait", [](OpState& op, std::optional<double> timeout_s) { return op.wait(to_timeout(timeout_s)); },
+          py::arg("timeout_s") = py::none(), py::call_guard<py::gil_scoped_release>(),
+          "Blocks (GIL released) until done; False if timeout_s passed first; raises CommError if it failed.")
+      .def("is_completed", &OpState::is_completed)
+      .def("failed", &OpState::failed)
+      .def("rethrow_if_failed", &OpState::rethrow_if_failed)
+      .def(
+          "add_done_callback",
+          [](OpState& op, py::function fn) {
+            // Owned on the heap and released under the GIL: the callback may run on the
+            // progress thread, which holds no GIL of its own.
+            auto* held = new py::object(std::move(fn));
+            op.add_done_callback([held]() {
+              py::gil_scoped_acquire gil;
+              py::object f = std::move(*held);
+              delete held;
+              try {
+                f();
+              } catch (py::error_already_set& e) {
+                e.discard_as_unraisable("freescale_comm Work done-callback");
+              }
+            });
+          },
+          py::arg("fn"), "Calls fn() once the op is done or failed (on the progress thread, or now).");
+
+  py::class_<Communicator, std::shared_ptr<Communicator>>(m, "Communicator")
+      .def(py::init([](Bootstrap& bootstrap, const Config& config) {
+             // Destroying a communicator joins its progress thread, which may need the GIL for a
+             // done-callback: never join while holding it.
+             return std::shared_ptr<Communicator>(new Communicator(bootstrap, config), [](Communicator* c) {
+               if (Py_IsInitialized() && PyGILState_Check()) {
+                 py::gil_scoped_release release;
+                 delete c;
+               } else {
+                 delete c;
+               }
+             });
+           }),
+           py::arg("bootstrap"), py::arg("config"))
+      .def_property_readonly("rank", &Communicator::rank)
+      .def_property_readonly("size", &Communicator::size)
+      .def_property_readonly("transport", &Communicator::transport_name)
+      .def_property_readonly("config", &Communicator::config)
+      .def(
+          "all_to_all",
+          [](Communicator& c, uintptr_t send_ptr, uintptr_t recv_ptr, AllToAllLayout layout, int priority) {
+            return c.all_to_all(reinterpret_cast<const uint8_t*>(send_ptr), reinterpret_cast<uint8_t*>(recv_ptr),
+                                std::move(layout), priority);
+          },
+          py::arg("send_ptr"), py::arg("recv_ptr"), py::arg("layout"), py::arg("priority"),
+          "Queues an AllToAllv of bytes; the buffers must outlive the returned Work.")
+      .def("close", &Communicator::close, py::call_guard<py::gil_scoped_release>())
+      .def_property_readonly("closed", &Communicator::closed);
+}
+
+}  // namespace freescale

@@ -1,0 +1,21 @@
+// What this build of the core contains.
+#pragma once
+
+#include <string>
+#include <vector>
+
+namespace freescale {
+
+struct BuildInfo {
+  std::string version;
+  bool cuda = false;                // CUDA sources compiled in
+  bool nvshmem = false;             // NVSHMEM transport compiled in
+  std::vector<int> cuda_archs;      // architectures compiled for (empty without CUDA)
+  std::vector<std::string> transports;  // transports this build can construct
+};
+
+BuildInfo build_info();
+// CUDA devices visible to this process; 0 without CUDA support, a driver or a GPU.
+int cuda_device_count();
+
+}  // namespace freescale

@@ -1,0 +1,31 @@
+// Every FREESCALE_* environment knob, read in exactly one place (Config::from_env).
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+namespace freescale {
+
+struct Config {
+  // FREESCALE_CHUNK_BYTES: a transfer is cut into chunks of at most this many bytes; a
+  // higher-priority transfer submitted later starts within one chunk. Default 1 MiB.
+  uint64_t chunk_bytes = 1ull << 20;
+  // FREESCALE_ARENA_BYTES: shared-memory staging per rank (all its outgoing rings together);
+  // larger ops stream through it with flow control. Default 16 MiB, at least 2 chunks per peer.
+  uint64_t arena_bytes = 16ull << 20;
+  // FREESCALE_TIMEOUT_S: an op not complete after this long fails with CommError on every rank.
+  // 0 = not set in the environment: the caller (the group's timeout) decides. Milliseconds.
+  uint64_t timeout_ms = 0;
+  // FREESCALE_AGING_US: a waiting transfer gains one priority level per this many microseconds,
+  // so nothing starves. Default 5000 (5 ms per level).
+  uint64_t aging_us = 5000;
+  // FREESCALE_TRANSPORT: auto | host | ce | nvshmem.
+  std::string transport = "auto";
+
+  // Reads the environment; a malformed value throws InvalidArgument naming the variable.
+  static Config from_env();
+  // Throws InvalidArgument naming the field when a value is out of range.
+  void validate() const;
+};
+
+}  // namespace freescale

@@ -1,0 +1,86 @@
+// The layout of one rank's shared segment in the host transport. The owner writes its outgoing
+// rings (owner -> peer); each peer reads its ring and advances its tail there.
+//
+//   [RankControl][ReceivedWindow][RingControl x world][slots of ring 0]...[slots of ring world-1]
+//   the owner's own ring has no slots (self-copies go direct).
+#pragma once
+
+#include <atomic>
+#include <cstddef>
+#include <cstdint>
+
+#include "cpp/doorbell.h"
+
+namespace freescale {
+
+inline constexpr uint64_t kHostSegmentMagic = 0x46534353484d3031ull;  // "FSCSHM01"
+
+enum RankState : uint32_t { kRankRunning = 0, kRankClosed = 1, kRankAborted = 2 };
+
+struct alignas(64) RankControl {
+  Doorbell doorbell;                 // rung by anyone who changed what this rank waits on
+  std::atomic<uint32_t> state;       // RankState; only increases
+  std::atomic<int32_t> abort_code;   // ErrorCode that made this rank abort (valid once aborted)
+  std::atomic<uint64_t> posted_ops;  // ops this rank has posted (seq < posted_ops); only increases
+  uint64_t magic;                    // kHostSegmentMagic, written before the segment is shared
+  char pad[32];
+};
+static_assert(sizeof(RankControl) == 64, "RankControl crosses processes");
+
+// Op s counts as received by the owner once received[s % kOpWindow] >= s + 1: every byte of it
+// arrived and matched the receiver's expected counts. A rank posts op s + kOpWindow only after
+// op s completed, so a slot moving past s + 1 still means "s was received".
+inline constexpr uint64_t kOpWindow = 64;
+struct alignas(64) ReceivedWindow {
+  std::atomic<uint64_t> received[kOpWindow];  // seq + 1 of the op last received in each slot
+};
+static_assert(sizeof(ReceivedWindow) == 8 * kOpWindow, "ReceivedWindow crosses processes");
+
+struct alignas(64) RingControl {
+  std::atomic<uint64_t> head;  // slots written by the owner (sender); only increases
+  char pad0[56];
+  std::atomic<uint64_t> tail;  // slots consumed by the peer (receiver); only increases
+  char pad1[56];
+};
+static_assert(sizeof(RingControl) == 128, "RingControl crosses processes");
+
+struct alignas(64) SlotHeader {
+  uint64_t seq;     // op sequence number
+  uint64_t offset;  // bytes from the start of this (op, sender -> receiver) transfer
+  uint64_t bytes;   // payload bytes in this slot
+  uint64_t total;   // bytes of the whole transfer, as the sender counts them
+  char pad[32];
+};
+static_assert(sizeof(SlotHeader) == 64, "SlotHeader crosses processes");
+static_assert(std::atomic<uint64_t>::is_always_lock_free, "shared counters must be lock-free");
+
+struct HostSegmentLayout {
+  int world = 0;                // ranks in the communicator
+  int owner = 0;                // rank that owns (sends from) this segment
+  uint64_t slots_per_ring = 0;  // chunks in flight per (owner -> peer) ring
+  uint64_t slot_payload = 0;    // payload bytes per slot (= the owner's chunk_bytes)
+
+  uint64_t slot_stride() const { return sizeof(SlotHeader) + round_up(slot_payload); }
+  size_t num_bytes() const {
+    return rings_offset() + sizeof(RingControl) * world + slot_stride() * slots_per_ring * (world - 1);
+  }
+  RankControl* control(void* base) const { return static_cast<RankControl*>(base); }
+  ReceivedWindow* received(void* base) const {
+    return reinterpret_cast<ReceivedWindow*>(static_cast<char*>(base) + sizeof(RankControl));
+  }
+  RingControl* ring(void* base, int peer) const {
+    return reinterpret_cast<RingControl*>(static_cast<char*>(base) + rings_offset()) + peer;
+  }
+  SlotHeader* slot(void* base, int peer, uint64_t index) const {
+    uint64_t ring_index = static_cast<uint64_t>(peer < owner ? peer : peer - 1);  // no slots for self
+    char* slots = static_cast<char*>(base) + rings_offset() + sizeof(RingControl) * world;
+    return reinterpret_cast<SlotHeader*>(slots + slot_stride() * (ring_index * slots_per_ring + index % slots_per_ring));
+  }
+  static uint8_t* payload(SlotHeader* s) { return reinterpret_cast<uint8_t*>(s + 1); }
+
+ private:
+  static uint64_t round_up(uint64_t bytes) { return (bytes + 63) / 64 * 64; }
+  static size_t rings_offset() { return sizeof(RankControl) + sizeof(ReceivedWindow); }
+};
+
+}  // namespace freescale

@@ -1,0 +1,283 @@
+#include "cpp/host_transport.h"
+
+#include <unistd.h>
+
+#include <algorithm>
+#include <cstring>
+#include <new>
+#include <sstream>
+
+#include "cpp/peer_liveness.h"
+
+namespace freescale {
+namespace {
+
+// What each rank announces during setup, one field per line.
+struct Announcement {
+  std::string error;     // non-empty: this rank could not create its segment
+  std::string identity;  // host_identity()
+  int pid = 0;
+  std::string segment;   // shm name
+  uint64_t slots_per_ring = 0;
+  uint64_t slot_payload = 0;
+
+  std::string encode() const {
+    std::ostringstream out;
+    out << error << '\n' << identity << '\n' << pid << '\n' << segment << '\n' << slots_per_ring << '\n' << slot_payload << '\n';
+    return out.str();
+  }
+  static Announcement decode(const std::string& blob, int from) {
+    Announcement a;
+    std::istringstream in(blob);
+    std::string pid, slots, payload;
+    if (!std::getline(in, a.error) || !std::getline(in, a.identity) || !std::getline(in, pid) ||
+        !std::getline(in, a.segment) || !std::getline(in, slots) || !std::getline(in, payload)) {
+      throw CommError(ErrorCode::kCommError, "host transport setup: malformed announcement from rank " +
+                                                 std::to_string(from) + " (different freescale_comm versions?)");
+    }
+    a.pid = std::stoi(pid);
+    a.slots_per_ring = std::stoull(slots);
+    a.slot_payload = std::stoull(payload);
+    return a;
+  }
+};
+
+}  // namespace
+
+HostTransport::HostTransport(Bootstrap& bootstrap, const Config& config)
+    : rank_(bootstrap.rank()), world_(bootstrap.size()), peers_(static_cast<size_t>(bootstrap.size())) {
+  Announcement mine;
+  mine.identity = host_identity();
+  mine.pid = static_cast<int>(getpid());
+  mine.slot_payload = config.chunk_bytes;
+  HostSegmentLayout layout{world_, rank_, 0, config.chunk_bytes};
+  if (world_ > 1) {
+    layout.slots_per_ring = std::max<uint64_t>(2, config.arena_bytes / (layout.slot_stride() * (world_ - 1)));
+  }
+  mine.slots_per_ring = layout.slots_per_ring;
+  try {
+    peers_[rank_].segment = ShmSegment::create(layout.num_bytes());
+    peers_[rank_].layout = layout;
+    void* base = peers_[rank_].segment.data();
+    RankControl* control = new (base) RankControl{};
+    new (layout.received(base)) ReceivedWindow{};
+    for (int p = 0; p < world_; ++p) new (layout.ring(base, p)) RingControl{};
+    control->magic = kHostSegmentMagic;
+    mine.segment = peers_[rank_].segment.name();
+  } catch (const std::exception& e) {
+    mine.error = e.what();  // announced, so every rank fails together instead of hanging
+  }
+
+  std::vector<std::string> blobs = bootstrap.allgather(mine.encode());
+  std::vector<Announcement> all;
+  for (int p = 0; p < world_; ++p) all.push_back(Announcement::decode(blobs[p], p));
+  for (int p = 0; p < world_; ++p) {
+    if (!all[p].error.empty()) {
+      throw CommError(ErrorCode::kSystem, "host transport setup failed on rank " + std::to_string(p) + ": " + all[p].error);
+    }
+    if (all[p].identity != mine.identity) {
+      throw CommError(ErrorCode::kUnsupported,
+                      "the host transport needs every rank on one host (and PID namespace); rank " + std::to_string(p) +
+                          " is on '" + all[p].identity + "', rank " + std::to_string(rank_) + " on '" + mine.identity +
+                          "'. Use a gloo group for CPU tensors across hosts.");
+    }
+  }
+
+  std::string attach_error;
+  for (int p = 0; p < world_; ++p) {
+    peers_[p].pid = all[p].pid;
+    if (p == rank_) continue;
+    peers_[p].layout = HostSegmentLayout{world_, p, all[p].slots_per_ring, all[p].slot_payload};
+    try {
+      peers_[p].segment = ShmSegment::attach(all[p].segment, peers_[p].layout.num_bytes());
+      if (peers_[p].control()->magic != kHostSegmentMagic) throw Error(ErrorCode::kSystem, "bad magic in " + all[p].segment);
+    } catch (const std::exception& e) {
+      if (attach_error.empty()) attach_error = "rank " + std::to_string(rank_) + " could not map rank " + std::to_string(p) + "'s segment: " + e.what();
+    }
+  }
+  // Every rank has attached (or failed) once this returns: the names can go.
+  std::vector<std::string> status = bootstrap.allgather(attach_error);
+  peers_[rank_].segment.unlink();
+  for (const auto& s : status) {
+    if (!s.empty()) throw CommError(ErrorCode::kSystem, "host transport setup failed: " + s);
+  }
+}
+
+HostTransport::~HostTransport() = default;
+
+void HostTransport::ring_all() {
+  for (int p = 0; p < world_; ++p) ring_peer(p);
+}
+
+void HostTransport::post(const std::shared_ptr<OpState>& op) {
+  posted_[op->seq] = op;
+  peers_[rank_].control()->posted_ops.store(op->seq + 1, std::memory_order_release);
+  for (int p = 0; p < world_; ++p) {
+    if (p != rank_) ring_peer(p);
+  }
+}
+
+bool HostTransport::can_send(const Transfer& t) const {
+  if (t.peer == rank_) return true;
+  const Peer& dst = peers_[t.peer];
+  if (dst.control()->posted_ops.load(std::memory_order_acquire) <= t.op->seq) return false;
+  const Peer& self = peers_[rank_];
+  RingControl* ring = self.layout.ring(self.segment.data(), t.peer);
+  uint64_t head = ring->head.load(std::memory_order_relaxed);  // we are its only writer
+  return head - ring->tail.load(std::memory_order_acquire) < self.layout.slots_per_ring;
+}
+
+void HostTransport::send_chunk(const Transfer& t, const Chunk& c) {
+  SlotHeader header{};
+  header.seq = t.op->seq;
+  header.offset = c.offset;
+  header.bytes = c.bytes;
+  header.total = t.bytes;
+  if (t.peer == rank_) {
+    deliver(rank_, header, t.src + c.offset);
+    return;
+  }
+  const Peer& self = peers_[rank_];
+  if (c.bytes > self.layout.slot_payload) throw Error(ErrorCode::kInternal, "chunk larger than a ring slot");
+  RingControl* ring = self.layout.ring(self.segment.data(), t.peer);
+  uint64_t head = ring->head.load(std::memory_order_relaxed);
+  SlotHeader* slot = self.layout.slot(self.segment.data(), t.peer, head);
+  *slot = header;
+  if (c.bytes > 0) std::memcpy(HostSegmentLayout::payload(slot), t.src + c.offset, c.bytes);
+  ring->head.store(head + 1, std::memory_order_release);
+  ring_peer(t.peer);
+}
+
+void HostTransport::deliver(int src, const SlotHeader& h, const uint8_t* payload) {
+  auto it = posted_.find(h.seq);
+  if (it == posted_.end()) {
+    throw CommError(ErrorCode::kCommError, "rank " + std::to_string(src) + " sent data for op #" + std::to_string(h.seq) +
+                                               ", which rank " + std::to_string(rank_) +
+                                               " has not posted (were collectives issued in a different order?)");
+  }
+  OpState& op = *it->second;
+  uint64_t expected = op.layout.recv_bytes[src];
+  if (h.total != expected) {
+    throw CommError(ErrorCode::kSizeMismatch,
+                    "all_to_all op #" + std::to_string(h.seq) + ": rank " + std::to_string(rank_) + " expected " +
+                        std::to_string(expected) + " bytes from rank " + std::to_string(src) + ", which sends " +
+                        std::to_string(h.total) + " bytes: the ranks' split sizes disagree");
+  }
+  if (h.offset != op.recv_done[src] || h.bytes > expected - h.offset || op.recv_finished[src]) {
+    throw Error(ErrorCode::kInternal, "out-of-order chunk from rank " + std::to_string(src));
+  }
+  if (h.bytes > 0) std::memcpy(op.recv + op.layout.recv_offsets[src] + h.offset, payload, h.bytes);
+  op.recv_done[src] += h.bytes;
+  if (op.recv_done[src] == expected) {
+    op.recv_finished[src] = 1;
+    op.part_done();
+    if (--op.recv_parts_left == 0) {
+      // Everything for this op arrived and matched: tell every rank.
+      peers_[rank_].layout.received(peers_[rank_].segment.data())->received[op.seq % kOpWindow].store(
+          op.seq + 1, std::memory_order_release);
+      ring_all();
+    }
+  }
+}
+
+bool HostTransport::confirm_received() {
+  bool any = false;
+  for (auto& [seq, op] : posted_) {
+    if (op->confirmed || op->recv_parts_left > 0) continue;
+    bool all = true;
+    for (int p = 0; p < world_ && all; ++p) all = peers_[p].received(seq);
+    if (!all) continue;
+    op->confirmed = true;
+    op->part_done();
+    any = true;
+  }
+  return any;
+}
+
+bool HostTransport::drain_from(int src) {
+  const Peer& peer = peers_[src];
+  RingControl* ring = peer.layout.ring(peer.segment.data(), rank_);
+  uint64_t tail = ring->tail.load(std::memory_order_relaxed);  // we are its only writer
+  uint64_t head = ring->head.load(std::memory_order_acquire);
+  if (tail == head) return false;
+  for (; tail < head; ++tail) {
+    SlotHeader* slot = peer.layout.slot(peer.segment.data(), rank_, tail);
+    deliver(src, *slot, HostSegmentLayout::payload(slot));
+    ring->tail.store(tail + 1, std::memory_order_release);
+    ring_peer(src);  // room for the sender
+  }
+  return true;
+}
+
+void HostTransport::forget_completed() {
+  for (auto it = posted_.begin(); it != posted_.end();) {
+    it = it->second->is_completed() ? posted_.erase(it) : std::next(it);
+  }
+}
+
+bool HostTransport::poll() {
+  bool moved = false;
+  for (int p = 0; p < world_; ++p) {
+    if (p != rank_) moved |= drain_from(p);
+  }
+  moved |= confirm_received();
+  forget_completed();
+  return moved;
+}
+
+void HostTransport::check_peers() {
+  // A peer that died or left is the root cause; look for it before blaming a peer's abort
+  // (which is often that peer's reaction to the same death).
+  for (int p = 0; p < world_; ++p) {
+    if (p == rank_) continue;
+    bool closed = peers_[p].control()->state.load(std::memory_order_acquire) == kRankClosed;
+    bool died = !process_alive(peers_[p].pid);
+    if (!closed && !died) continue;
+    drain_from(p);  // what it sent before leaving is still valid
+    confirm_received();
+    forget_completed();
+    for (const auto& [seq, op] : posted_) {
+      if (op->needs_peer(p)) {
+        throw CommError(died ? ErrorCode::kPeerDied : ErrorCode::kCommError,
+                        "rank " + std::to_string(p) + " (pid " + std::to_string(peers_[p].pid) + ") " +
+                            (died ? "died" : "closed its communicator") + " while op #" + std::to_string(seq) +
+                            " still needed it");
+      }
+    }
+  }
+  for (int p = 0; p < world_; ++p) {
+    if (p == rank_) continue;
+    RankControl* control = peers_[p].control();
+    if (control->state.load(std::memory_order_acquire) != kRankAborted) continue;
+    auto code = static_cast<ErrorCode>(control->abort_code.load());
+    throw CommError(ErrorCode::kPeerAborted, "rank " + std::to_string(p) + " aborted the communicator (" +
+                                                 error_code_name(code) + "), so rank " + std::to_string(rank_) +
+                                                 " fails too");
+  }
+}
+
+uint32_t HostTransport::activity_epoch() const {
+  return peers_[rank_].control()->doorbell.counter.load(std::memory_order_seq_cst);
+}
+
+void HostTransport::wait_for_activity(uint32_t epoch, std::chrono::microseconds timeout) {
+  peers_[rank_].control()->doorbell.wait(epoch, timeout);
+}
+
+void HostTransport::wake() { peers_[rank_].control()->doorbell.ring(); }
+
+void HostTransport::abort(ErrorCode code) {
+  RankControl* control = peers_[rank_].control();
+  control->abort_code.store(static_cast<int32_t>(code));
+  control->state.store(kRankAborted, std::memory_order_release);
+  ring_all();
+}
+
+void HostTransport::close() {
+  RankControl* control = peers_[rank_].control();
+  uint32_t running = kRankRunning;
+  control->state.compare_exchange_strong(running, kRankClosed);
+  ring_all();
+}
+
+}  // namespace freescale

@@ -1,0 +1,50 @@
+// The one interface every transport implements (host shared memory, copy engines, NVSHMEM).
+// A transport moves chunks and reports arrivals; it knows nothing of priorities. All methods but
+// wake() are called from the communicator's progress thread only.
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <memory>
+
+#include "cpp/errors.h"
+#include "cpp/layout.h"
+#include "cpp/op_state.h"
+#include "cpp/transfer.h"
+
+namespace freescale {
+
+class Transport {
+ public:
+  virtual ~Transport() = default;
+  virtual const char* name() const = 0;
+
+  // Registers op's receive side and lets peers send to it. Called once per op, in seq order.
+  virtual void post(const std::shared_ptr<OpState>& op) = 0;
+  // True if one chunk of `t` can be handed over now without blocking (peer posted the op and
+  // there is room).
+  virtual bool can_send(const Transfer& t) const = 0;
+  // Moves chunk `c` of `t`; the receiver learns t.bytes with it. Precondition: can_send(t).
+  virtual void send_chunk(const Transfer& t, const Chunk& c) = 0;
+  // Receive-side progress: consumes what arrived, finishing receive parts (op->part_done()),
+  // and finishes an op's last part once every rank has received its share of it.
+  // Returns true if anything moved. Throws CommError on a byte-count mismatch.
+  virtual bool poll() = 0;
+  // Op s may be posted only once op s - max_ops_in_flight() has completed.
+  virtual uint64_t max_ops_in_flight() const = 0;
+  // Throws CommError if a peer aborted, or died / left while a posted op still needs it.
+  virtual void check_peers() = 0;
+
+  // Progress-thread sleep: read the epoch before a round of work, then wait on it only if that
+  // round moved nothing; returns early when anything this rank waits on changes.
+  virtual uint32_t activity_epoch() const = 0;
+  virtual void wait_for_activity(uint32_t epoch, std::chrono::microseconds timeout) = 0;
+  // Wakes this rank's progress thread. Any thread.
+  virtual void wake() = 0;
+
+  // Tells peers this rank failed (they raise kPeerAborted) / left cleanly.
+  virtual void abort(ErrorCode code) = 0;
+  virtual void close() = 0;
+};
+
+}  // namespace freescale

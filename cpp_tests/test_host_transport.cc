@@ -1,0 +1,212 @@
+// The host transport across forked ranks, through the Communicator (scheduler + progress thread).
+#include <gtest/gtest.h>
+#include <signal.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <optional>
+#include <random>
+#include <thread>
+
+#include "cpp/communicator.h"
+#include "cpp_tests/fork_ranks.h"
+
+namespace freescale {
+namespace {
+
+using testing::RankOutcome;
+using testing::run_forked_ranks;
+
+uint8_t pattern(int src, int dst, uint64_t i) { return static_cast<uint8_t>(src * 31 + dst * 7 + i * 13 + (i >> 8)); }
+
+Config small_config(uint64_t timeout_ms = 20000) {
+  Config c;
+  c.chunk_bytes = 64 * 1024;
+  c.arena_bytes = 512 * 1024;
+  c.timeout_ms = timeout_ms;
+  return c;
+}
+
+// counts[src][dst] bytes; fills the send buffer and checks what arrived.
+struct Exchange {
+  AllToAllLayout layout;
+  std::vector<uint8_t> send, recv;
+
+  Exchange(const std::vector<std::vector<uint64_t>>& counts, int rank) {
+    int world = static_cast<int>(counts.size());
+    std::vector<uint64_t> s(world), r(world);
+    for (int p = 0; p < world; ++p) {
+      s[p] = counts[rank][p];
+      r[p] = counts[p][rank];
+    }
+    layout = AllToAllLayout::packed(s, r);
+    send.resize(layout.total_send());
+    recv.assign(layout.total_recv(), 0xEE);
+    for (int p = 0; p < world; ++p)
+      for (uint64_t i = 0; i < s[p]; ++i) send[layout.send_offsets[p] + i] = pattern(rank, p, i);
+  }
+  std::string check(int rank) const {
+    for (size_t p = 0; p < layout.recv_bytes.size(); ++p)
+      for (uint64_t i = 0; i < layout.recv_bytes[p]; ++i)
+        if (recv[layout.recv_offsets[p] + i] != pattern(static_cast<int>(p), rank, i))
+          return "wrong byte " + std::to_string(i) + " from rank " + std::to_string(p);
+    return "";
+  }
+};
+
+void expect_all_ok(const std::vector<RankOutcome>& outcomes) {
+  for (size_t r = 0; r < outcomes.size(); ++r) {
+    EXPECT_FALSE(outcomes[r].timed_out) << "rank " << r << " hung";
+    EXPECT_EQ(outcomes[r].signal, 0) << "rank " << r << " crashed";
+    EXPECT_EQ(outcomes[r].exit_code, 0) << "rank " << r << ": " << outcomes[r].message;
+  }
+  EXPECT_TRUE(testing::leftover_segments().empty()) << "segments left in /dev/shm";
+}
+
+// Returns "" if `fn` throws CommError with `code` (any code if none is given), else a
+// description of what happened.
+template <typename Fn>
+std::string expect_comm_error(Fn fn, std::optional<ErrorCode> code = std::nullopt) {
+  try {
+    fn();
+  } catch (const CommError& e) {
+    if (!code || e.code() == *code) return "";
+    return std::string("CommError with the wrong code: ") + e.what();
+  }
+  return "no CommError";
+}
+
+class HostAllToAll : public ::testing::TestWithParam<int> {};
+
+TEST_P(HostAllToAll, RandomUnevenSplitsWithPrioritiesMatchTheReference) {
+  const int world = GetParam();
+  auto outcomes = run_forked_ranks(world, [world](int rank, Bootstrap& bootstrap) -> std::string {
+    Communicator comm(bootstrap, small_config());
+    std::mt19937_64 rng(1234);  // same stream on every rank: everyone knows every count
+    std::vector<std::unique_ptr<Exchange>> exchanges;
+    std::vector<std::shared_ptr<OpState>> ops;
+    for (int op = 0; op < 12; ++op) {
+      std::vector<std::vector<uint64_t>> counts(world, std::vector<uint64_t>(world));
+      for (auto& row : counts)
+        for (auto& c : row) c = (rng() % 4 == 0) ? 0 : rng() % 300000;
+      int priority = static_cast<int>(rng() % 3);
+      exchanges.push_back(std::make_unique<Exchange>(counts, rank));
+      Exchange& x = *exchanges.back();
+      ops.push_back(comm.all_to_all(x.send.data(), x.recv.data(), x.layout, priority));
+      if (op % 4 == 3) ops.back()->wait(std::chrono::microseconds(-1));  // interleave sync and async
+    }
+    for (auto& op : ops) op->wait(std::chrono::microseconds(-1));
+    for (auto& x : exchanges)
+      if (auto err = x->check(rank); !err.empty()) return err;
+    return "";
+  });
+  expect_all_ok(outcomes);
+}
+
+INSTANTIATE_TEST_SUITE_P(Worlds, HostAllToAll, ::testing::Values(1, 2, 3, 4));
+
+TEST(HostTransport, LaterHighPriorityOpCompletesBeforeA64MiBTransferInProgress) {
+  auto outcomes = run_forked_ranks(2, [](int rank, Bootstrap& bootstrap) -> std::string {
+    Config config = small_config();
+    config.chunk_bytes = 256 * 1024;
+    config.arena_bytes = 1 << 20;
+    Communicator comm(bootstrap, config);
+    const uint64_t big = 64ull << 20, small = 64 * 1024;
+    int peer = 1 - rank;
+    std::vector<std::vector<uint64_t>> big_counts{{0, big}, {big, 0}}, small_counts{{0, small}, {small, 0}};
+    Exchange a(big_counts, rank), b(small_counts, rank);
+    std::atomic<int> finished{0};
+    int a_rank = -1, b_rank = -1;
+    auto op_a = comm.all_to_all(a.send.data(), a.recv.data(), a.layout, 0);
+    op_a->add_done_callback([&] { a_rank = finished++; });
+    // Let the big one get going, then submit the urgent one.
+    while (op_a->is_completed() == false && a.recv[a.layout.recv_offsets[peer]] == 0xEE) std::this_thread::yield();
+    auto op_b = comm.all_to_all(b.send.data(), b.recv.data(), b.layout, 10);
+    op_b->add_done_callback([&] { b_rank = finished++; });
+    op_a->wait(std::chrono::microseconds(-1));
+    op_b->wait(std::chrono::microseconds(-1));
+    if (b_rank != 0 || a_rank != 1) return "completion order: big " + std::to_string(a_rank) + ", small " + std::to_string(b_rank);
+    if (auto e = a.check(rank); !e.empty()) return e;
+    return b.check(rank);
+  });
+  expect_all_ok(outcomes);
+}
+
+TEST(HostTransport, SplitsThatDisagreeFailOnEveryRank) {
+  auto outcomes = run_forked_ranks(3, [](int rank, Bootstrap& bootstrap) -> std::string {
+    Communicator comm(bootstrap, small_config());
+    // Rank 0 sends 100 bytes to rank 1, which expects 50.
+    std::vector<std::vector<uint64_t>> counts{{0, 100, 10}, {10, 0, 10}, {10, 10, 0}};
+    Exchange x(counts, rank);
+    if (rank == 1) x = Exchange({{0, 50, 10}, {10, 0, 10}, {10, 10, 0}}, rank);
+    auto op = comm.all_to_all(x.send.data(), x.recv.data(), x.layout, 0);
+    std::string err;
+    try {
+      op->wait(std::chrono::microseconds(-1));
+      return "no error";
+    } catch (const CommError& e) {
+      if (rank == 1 && e.code() != ErrorCode::kSizeMismatch) return std::string("wrong code: ") + e.what();
+    }
+    // The communicator stays broken: the next op fails at once. (Ranks 0 and 2 learn of the
+    // failure as an abort, or as rank 1's exit, whichever they see first.)
+    return expect_comm_error([&] { comm.all_to_all(x.send.data(), x.recv.data(), x.layout, 0); },
+                             rank == 1 ? std::optional<ErrorCode>(ErrorCode::kSizeMismatch) : std::nullopt);
+  });
+  expect_all_ok(outcomes);
+}
+
+TEST(HostTransport, KilledPeerFailsEverySurvivorWithPeerDied) {
+  auto outcomes = run_forked_ranks(4, [](int rank, Bootstrap& bootstrap) -> std::string {
+    Communicator comm(bootstrap, small_config(/*timeout_ms=*/60000));
+    const uint64_t n = 8 << 20;
+    std::vector<std::vector<uint64_t>> counts(4, std::vector<uint64_t>(4, n));
+    Exchange x(counts, rank);
+    auto op = comm.all_to_all(x.send.data(), x.recv.data(), x.layout, 0);
+    if (rank == 3) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(5));
+      raise(SIGKILL);  // mid-transfer
+    }
+    return expect_comm_error([&] { op->wait(std::chrono::microseconds(-1)); }, ErrorCode::kPeerDied);
+  });
+  EXPECT_EQ(outcomes[3].signal, SIGKILL);
+  for (int r = 0; r < 3; ++r) {
+    EXPECT_FALSE(outcomes[r].timed_out);
+    EXPECT_EQ(outcomes[r].exit_code, 0) << "rank " << r << ": " << outcomes[r].message;
+  }
+  EXPECT_TRUE(testing::leftover_segments().empty());
+}
+
+TEST(HostTransport, PeerThatNeverJoinsTimesOut) {
+  auto outcomes = run_forked_ranks(2, [](int rank, Bootstrap& bootstrap) -> std::string {
+    Communicator comm(bootstrap, small_config(/*timeout_ms=*/300));
+    if (rank == 1) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(1500));
+      return "";
+    }
+    Exchange x({{4, 4}, {4, 4}}, rank);
+    auto op = comm.all_to_all(x.send.data(), x.recv.data(), x.layout, 0);
+    return expect_comm_error([&] { op->wait(std::chrono::microseconds(-1)); }, ErrorCode::kTimeout);
+  });
+  expect_all_ok(outcomes);
+}
+
+TEST(HostTransport, InvalidLayoutThrowsBeforeCommunicating) {
+  auto outcomes = run_forked_ranks(2, [](int rank, Bootstrap& bootstrap) -> std::string {
+    Communicator comm(bootstrap, small_config());
+    AllToAllLayout bad = AllToAllLayout::packed({1, 2, 3}, {1, 2, 3});  // three entries, world of two
+    std::vector<uint8_t> buf(6);
+    try {
+      comm.all_to_all(buf.data(), buf.data(), bad, 0);
+      return "accepted a bad layout";
+    } catch (const InvalidArgument&) {
+    }
+    // Nothing was sent: a valid op still works on both ranks.
+    Exchange x({{3, 5}, {2, 7}}, rank);
+    comm.all_to_all(x.send.data(), x.recv.data(), x.layout, 0)->wait(std::chrono::microseconds(-1));
+    return x.check(rank);
+  });
+  expect_all_ok(outcomes);
+}
+
+}  // namespace
+}  // namespace freescale
