@@ -1,0 +1,25 @@
+import os
+
+import pytest
+import torch
+
+
+def _our_segments() -> set[str]:
+    return {n for n in os.listdir("/dev/shm") if n.startswith("freescale-")} if os.path.isdir("/dev/shm") else set()
+
+
+@pytest.fixture(autouse=True)
+def no_shm_leftovers():
+    """Every test leaves /dev/shm as it found it."""
+    before = _our_segments()
+    yield
+    assert _our_segments() - before == set(), "shared-memory segments left in /dev/shm"
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)

@@ -1,0 +1,189 @@
+"""Rank functions run by freescale_comm.testing in spawned processes (must be importable)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+import torch
+import torch.distributed as dist
+
+import freescale_comm as fc
+
+DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.int64, torch.int8, torch.bool, torch.complex64]
+
+
+def _random_splits(gen: torch.Generator, world: int, max_rows: int) -> list[list[int]]:
+    """counts[src][dst]: rows src sends to dst; about a quarter are zero."""
+    counts = torch.randint(0, max_rows + 1, (world, world), generator=gen)
+    counts[torch.rand(world, world, generator=gen) < 0.25] = 0
+    return counts.tolist()
+
+
+def _fill(shape: tuple[int, ...], dtype: torch.dtype, gen: torch.Generator) -> torch.Tensor:
+    if dtype == torch.bool:
+        return torch.rand(shape, generator=gen) > 0.5
+    if dtype.is_floating_point or dtype.is_complex:
+        return torch.randn(shape, generator=gen).to(dtype)
+    return torch.randint(-100, 100, shape, generator=gen).to(dtype)
+
+
+def alltoall_matches_gloo(info, seed: int, cases: int) -> int:
+    """Random uneven splits, several dtypes, 1-D and 3-D, random priorities, async interleaved,
+    non-contiguous inputs: every output equals gloo's. Returns the number of cases checked."""
+    comm = fc.Communicator()
+    world, rank = info.world_size, info.rank
+    shared = torch.Generator().manual_seed(seed)          # same on every rank: splits, shapes
+    local = torch.Generator().manual_seed(seed * 1000 + rank)  # this rank's data
+    pending = []
+    for case in range(cases):
+        counts = _random_splits(shared, world, max_rows=40)
+        in_splits = counts[rank]
+        out_splits = [counts[p][rank] for p in range(world)]
+        dtype = DTYPES[case % len(DTYPES)]
+        trailing = () if case % 2 == 0 else (3, 5)
+        priority = int(torch.randint(-2, 3, (1,), generator=shared))
+        x = _fill((sum(in_splits),) + trailing, dtype, local)
+        if case % 3 == 2 and x.dim() == 3:
+            x = x.transpose(1, 2).contiguous().transpose(1, 2)  # same values, non-contiguous
+        ours = torch.full((sum(out_splits),) + trailing, 7, dtype=torch.float32).to(dtype)
+        ref = torch.empty_like(ours)
+        dist.all_to_all_single(ref, x.contiguous(), out_splits, in_splits)
+        work = comm.all_to_all_single(ours, x, out_splits, in_splits, priority=priority, async_op=case % 2 == 1)
+        pending.append((work, ours, ref, case))
+        if case % 4 == 3:
+            for w, o, r, c in pending:
+                w.wait()
+                assert torch.equal(o, r), f"case {c} ({dtype}) differs from gloo"
+            pending.clear()
+    for w, o, r, c in pending:
+        w.wait()
+        assert torch.equal(o, r), f"case {c} differs from gloo"
+    # None splits = equal, as in dist; and a future resolves to [output].
+    x = torch.arange(world * 6, dtype=torch.float32) + 100 * rank
+    ours, ref = torch.empty_like(x), torch.empty_like(x)
+    dist.all_to_all_single(ref, x)
+    fut = comm.all_to_all_single(ours, x, async_op=True).get_future()
+    assert torch.equal(fut.wait()[0], ref)
+    comm.close()
+    return cases
+
+
+def bad_inputs_raise_before_communicating(info) -> list[str]:
+    """Each bad call raises ValueError/TypeError naming the argument; afterwards a good op still
+    matches, which shows nothing was sent. Returns the messages."""
+    comm = fc.Communicator()
+    world = info.world_size
+    x = torch.arange(8, dtype=torch.float32)
+    out = torch.empty(8)
+    messages = []
+    cases = [
+        (ValueError, "input_split_sizes", dict(output=out, input=x, input_split_sizes=[3, 4])),
+        (ValueError, "output_split_sizes", dict(output=out, input=x, output_split_sizes=[9, -1])),
+        (ValueError, "input_split_sizes", dict(output=out, input=x, input_split_sizes=[8])),
+        (ValueError, "input_split_sizes", dict(output=out, input=x, input_split_sizes=torch.tensor([1, 2, 5]))),
+        (TypeError, "dtype", dict(output=out.to(torch.float64), input=x)),
+        (TypeError, "input", dict(output=out, input=[1.0, 2.0])),
+        (TypeError, "input_split_sizes", dict(output=out, input=x, input_split_sizes=[1.5, 6.5])),
+        (ValueError, "meta", dict(output=out.to("meta"), input=x.to("meta"))),
+        (ValueError, "device", dict(output=out.to("meta"), input=x)),
+        (ValueError, "output", dict(output=torch.empty(8, 2).t(), input=torch.empty(2, 8))),
+        (ValueError, "world size", dict(output=torch.empty(7), input=torch.empty(7))),
+        (ValueError, "rows hold", dict(output=torch.empty(8, 3), input=torch.empty(8, 2))),
+        (TypeError, "priority", dict(output=out, input=x, priority="high")),
+    ]
+    assert world == 2
+    for exc, needle, kwargs in cases:
+        try:
+            comm.all_to_all_single(**kwargs)
+        except exc as e:
+            assert needle in str(e), f"{exc.__name__} does not name {needle!r}: {e}"
+            messages.append(str(e))
+        else:
+            raise AssertionError(f"no {exc.__name__} for {kwargs}")
+    ref = torch.empty(8)
+    dist.all_to_all_single(ref, x + info.rank)
+    comm.all_to_all_single(out, x + info.rank)
+    assert torch.equal(out, ref)
+    comm.close()
+    return messages
+
+
+def disagreeing_splits(info) -> str:
+    """Rank 1 expects fewer rows from rank 0 than rank 0 sends: CommError on every rank."""
+    comm = fc.Communicator()
+    world, rank = info.world_size, info.rank
+    in_splits = [2] * world
+    out_splits = [2] * world
+    if rank == 1:
+        out_splits = [1] + [2] * (world - 1)
+    x = torch.ones(sum(in_splits))
+    out = torch.empty(sum(out_splits))
+    try:
+        comm.all_to_all_single(out, x, out_splits, in_splits)
+    except fc.CommError as e:
+        return e.code
+    return "no error"
+
+
+def killed_mid_op(info, victim: int) -> str:
+    """The victim SIGKILLs itself during a large all_to_all_single; survivors report the error."""
+    comm = fc.Communicator()
+    world = info.world_size
+    x = torch.ones(world * (4 << 20) // 4)  # 4 MiB per peer
+    out = torch.empty_like(x)
+    work = comm.all_to_all_single(out, x, async_op=True)
+    if info.rank == victim:
+        time.sleep(0.005)
+        os.kill(os.getpid(), signal.SIGKILL)
+    start = time.monotonic()
+    try:
+        work.wait()
+    except fc.CommError as e:
+        return f"{e.code} after {time.monotonic() - start:.2f}s"
+    return "no error"
+
+
+def peer_never_joins(info) -> str:
+    """Rank 1 never issues the op: rank 0 times out with CommError (FREESCALE_TIMEOUT_S)."""
+    comm = fc.Communicator()
+    if info.rank == 1:
+        time.sleep(3.0)
+        return "slept"
+    x = torch.ones(4)
+    try:
+        comm.all_to_all_single(torch.empty(4), x)
+    except fc.CommError as e:
+        assert "Timed out" in str(e)
+        return e.code
+    return "no error"
+
+
+def wait_releases_the_gil(info) -> int:
+    """While rank 0 blocks in a sync all_to_all_single (rank 1 joins 1 s late), a Python thread
+    keeps running: returns how often it ran."""
+    comm = fc.Communicator()
+    x = torch.ones(4)
+    if info.rank == 1:
+        time.sleep(1.0)
+        comm.all_to_all_single(torch.empty(4), x)
+        return 0
+    ticks = 0
+    stop = threading.Event()
+
+    def spin() -> None:
+        nonlocal ticks
+        while not stop.is_set():
+            ticks += 1
+            time.sleep(0.001)
+
+    t = threading.Thread(target=spin)
+    t.start()
+    time.sleep(0.05)
+    before = ticks
+    comm.all_to_all_single(torch.empty(4), x)
+    stop.set()
+    t.join()
+    return ticks - before

@@ -1,0 +1,23 @@
+"""all_to_all_single on CPU tensors against gloo, across 2, 3 and 4 ranks."""
+
+import pytest
+
+from freescale_comm.testing import spawn
+from rank_programs import alltoall_matches_gloo, bad_inputs_raise_before_communicating, wait_releases_the_gil
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_random_uneven_splits_match_gloo(world):
+    checked = spawn(alltoall_matches_gloo, world, 1000 + world, 21)
+    assert checked == [21] * world
+
+
+def test_bad_input_raises_before_any_communication():
+    messages = spawn(bad_inputs_raise_before_communicating, 2)
+    assert len(messages[0]) == 13
+
+
+def test_blocking_wait_releases_the_gil():
+    ticks = spawn(wait_releases_the_gil, 2)
+    # Rank 0 blocked ~1 s; a thread sleeping 1 ms per tick must have run well over 100 times.
+    assert ticks[0] > 100

@@ -1,0 +1,33 @@
+"""Collective failures: CommError on every surviving rank, never a hang, nothing left behind."""
+
+import signal
+
+import pytest
+
+from freescale_comm.testing import run_ranks
+from rank_programs import disagreeing_splits, killed_mid_op, peer_never_joins
+
+
+@pytest.mark.timeout(120)
+def test_disagreeing_splits_raise_commerror_on_every_rank():
+    results = run_ranks(disagreeing_splits, 3, timeout_s=60, env={"FREESCALE_TIMEOUT_S": "30"})
+    assert all(r.error is None for r in results), [r.error for r in results]
+    codes = [r.value for r in results]
+    assert codes[1] == "SIZE_MISMATCH"
+    assert all(c in {"SIZE_MISMATCH", "PEER_ABORTED", "PEER_DIED", "COMM_ERROR"} for c in codes), codes
+
+
+@pytest.mark.timeout(120)
+def test_sigkill_of_one_rank_fails_the_three_survivors():
+    results = run_ranks(killed_mid_op, 4, 3, timeout_s=60, env={"FREESCALE_TIMEOUT_S": "20"})
+    assert results[3].exitcode == -signal.SIGKILL
+    for r in results[:3]:
+        assert r.error is None, r.error
+        assert r.value.split()[0] in {"PEER_DIED", "PEER_ABORTED"}, r.value
+
+
+@pytest.mark.timeout(120)
+def test_peer_that_never_joins_times_out():
+    results = run_ranks(peer_never_joins, 2, timeout_s=60, env={"FREESCALE_TIMEOUT_S": "1"})
+    assert results[0].error is None, results[0].error
+    assert results[0].value == "TIMEOUT"

@@ -1,0 +1,205 @@
+"""Communicator: the direct face. Turns tensors into plain views (pointer, bytes) and hands them
+to the compiled core, which moves them on its own transports (never through the group)."""
+
+from __future__ import annotations
+
+import atexit
+import datetime
+import logging
+import operator
+import threading
+import weakref
+from collections.abc import Sequence
+from typing import Optional, Union
+
+import torch
+import torch.distributed as dist
+
+from freescale_comm import _core
+from freescale_comm._bootstrap import GroupBootstrap
+from freescale_comm.work import Work
+
+logger = logging.getLogger("freescale_comm")
+
+SplitSizes = Optional[Union[Sequence[int], torch.Tensor]]
+
+_live: "weakref.WeakSet[Communicator]" = weakref.WeakSet()
+_live_lock = threading.Lock()
+
+
+@atexit.register
+def _close_all() -> None:
+    # Progress threads must stop before the interpreter does (they may run Python callbacks).
+    with _live_lock:
+        communicators = list(_live)
+    for comm in communicators:
+        comm.close()
+
+
+def _group_timeout(group: dist.ProcessGroup) -> datetime.timedelta:
+    """The group's own timeout (torch's default when the backend does not expose one)."""
+    for device in (torch.device("cpu"), torch.device("cuda")):
+        try:
+            return group._get_backend(device).options._timeout
+        except Exception:  # noqa: BLE001 - backends differ in what they expose
+            continue
+    return dist.default_pg_timeout
+
+
+def _check_tensor(t: object, name: str) -> torch.Tensor:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.is_sparse or t.layout != torch.strided:
+        raise ValueError(f"{name} must be a dense (strided) tensor, got layout {t.layout}")
+    if t.dim() == 0:
+        raise ValueError(f"{name} must have at least one dimension (splits run along dim 0); reshape it with .view(1)")
+    return t
+
+
+def _split_sizes(splits: SplitSizes, dim0: int, world: int, name: str, tensor_name: str) -> list[int]:
+    """Validated per-rank row counts; None or [] splits dim 0 equally (as dist does)."""
+    if isinstance(splits, torch.Tensor):
+        splits = splits.tolist()
+    if splits is None or len(splits) == 0:
+        if dim0 % world != 0:
+            raise ValueError(
+                f"{name}=None splits {tensor_name} equally, but its dim 0 ({dim0}) is not divisible by the "
+                f"world size ({world}); pass {name} explicitly"
+            )
+        return [dim0 // world] * world
+    try:
+        sizes = [operator.index(s) for s in splits]
+    except TypeError:
+        raise TypeError(f"{name} must be a sequence of ints, got {splits!r}") from None
+    if len(sizes) != world:
+        raise ValueError(f"{name} has {len(sizes)} entries; it needs one per rank (world size {world})")
+    negative = [s for s in sizes if s < 0]
+    if negative:
+        raise ValueError(f"{name} has negative entries {negative}; every split must be >= 0")
+    if sum(sizes) != dim0:
+        raise ValueError(
+            f"{name} sums to {sum(sizes)}, but {tensor_name} has {dim0} rows along dim 0; make them equal"
+        )
+    return sizes
+
+
+class Communicator:
+    """Moves tensors between the ranks of `group` (default: WORLD) on freescale's own transports.
+
+    Construction is collective over `group` (it bootstraps through the group's object
+    collectives); afterwards data never moves through the group. Ops are matched across ranks by
+    program order; `priority` (larger = sooner) only reorders their execution.
+    """
+
+    def __init__(self, group: Optional[dist.ProcessGroup] = None) -> None:
+        if not dist.is_initialized():
+            raise RuntimeError(
+                "freescale_comm.Communicator needs torch.distributed: call dist.init_process_group(...) first"
+            )
+        self._group = group if group is not None else dist.group.WORLD
+        if dist.get_rank(self._group) < 0:
+            raise ValueError("this process is not a member of `group`; build the Communicator on its members only")
+        config = _core.Config.from_env()  # ValueError naming a malformed FREESCALE_* variable
+        if config.timeout_ms == 0:
+            config.timeout_ms = max(1, int(_group_timeout(self._group).total_seconds() * 1000))
+        self._core = _core.Communicator(GroupBootstrap(self._group), config)
+        self._inflight: list[Work] = []  # async ops whose tensors must outlive the caller's refs
+        with _live_lock:
+            _live.add(self)
+
+    @property
+    def rank(self) -> int:
+        return self._core.rank
+
+    @property
+    def world_size(self) -> int:
+        return self._core.size
+
+    @property
+    def transport(self) -> str:
+        """The transport moving this communicator's bytes ("host", ...)."""
+        return self._core.transport
+
+    @property
+    def group(self) -> dist.ProcessGroup:
+        return self._group
+
+    def all_to_all_single(
+        self,
+        output: torch.Tensor,
+        input: torch.Tensor,
+        output_split_sizes: SplitSizes = None,
+        input_split_sizes: SplitSizes = None,
+        *,
+        priority: int = 0,
+        async_op: bool = False,
+    ) -> Work:
+        """Same semantics as ``dist.all_to_all_single``: rows of `input` (dim 0), cut by
+        `input_split_sizes` (None = equal), go to ranks in order; rows from rank p land in
+        `output` at the offset given by `output_split_sizes`. Any dtype and trailing shape;
+        `input` may be non-contiguous, `output` must be contiguous. Returns a Work, already
+        completed unless `async_op`. Bad arguments raise ValueError/TypeError before any
+        communication; failures between ranks raise CommError on every rank."""
+        _check_tensor(output, "output")
+        _check_tensor(input, "input")
+        if output.dtype != input.dtype:
+            raise TypeError(
+                f"output dtype {output.dtype} differs from input dtype {input.dtype}; "
+                "all_to_all_single moves elements, so pass tensors of one dtype"
+            )
+        if output.device != input.device:
+            raise ValueError(f"output is on {output.device} but input is on {input.device}; put both on one device")
+        if input.device.type != "cpu":
+            raise ValueError(
+                f"input and output are on {input.device}: this build moves CPU tensors only "
+                f"(transports: {_core.build_info()['transports']}); use .cpu() or an NCCL group"
+            )
+        if isinstance(priority, bool) or not isinstance(priority, int):
+            raise TypeError(f"priority must be an int (larger = sooner), got {priority!r}")
+        if not -(2**31) <= priority < 2**31:
+            raise ValueError(f"priority must fit in 32 bits, got {priority}")
+        if not output.is_contiguous():
+            raise ValueError("output must be contiguous: receive into a contiguous tensor and copy it where needed")
+        row_elems_in = input[0].numel() if input.shape[0] > 0 else _trailing_numel(input)
+        row_elems_out = output[0].numel() if output.shape[0] > 0 else _trailing_numel(output)
+        if row_elems_in != row_elems_out:
+            raise ValueError(
+                f"input rows hold {row_elems_in} elements (shape {tuple(input.shape)}) but output rows hold "
+                f"{row_elems_out} (shape {tuple(output.shape)}); the shapes beyond dim 0 must match"
+            )
+        world = self.world_size
+        in_splits = _split_sizes(input_split_sizes, input.shape[0], world, "input_split_sizes", "input")
+        out_splits = _split_sizes(output_split_sizes, output.shape[0], world, "output_split_sizes", "output")
+        source = input if input.is_contiguous() else input.contiguous()
+        row_bytes = row_elems_in * input.element_size()
+        layout = _core.AllToAllLayout.packed([s * row_bytes for s in in_splits], [s * row_bytes for s in out_splits])
+        handle = self._core.all_to_all(source.data_ptr(), output.data_ptr(), layout, priority)
+        work = Work(handle, [output], keepalive=(source, output))
+        if async_op:
+            self._inflight = [w for w in self._inflight if not w.is_completed()]
+            self._inflight.append(work)
+        else:
+            work.wait()
+        return work
+
+    def close(self) -> None:
+        """Stops the progress thread; pending ops fail with CommError. Idempotent."""
+        self._core.close()
+        self._inflight.clear()
+
+    @property
+    def closed(self) -> bool:
+        return self._core.closed
+
+    def __enter__(self) -> "Communicator":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _trailing_numel(t: torch.Tensor) -> int:
+    n = 1
+    for d in t.shape[1:]:
+        n *= d
+    return n

@@ -1,0 +1,136 @@
+"""A small public launcher for multi-rank programs and tests: spawns N ranks on a free port,
+each with a gloo default group, and collects what each returned (or how it died)."""
+
+from __future__ import annotations
+
+import datetime
+import multiprocessing as mp
+import os
+import queue
+import socket
+import time
+import traceback
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+
+@dataclass(frozen=True)
+class RankInfo:
+    rank: int
+    world_size: int
+    master_addr: str
+    master_port: int
+
+
+@dataclass
+class RankResult:
+    rank: int
+    value: Any = None             # what the rank function returned
+    error: Optional[str] = None   # the traceback if it raised
+    exitcode: Optional[int] = None  # process exit code (negative: killed by that signal)
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None and self.exitcode == 0
+
+
+class RankFailure(RuntimeError):
+    """One or more ranks raised, crashed or hung; the message holds their tracebacks."""
+
+    def __init__(self, results: list[RankResult]) -> None:
+        self.results = results
+        lines = []
+        for r in results:
+            if not r.ok:
+                lines.append(f"--- rank {r.rank} (exit code {r.exitcode}) ---\n{r.error or 'no traceback (killed or hung)'}")
+        super().__init__("ranks failed:\n" + "\n".join(lines))
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _rank_main(fn: Callable[..., Any], info: RankInfo, args: tuple, env: dict, backend: Optional[str],
+               timeout_s: float, results: "mp.Queue") -> None:
+    os.environ.update(env)
+    os.environ.update(MASTER_ADDR=info.master_addr, MASTER_PORT=str(info.master_port),
+                      RANK=str(info.rank), WORLD_SIZE=str(info.world_size),
+                      LOCAL_RANK=str(info.rank), LOCAL_WORLD_SIZE=str(info.world_size))
+    import torch.distributed as dist
+
+    try:
+        if backend is not None:
+            dist.init_process_group(backend, init_method=f"tcp://{info.master_addr}:{info.master_port}",
+                                    rank=info.rank, world_size=info.world_size,
+                                    timeout=datetime.timedelta(seconds=timeout_s))
+        value = fn(info, *args)
+        results.put((info.rank, value, None))
+    except BaseException:  # noqa: BLE001 - reported to the parent
+        results.put((info.rank, None, traceback.format_exc()))
+    finally:
+        if backend is not None and dist.is_initialized():
+            try:
+                dist.destroy_process_group()
+            except Exception:  # noqa: BLE001 - a failed rank may leave the group broken
+                pass
+
+
+def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, backend: Optional[str] = "gloo",
+              timeout_s: float = 120.0, env: Optional[dict[str, str]] = None) -> list[RankResult]:
+    """Runs ``fn(RankInfo, *args)`` in `world_size` spawned processes (each with a `backend`
+    default group unless backend is None) and returns one RankResult per rank. `fn` and its
+    return value must be picklable. Ranks still alive after `timeout_s` are killed."""
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    ctx = mp.get_context("spawn")
+    results_q: "mp.Queue" = ctx.Queue()
+    port = free_port()
+    procs = []
+    for rank in range(world_size):
+        info = RankInfo(rank, world_size, "127.0.0.1", port)
+        p = ctx.Process(target=_rank_main, args=(fn, info, args, dict(env or {}), backend, timeout_s, results_q),
+                        name=f"freescale-rank{rank}", daemon=True)
+        p.start()
+        procs.append(p)
+    results = [RankResult(rank) for rank in range(world_size)]
+    deadline = time.monotonic() + timeout_s
+    pending = set(range(world_size))
+    while pending and time.monotonic() < deadline:
+        try:
+            rank, value, error = results_q.get(timeout=0.1)
+            results[rank].value, results[rank].error = value, error
+            pending.discard(rank)
+        except queue.Empty:
+            pass
+        for rank in list(pending):
+            if not procs[rank].is_alive() and procs[rank].exitcode is not None:
+                # Died without reporting (killed); give a last chance to a result in flight.
+                try:
+                    r, value, error = results_q.get(timeout=0.2)
+                    results[r].value, results[r].error = value, error
+                    pending.discard(r)
+                except queue.Empty:
+                    pass
+                if rank in pending:
+                    results[rank].error = None
+                    pending.discard(rank)
+    for rank, p in enumerate(procs):
+        p.join(timeout=max(0.0, deadline - time.monotonic()) + 5.0)
+        if p.is_alive():
+            p.kill()
+            p.join()
+            if results[rank].error is None:
+                results[rank].error = f"rank {rank} still running after {timeout_s} s: killed"
+        results[rank].exitcode = p.exitcode
+    return results
+
+
+def spawn(fn: Callable[..., Any], world_size: int, *args: Any, **kwargs: Any) -> list[Any]:
+    """Like run_ranks, but raises RankFailure unless every rank returned; returns their values."""
+    results = run_ranks(fn, world_size, *args, **kwargs)
+    if not all(r.ok for r in results):
+        raise RankFailure(results)
+    return [r.value for r in results]

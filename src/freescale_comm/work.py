@@ -1,0 +1,89 @@
+"""Work: the handle of one submitted collective (wait / is_completed / get_future)."""
+
+from __future__ import annotations
+
+import datetime
+import threading
+from typing import Any, Optional, Union
+
+import torch
+
+from freescale_comm import _core
+
+Timeout = Union[None, float, int, datetime.timedelta]
+
+
+def _timeout_seconds(timeout: Timeout) -> Optional[float]:
+    if timeout is None:
+        return None
+    if isinstance(timeout, datetime.timedelta):
+        timeout = timeout.total_seconds()
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout < 0:
+        raise ValueError(f"timeout must be None, a non-negative number of seconds or a timedelta, got {timeout!r}")
+    return float(timeout)
+
+
+class Work:
+    """Returned by every collective. Keeps the tensors it reads and writes alive until done."""
+
+    def __init__(self, handle: _core.Work, result: list[torch.Tensor], keepalive: tuple[Any, ...]) -> None:
+        self._handle = handle
+        self._result = result
+        self._keepalive: Optional[tuple[Any, ...]] = keepalive
+        self._future: Optional[torch.futures.Future] = None
+        self._lock = threading.Lock()
+
+    @property
+    def seq(self) -> int:
+        """The op's sequence number in its communicator (program order)."""
+        return self._handle.seq
+
+    def wait(self, timeout: Timeout = None) -> bool:
+        """Blocks (GIL released) until the op completed on this rank and every peer received its
+        part. Raises CommError if the op failed, or if `timeout` (seconds or timedelta) passed
+        first (the op itself goes on). Returns True."""
+        if not self._handle.wait(_timeout_seconds(timeout)):
+            err = _core.CommError(f"all_to_all op #{self.seq} did not complete within {timeout} (the op is still pending)")
+            err.code = "TIMEOUT"
+            raise err
+        self._keepalive = None
+        return True
+
+    def is_completed(self) -> bool:
+        """True once the op finished, successfully or not (like torch's Work)."""
+        return self._handle.is_completed()
+
+    def is_success(self) -> bool:
+        return self._handle.is_completed() and not self._handle.failed()
+
+    def exception(self) -> Optional[BaseException]:
+        """The op's error once it failed, else None."""
+        if not self._handle.failed():
+            return None
+        try:
+            self._handle.rethrow_if_failed()
+        except Exception as e:  # noqa: BLE001 - we hand the error back, not raise it
+            return e
+        return None
+
+    def result(self) -> list[torch.Tensor]:
+        """The output tensors (valid once completed)."""
+        return self._result
+
+    def get_future(self) -> torch.futures.Future:
+        """A torch Future completed with [output] (or the CommError) when the op finishes. Its
+        callbacks run on the communicator's progress thread."""
+        with self._lock:
+            if self._future is None:
+                future: torch.futures.Future = torch.futures.Future()
+                self._future = future
+
+                def on_done() -> None:
+                    error = self.exception()
+                    if error is not None:
+                        future.set_exception(error)
+                    else:
+                        future.set_result(self._result)
+
+                self._handle.add_done_callback(on_done)
+            return self._future
