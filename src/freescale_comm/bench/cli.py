@@ -1,0 +1,54 @@
+"""The freescale-bench command."""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import sys
+from typing import Optional, Sequence
+
+
+def _size(text: str) -> int:
+    units = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30}
+    t = text.strip().lower().rstrip("ib")
+    scale = units.get(t[-1:], 1)
+    number = t[:-1] if t[-1:] in units else t
+    try:
+        return int(float(number) * scale)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (examples: 4K, 1M, 65536)") from None
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="freescale-bench", description="Benchmarks of freescale_comm.")
+    sub = p.add_subparsers(dest="bench", required=True)
+    a = sub.add_parser("alltoall", help="all_to_all_single on CPU: host transport vs gloo vs the memcpy limit")
+    a.add_argument("--ranks", type=int, default=4, help="processes on this host (default 4)")
+    a.add_argument("--sizes", type=_size, nargs="+", help="bytes per rank (default 4K ... 64M)")
+    a.add_argument("--iters", type=int, default=None, help="timed iterations per case (default: by size)")
+    a.add_argument("--warmup", type=int, default=3, help="untimed iterations per case")
+    a.add_argument("--json", metavar="PATH", help="also write the rows as JSON")
+    a.add_argument("--no-progress", action="store_true", help="no progress bar")
+    return p
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    args = _parser().parse_args(argv)
+    if args.bench == "alltoall":
+        from freescale_comm.bench import alltoall
+        from freescale_comm.bench.report import bandwidth_table, write_json
+
+        if args.ranks < 2:
+            print("freescale-bench: --ranks must be at least 2", file=sys.stderr)
+            return 2
+        sizes = args.sizes or alltoall.DEFAULT_SIZES
+        rows = alltoall.run(args.ranks, sizes, args.warmup, args.iters, not args.no_progress)
+        print(bandwidth_table(rows, f"alltoall, {args.ranks} ranks, CPU tensors, {platform.node()}"))
+        print("\n".join(alltoall.goal_summary(rows)))
+        if args.json:
+            write_json(args.json, "alltoall", rows, ranks=args.ranks)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,45 @@
+"""Printing and saving benchmark rows: fixed nccl-tests-like columns, JSON as design.md §6."""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Sequence
+from typing import Any, Optional
+
+
+def mean_std(samples: Sequence[float]) -> tuple[float, float]:
+    n = len(samples)
+    if n == 0:
+        return math.nan, math.nan
+    mean = sum(samples) / n
+    var = sum((s - mean) ** 2 for s in samples) / (n - 1) if n > 1 else 0.0
+    return mean, math.sqrt(var)
+
+
+def human_bytes(n: int) -> str:
+    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= scale and n % scale == 0:
+            return f"{n // scale} {unit}"
+    return f"{n} B"
+
+
+def bandwidth_table(rows: Sequence[dict[str, Any]], title: str) -> str:
+    """Columns: size, impl, time ± σ, algbw, busbw, #wrong."""
+    header = f"{'size':>10}  {'impl':<10} {'time_us':>10} {'± σ':>9}  {'algbw GB/s':>10} {'busbw GB/s':>10} {'#wrong':>7}"
+    lines = [f"# {title}", header, "-" * len(header)]
+    last_size: Optional[int] = None
+    for r in rows:
+        size = human_bytes(r["size_bytes"]) if r["size_bytes"] != last_size else ""
+        last_size = r["size_bytes"]
+        lines.append(
+            f"{size:>10}  {r['impl']:<10} {r['time_us']:>10.1f} {r['time_std_us']:>9.1f}  "
+            f"{r['algbw_gbps']:>10.3f} {r['busbw_gbps']:>10.3f} {r['wrong']:>7d}"
+        )
+    return "\n".join(lines)
+
+
+def write_json(path: str, bench: str, rows: Sequence[dict[str, Any]], **meta: Any) -> None:
+    with open(path, "w") as f:
+        json.dump({"bench": bench, **meta, "rows": list(rows)}, f, indent=2)
+        f.write("\n")
