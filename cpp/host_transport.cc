@@ -119,12 +119,19 @@ void HostTransport::post(const std::shared_ptr<OpState>& op) {
 
 bool HostTransport::can_send(const Transfer& t) const {
   if (t.peer == rank_) return true;
-  const Peer& dst = peers_[t.peer];
-  if (dst.control()->posted_ops.load(std::memory_order_acquire) <= t.op->seq) return false;
   const Peer& self = peers_[rank_];
   RingControl* ring = self.layout.ring(self.segment.data(), t.peer);
   uint64_t head = ring->head.load(std::memory_order_relaxed);  // we are its only writer
-  return head - ring->tail.load(std::memory_order_acquire) < self.layout.slots_per_ring;
+  if (head - ring->tail.load(std::memory_order_acquire) >= self.layout.slots_per_ring) return false;
+  if (peers_[t.peer].control()->posted_ops.load(std::memory_order_acquire) > t.op->seq) return true;
+  // The peer has not posted this op yet. Sending anyway saves a round trip, and is safe when
+  // every earlier op's bytes for that peer are out: then the ring's first unposted chunk belongs
+  // to the lowest op the peer has yet to post, which its program order posts next.
+  for (const auto& [seq, op] : posted_) {
+    if (seq >= t.op->seq) break;
+    if (!op->send_finished[t.peer]) return false;
+  }
+  return true;
 }
 
 void HostTransport::send_chunk(const Transfer& t, const Chunk& c) {
@@ -199,14 +206,16 @@ bool HostTransport::drain_from(int src) {
   RingControl* ring = peer.layout.ring(peer.segment.data(), rank_);
   uint64_t tail = ring->tail.load(std::memory_order_relaxed);  // we are its only writer
   uint64_t head = ring->head.load(std::memory_order_acquire);
-  if (tail == head) return false;
+  uint64_t posted = peers_[rank_].control()->posted_ops.load(std::memory_order_relaxed);
+  uint64_t first = tail;
   for (; tail < head; ++tail) {
     SlotHeader* slot = peer.layout.slot(peer.segment.data(), rank_, tail);
+    if (slot->seq >= posted) break;  // sent ahead of our post: it waits for our program order
     deliver(src, *slot, HostSegmentLayout::payload(slot));
     ring->tail.store(tail + 1, std::memory_order_release);
     ring_peer(src);  // room for the sender
   }
-  return true;
+  return tail != first;
 }
 
 void HostTransport::forget_completed() {

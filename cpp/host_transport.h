@@ -1,7 +1,9 @@
 // Host transport: CPU buffers, ranks on one host. Each rank owns one shared segment holding a
 // bounded ring of chunk slots towards every peer (two copies: sender -> slot -> receiver), with
 // flow control through monotone head/tail counters and futex doorbells. A sender writes op `seq`
-// to a peer only once that peer has posted `seq`, so every slot can always be drained.
+// to a peer once that peer has posted `seq`, or before, if all its earlier ops' bytes for that
+// peer are out: a ring then holds posted ops, followed by ops in the order the peer posts next,
+// so it always drains.
 #pragma once
 
 #include <chrono>

@@ -112,15 +112,14 @@ TEST(HostTransport, LaterHighPriorityOpCompletesBeforeA64MiBTransferInProgress) 
     config.arena_bytes = 1 << 20;
     Communicator comm(bootstrap, config);
     const uint64_t big = 64ull << 20, small = 64 * 1024;
-    int peer = 1 - rank;
     std::vector<std::vector<uint64_t>> big_counts{{0, big}, {big, 0}}, small_counts{{0, small}, {small, 0}};
     Exchange a(big_counts, rank), b(small_counts, rank);
     std::atomic<int> finished{0};
     int a_rank = -1, b_rank = -1;
     auto op_a = comm.all_to_all(a.send.data(), a.recv.data(), a.layout, 0);
     op_a->add_done_callback([&] { a_rank = finished++; });
-    // Let the big one get going, then submit the urgent one.
-    while (op_a->is_completed() == false && a.recv[a.layout.recv_offsets[peer]] == 0xEE) std::this_thread::yield();
+    // The big one is admitted and moving; the urgent one follows at once (64 MiB through a
+    // 1 MiB arena takes tens of milliseconds, so it is still in progress).
     auto op_b = comm.all_to_all(b.send.data(), b.recv.data(), b.layout, 10);
     op_b->add_done_callback([&] { b_rank = finished++; });
     op_a->wait(std::chrono::microseconds(-1));
@@ -129,6 +128,30 @@ TEST(HostTransport, LaterHighPriorityOpCompletesBeforeA64MiBTransferInProgress) 
     if (auto e = a.check(rank); !e.empty()) return e;
     return b.check(rank);
   });
+  expect_all_ok(outcomes);
+}
+
+TEST(HostTransport, UrgentLaterOpDoesNotDeadlockARankStillWaitingOnAnEarlierOne) {
+  // Rank 0 queues A (priority 0) and B (priority 10) at once; rank 1 issues B only after A
+  // completed. B's bytes must not clog the tiny rings that A's bytes need.
+  auto outcomes = run_forked_ranks(2, [](int rank, Bootstrap& bootstrap) -> std::string {
+    Config config = small_config();
+    config.arena_bytes = 2 * config.chunk_bytes;  // two slots per ring
+    Communicator comm(bootstrap, config);
+    const uint64_t n = 4 << 20;
+    std::vector<std::vector<uint64_t>> counts{{n, n}, {n, n}};
+    Exchange a(counts, rank), b(counts, rank);
+    auto op_a = comm.all_to_all(a.send.data(), a.recv.data(), a.layout, 0);
+    if (rank == 1) {
+      op_a->wait(std::chrono::microseconds(-1));
+      std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    }
+    auto op_b = comm.all_to_all(b.send.data(), b.recv.data(), b.layout, 10);
+    op_a->wait(std::chrono::microseconds(-1));
+    op_b->wait(std::chrono::microseconds(-1));
+    if (auto e = a.check(rank); !e.empty()) return e;
+    return b.check(rank);
+  }, std::chrono::seconds(30));
   expect_all_ok(outcomes);
 }
 

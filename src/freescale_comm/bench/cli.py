@@ -26,7 +26,7 @@ def _parser() -> argparse.ArgumentParser:
     a.add_argument("--ranks", type=int, default=4, help="processes on this host (default 4)")
     a.add_argument("--sizes", type=_size, nargs="+", help="bytes per rank (default 4K ... 64M)")
     a.add_argument("--iters", type=int, default=None, help="timed iterations per case (default: by size)")
-    a.add_argument("--warmup", type=int, default=3, help="untimed iterations per case")
+    a.add_argument("--warmup", type=int, default=10, help="untimed iterations per case")
     a.add_argument("--json", metavar="PATH", help="also write the rows as JSON")
     a.add_argument("--no-progress", action="store_true", help="no progress bar")
     return p
