@@ -98,25 +98,24 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, backend: Opti
     results = [RankResult(rank) for rank in range(world_size)]
     deadline = time.monotonic() + timeout_s
     pending = set(range(world_size))
-    while pending and time.monotonic() < deadline:
+
+    def take_one(wait_s: float) -> bool:
+        """Records one reported result, if one arrives within wait_s."""
         try:
-            rank, value, error = results_q.get(timeout=0.1)
-            results[rank].value, results[rank].error = value, error
-            pending.discard(rank)
+            rank, value, error = results_q.get(timeout=wait_s)
         except queue.Empty:
-            pass
+            return False
+        results[rank].value, results[rank].error = value, error
+        pending.discard(rank)
+        return True
+
+    while pending and time.monotonic() < deadline:
+        take_one(0.1)
         for rank in list(pending):
             if not procs[rank].is_alive() and procs[rank].exitcode is not None:
-                # Died without reporting (killed); give a last chance to a result in flight.
-                try:
-                    r, value, error = results_q.get(timeout=0.2)
-                    results[r].value, results[r].error = value, error
-                    pending.discard(r)
-                except queue.Empty:
+                while rank in pending and take_one(0.2):  # results still in flight
                     pass
-                if rank in pending:
-                    results[rank].error = None
-                    pending.discard(rank)
+                pending.discard(rank)  # otherwise it died without reporting (killed)
     for rank, p in enumerate(procs):
         p.join(timeout=max(0.0, deadline - time.monotonic()) + 5.0)
         if p.is_alive():
