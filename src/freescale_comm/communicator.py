@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import atexit
 import datetime
-import logging
+import math
 import operator
 import threading
 import weakref
@@ -18,8 +18,6 @@ import torch.distributed as dist
 from freescale_comm import _core
 from freescale_comm._bootstrap import GroupBootstrap
 from freescale_comm.work import Work
-
-logger = logging.getLogger("freescale_comm")
 
 SplitSizes = Optional[Union[Sequence[int], torch.Tensor]]
 
@@ -160,8 +158,8 @@ class Communicator:
             raise ValueError(f"priority must fit in 32 bits, got {priority}")
         if not output.is_contiguous():
             raise ValueError("output must be contiguous: receive into a contiguous tensor and copy it where needed")
-        row_elems_in = input[0].numel() if input.shape[0] > 0 else _trailing_numel(input)
-        row_elems_out = output[0].numel() if output.shape[0] > 0 else _trailing_numel(output)
+        row_elems_in = math.prod(input.shape[1:])  # elements per dim-0 row (also for 0 rows)
+        row_elems_out = math.prod(output.shape[1:])
         if row_elems_in != row_elems_out:
             raise ValueError(
                 f"input rows hold {row_elems_in} elements (shape {tuple(input.shape)}) but output rows hold "
@@ -197,9 +195,3 @@ class Communicator:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-
-def _trailing_numel(t: torch.Tensor) -> int:
-    n = 1
-    for d in t.shape[1:]:
-        n *= d
-    return n
