@@ -12,7 +12,6 @@ namespace {
 constexpr std::chrono::milliseconds kHealthPeriod{10};  // peer / deadline checks while busy
 constexpr std::chrono::milliseconds kIdleSleep{200};    // sleep with nothing pending (woken on submit)
 constexpr int kChunksPerRound = 8;                      // sends between two receive drains
-constexpr std::chrono::microseconds kYieldSpin{50};     // yield-spin before sleeping while busy
 constexpr uint64_t kDefaultTimeoutMs = 30ull * 60 * 1000;
 
 std::unique_ptr<Transport> make_transport(Bootstrap& bootstrap, const Config& config) {
@@ -202,13 +201,6 @@ void Communicator::progress_loop() {
       if ((!active_.empty() || !waiting_.empty()) && (!moved || now >= next_health)) {
         check_health(now);
         next_health = now + kHealthPeriod;
-      }
-      if (!moved && !active_.empty()) {
-        // Peers usually answer within microseconds: yield the core for a moment before paying
-        // for a futex sleep and wake-up (yielding, not spinning: ranks may outnumber cores).
-        auto spin_until = Clock::now() + kYieldSpin;
-        while (transport_->activity_epoch() == epoch && Clock::now() < spin_until) std::this_thread::yield();
-        if (transport_->activity_epoch() != epoch) continue;
       }
       if (!moved) {
         transport_->wait_for_activity(epoch, active_.empty() ? std::chrono::microseconds(kIdleSleep)
