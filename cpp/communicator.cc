@@ -10,7 +10,7 @@ namespace freescale {
 namespace {
 
 constexpr std::chrono::milliseconds kHealthPeriod{10};  // peer / deadline checks while busy
-constexpr std::chrono::milliseconds kIdleSleep{200};    // sleep with nothing pending (woken on submit)
+constexpr std::chrono::microseconds kDriverRetry{200};  // a waiter re-tries to drive this often
 constexpr int kChunksPerRound = 8;                      // sends between two receive drains
 constexpr uint64_t kDefaultTimeoutMs = 30ull * 60 * 1000;
 
@@ -48,7 +48,7 @@ Communicator::~Communicator() {
 }
 
 std::shared_ptr<OpState> Communicator::all_to_all(const uint8_t* send, uint8_t* recv, AllToAllLayout layout,
-                                                  int priority) {
+                                                  int priority, bool caller_waits) {
   validate_alltoallv(layout, world_);
   std::shared_ptr<OpState> op;
   {
@@ -59,9 +59,12 @@ std::shared_ptr<OpState> Communicator::all_to_all(const uint8_t* send, uint8_t* 
     }
     auto deadline = Clock::now() + std::chrono::milliseconds(config_.timeout_ms);
     op = std::make_shared<OpState>(next_seq_++, priority, send, recv, std::move(layout), deadline);
+    unfinished_.fetch_add(1);
+    op->add_done_callback([this] { unfinished_.fetch_sub(1); });  // close() completes every op
     submissions_.push_back(op);
   }
-  transport_->wake();
+  transport_->wake();  // a driving waiter picks it up in its next round
+  if (!caller_waits) kick_progress_thread();
   return op;
 }
 
@@ -79,8 +82,10 @@ void Communicator::close() {
     was_broken = broken_;
   }
   transport_->wake();
+  kick_progress_thread();
   if (thread_.joinable()) thread_.join();
-  // The progress thread is gone: this thread owns its state now.
+  // A driving waiter lets go once it sees closed_; then this thread owns the progress state.
+  std::lock_guard<std::timed_mutex> hold(progress_mu_);
   std::deque<std::shared_ptr<OpState>> leftover;
   {
     std::lock_guard<std::mutex> lock(mu_);
@@ -93,6 +98,47 @@ void Communicator::close() {
   active_.clear();
   scheduler_.drain();
   if (!was_broken) transport_->close();
+}
+
+bool Communicator::wait(const std::shared_ptr<OpState>& op, std::chrono::microseconds timeout) {
+  using std::chrono::microseconds;
+  const bool bounded = timeout.count() >= 0;
+  const auto until = Clock::now() + (bounded ? timeout : microseconds(0));
+  auto left = [&] { return std::max(microseconds(0), std::chrono::duration_cast<microseconds>(until - Clock::now())); };
+  auto keep_going = [&] { return !op->is_completed() && !closed() && (!bounded || Clock::now() < until); };
+  if (keep_going()) {
+    drivers_.fetch_add(1);
+    transport_->wake();  // the progress thread, if it sleeps in a round, lets go
+    while (keep_going()) {
+      // The progress thread lets go within a round; another waiter may hold on longer while it
+      // drives (completing our op too): look at ours again every kDriverRetry.
+      std::unique_lock<std::timed_mutex> hold(progress_mu_, std::defer_lock);
+      if (!hold.try_lock_for(kDriverRetry)) continue;
+      while (keep_going()) {
+        uint32_t epoch = transport_->activity_epoch();
+        if (progress_round() || op->is_completed()) continue;
+        sleep_after(epoch, bounded ? std::min<microseconds>(kHealthPeriod, left()) : microseconds(kHealthPeriod));
+      }
+    }
+    // The last waiter out hands ops still pending (async ones) back to the progress thread.
+    if (drivers_.fetch_sub(1) == 1 && unfinished_.load() > 0) kick_progress_thread();
+  }
+  // Done: returns once its callbacks ran. Closed: close() fails it shortly. Else: timed out.
+  return op->wait(bounded ? left() : microseconds(-1));
+}
+
+bool Communicator::work_pending() const {
+  if (!active_.empty() || !waiting_.empty()) return true;
+  std::lock_guard<std::mutex> lock(mu_);
+  return !submissions_.empty();
+}
+
+void Communicator::kick_progress_thread() {
+  {
+    std::lock_guard<std::mutex> lock(kick_mu_);
+    kicked_ = true;
+  }
+  kick_cv_.notify_one();
 }
 
 void Communicator::admit() {
@@ -172,46 +218,59 @@ void Communicator::fail_all(ErrorCode code, const std::string& message) {
 }
 
 void Communicator::progress_loop() {
-  auto next_health = Clock::now();
   while (true) {
-    uint32_t epoch = transport_->activity_epoch();
-    std::deque<std::shared_ptr<OpState>> fresh;
-    bool broken;
     {
-      std::lock_guard<std::mutex> lock(mu_);
-      if (closed_) return;
-      fresh.swap(submissions_);
-      broken = broken_;
+      std::unique_lock<std::mutex> lock(kick_mu_);
+      kick_cv_.wait(lock, [this] { return kicked_; });
+      kicked_ = false;
     }
-    if (broken) {  // nothing more to do but wait for close()
-      transport_->wait_for_activity(epoch, kIdleSleep);
-      continue;
-    }
-    for (auto& op : fresh) waiting_.push_back(std::move(op));
-    try {
-      active_.erase(std::remove_if(active_.begin(), active_.end(), [](const auto& op) { return op->is_completed(); }),
-                    active_.end());
-      admit();
-      bool moved = transport_->poll();
-      moved |= send_round();
-      moved |= transport_->poll();
-      active_.erase(std::remove_if(active_.begin(), active_.end(), [](const auto& op) { return op->is_completed(); }),
-                    active_.end());
-      auto now = Clock::now();
-      if ((!active_.empty() || !waiting_.empty()) && (!moved || now >= next_health)) {
-        check_health(now);
-        next_health = now + kHealthPeriod;
-      }
-      if (!moved) {
-        transport_->wait_for_activity(epoch, active_.empty() ? std::chrono::microseconds(kIdleSleep)
-                                                             : std::chrono::microseconds(kHealthPeriod));
-      }
-    } catch (const Error& e) {
-      fail_all(e.code(), e.message());
-    } catch (const std::exception& e) {
-      fail_all(ErrorCode::kInternal, e.what());
+    std::lock_guard<std::timed_mutex> hold(progress_mu_);
+    if (closed()) return;
+    // Drive until a waiter takes over or nothing is left; then sleep until kicked again.
+    while (drivers_.load() == 0 && !closed()) {
+      uint32_t epoch = transport_->activity_epoch();
+      if (progress_round()) continue;
+      if (!work_pending()) break;
+      sleep_after(epoch, kHealthPeriod);
     }
   }
+}
+
+bool Communicator::progress_round() {
+  std::deque<std::shared_ptr<OpState>> fresh;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (broken_) return false;  // every op failed already; nothing to move until close()
+    fresh.swap(submissions_);
+  }
+  for (auto& op : fresh) waiting_.push_back(std::move(op));
+  auto forget_completed = [this] {
+    active_.erase(std::remove_if(active_.begin(), active_.end(), [](const auto& op) { return op->is_completed(); }),
+                  active_.end());
+  };
+  try {
+    forget_completed();
+    admit();
+    bool moved = transport_->poll();
+    moved |= send_round();
+    moved |= transport_->poll();
+    forget_completed();
+    auto now = Clock::now();
+    if ((!active_.empty() || !waiting_.empty()) && (!moved || now >= next_health_)) {
+      check_health(now);
+      next_health_ = now + kHealthPeriod;
+    }
+    return moved;
+  } catch (const Error& e) {
+    fail_all(e.code(), e.message());
+  } catch (const std::exception& e) {
+    fail_all(ErrorCode::kInternal, e.what());
+  }
+  return true;
+}
+
+void Communicator::sleep_after(uint32_t epoch, std::chrono::microseconds limit) {
+  transport_->wait_for_activity(epoch, limit);
 }
 
 }  // namespace freescale

@@ -1,8 +1,16 @@
 // A communicator = bootstrap + scheduler + transport + one progress thread. Ops are matched
 // across ranks by sequence number (program order); priorities only reorder execution.
+//
+// Progress runs on whichever thread holds progress_mu_: a thread blocked in wait(), which drives
+// rounds itself (no hand-off between threads per op), or else the progress thread, which sleeps
+// until kicked: by an op submitted without a waiter, or by a waiter leaving work behind. Only the
+// holder touches the scheduler, the transport's progress methods and waiting_/active_, and only
+// the holder sleeps on the transport's doorbell.
 #pragma once
 
 #include <atomic>
+#include <chrono>
+#include <condition_variable>
 #include <deque>
 #include <memory>
 #include <mutex>
@@ -36,7 +44,13 @@ class Communicator {
   // AllToAllv of raw bytes. send/recv: base pointers the layout's offsets are relative to; they
   // must stay valid until the op completes. Validates the layout (InvalidArgument) and throws
   // CommError if the communicator is broken, before queuing anything. Never blocks on peers.
-  std::shared_ptr<OpState> all_to_all(const uint8_t* send, uint8_t* recv, AllToAllLayout layout, int priority);
+  // caller_waits: the caller calls wait() on it next, so the progress thread is not woken for it.
+  std::shared_ptr<OpState> all_to_all(const uint8_t* send, uint8_t* recv, AllToAllLayout layout, int priority,
+                                      bool caller_waits = false);
+
+  // Blocks until `op` (from this communicator) is done, driving progress on the calling thread;
+  // false if `timeout` (negative = no limit) passed first. Throws the op's CommError if it failed.
+  bool wait(const std::shared_ptr<OpState>& op, std::chrono::microseconds timeout);
 
   // Stops the progress thread; pending ops fail with CommError; peers learn this rank left.
   // Idempotent. Call without holding locks the progress thread's callbacks need (the GIL).
@@ -45,6 +59,14 @@ class Communicator {
 
  private:
   void progress_loop();
+  // One round of progress: admit, receive, send, health. True if anything moved. Holder of
+  // progress_mu_ only; never throws (a failure fails every op).
+  bool progress_round();
+  // Sleeps on the doorbell until activity after `epoch`, or `limit`. Holder of progress_mu_ only.
+  void sleep_after(uint32_t epoch, std::chrono::microseconds limit);
+  // True if some op is pending. Holder of progress_mu_ only.
+  bool work_pending() const;
+  void kick_progress_thread();
   void admit();
   bool send_round();
   void check_health(Clock::time_point now);
@@ -64,9 +86,17 @@ class Communicator {
   ErrorCode broken_code_ = ErrorCode::kCommError;
   std::string broken_message_;
 
-  // Progress thread only:
+  std::timed_mutex progress_mu_;          // held by the thread running progress rounds
+  std::atomic<int> drivers_{0};       // threads in wait() that want progress_mu_
+  std::atomic<int64_t> unfinished_{0}; // ops submitted and not completed
+  std::mutex kick_mu_;           // guards kicked_
+  std::condition_variable kick_cv_;
+  bool kicked_ = false;          // the progress thread has work no waiter drives
+
+  // Holder of progress_mu_ only:
   std::deque<std::shared_ptr<OpState>> waiting_;  // submitted, not posted yet (window full)
   std::vector<std::shared_ptr<OpState>> active_;  // posted, not complete
+  Clock::time_point next_health_{};
   std::thread thread_;
 };
 

@@ -8,11 +8,12 @@ namespace freescale {
 
 struct Config {
   // FREESCALE_CHUNK_BYTES: a transfer is cut into chunks of at most this many bytes; a
-  // higher-priority transfer submitted later starts within one chunk. Default 1 MiB.
-  uint64_t chunk_bytes = 1ull << 20;
+  // higher-priority transfer submitted later starts within one chunk. Default 256 KiB.
+  uint64_t chunk_bytes = 256ull << 10;
   // FREESCALE_ARENA_BYTES: shared-memory staging per rank (all its outgoing rings together);
-  // larger ops stream through it with flow control. Default 16 MiB, at least 2 chunks per peer.
-  uint64_t arena_bytes = 16ull << 20;
+  // larger ops stream through it with flow control. Default 4 MiB (small enough to stay in
+  // cache), at least 2 chunks per peer.
+  uint64_t arena_bytes = 4ull << 20;
   // FREESCALE_TIMEOUT_S: an op not complete after this long fails with CommError on every rank.
   // 0 = not set in the environment: the caller (the group's timeout) decides. Milliseconds.
   uint64_t timeout_ms = 0;

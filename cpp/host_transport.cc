@@ -236,7 +236,12 @@ bool HostTransport::poll() {
 
 void HostTransport::check_peers() {
   // A peer that died or left is the root cause; look for it before blaming a peer's abort
-  // (which is often that peer's reaction to the same death).
+  // (which is often that peer's reaction to the same death). Aborts are read first: a death that
+  // caused one happened before it, so the scan below sees that death too.
+  int aborted = -1;
+  for (int p = 0; p < world_ && aborted < 0; ++p) {
+    if (p != rank_ && peers_[p].control()->state.load(std::memory_order_acquire) == kRankAborted) aborted = p;
+  }
   for (int p = 0; p < world_; ++p) {
     if (p == rank_) continue;
     bool closed = peers_[p].control()->state.load(std::memory_order_acquire) == kRankClosed;
@@ -246,23 +251,19 @@ void HostTransport::check_peers() {
     confirm_received();
     forget_completed();
     for (const auto& [seq, op] : posted_) {
-      if (op->needs_peer(p)) {
+      if (op->needs_peer(p) || aborted >= 0) {
         throw CommError(died ? ErrorCode::kPeerDied : ErrorCode::kCommError,
                         "rank " + std::to_string(p) + " (pid " + std::to_string(peers_[p].pid) + ") " +
                             (died ? "died" : "closed its communicator") + " while op #" + std::to_string(seq) +
-                            " still needed it");
+                            " was pending");
       }
     }
   }
-  for (int p = 0; p < world_; ++p) {
-    if (p == rank_) continue;
-    RankControl* control = peers_[p].control();
-    if (control->state.load(std::memory_order_acquire) != kRankAborted) continue;
-    auto code = static_cast<ErrorCode>(control->abort_code.load());
-    throw CommError(ErrorCode::kPeerAborted, "rank " + std::to_string(p) + " aborted the communicator (" +
-                                                 error_code_name(code) + "), so rank " + std::to_string(rank_) +
-                                                 " fails too");
-  }
+  if (aborted < 0) return;
+  auto code = static_cast<ErrorCode>(peers_[aborted].control()->abort_code.load());
+  throw CommError(ErrorCode::kPeerAborted, "rank " + std::to_string(aborted) + " aborted the communicator (" +
+                                               error_code_name(code) + "), so rank " + std::to_string(rank_) +
+                                               " fails too");
 }
 
 uint32_t HostTransport::activity_epoch() const {

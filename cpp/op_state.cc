@@ -50,15 +50,18 @@ void OpState::finish(int state) {
   cv_.notify_all();
 }
 
-bool OpState::wait(std::chrono::microseconds timeout) {
+bool OpState::wait_done(std::chrono::microseconds timeout) {
   std::unique_lock<std::mutex> lock(mu_);
   auto done = [this] { return released_; };
   if (timeout.count() < 0) {
     cv_.wait(lock, done);
-  } else if (!cv_.wait_for(lock, timeout, done)) {
-    return false;
+    return true;
   }
-  lock.unlock();
+  return cv_.wait_for(lock, timeout, done);
+}
+
+bool OpState::wait(std::chrono::microseconds timeout) {
+  if (!wait_done(timeout)) return false;
   rethrow_if_failed();
   return true;
 }

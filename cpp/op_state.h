@@ -55,6 +55,9 @@ class OpState {
   // Blocks until done (and its done-callbacks ran) or `timeout` passed (negative = no limit). False on timeout; throws the
   // op's CommError if it failed.
   bool wait(std::chrono::microseconds timeout);
+  // Blocks until done (and its done-callbacks ran) or `timeout` passed (negative = no limit);
+  // never throws. True if done.
+  bool wait_done(std::chrono::microseconds timeout);
   // Throws the op's error if it failed; no-op otherwise.
   void rethrow_if_failed() const;
   // Runs `fn` once the op is done or failed: now (caller's thread) if it already is, else on

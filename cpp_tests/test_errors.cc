@@ -45,10 +45,10 @@ TEST(Config, BadEnvironmentNamesTheVariable) {
   } catch (const InvalidArgument& e) {
     EXPECT_NE(std::string(e.what()).find("FREESCALE_CHUNK_BYTES"), std::string::npos);
   }
-  setenv("FREESCALE_CHUNK_BYTES", "256K", 1);
+  setenv("FREESCALE_CHUNK_BYTES", "512K", 1);  // not the default
   setenv("FREESCALE_TIMEOUT_S", "2.5", 1);
   Config c = Config::from_env();
-  EXPECT_EQ(c.chunk_bytes, 256u * 1024u);
+  EXPECT_EQ(c.chunk_bytes, 512u * 1024u);
   EXPECT_EQ(c.timeout_ms, 2500u);
   setenv("FREESCALE_TIMEOUT_S", "-1", 1);
   EXPECT_THROW(Config::from_env(), InvalidArgument);

@@ -93,9 +93,16 @@ TEST_P(HostAllToAll, RandomUnevenSplitsWithPrioritiesMatchTheReference) {
       exchanges.push_back(std::make_unique<Exchange>(counts, rank));
       Exchange& x = *exchanges.back();
       ops.push_back(comm.all_to_all(x.send.data(), x.recv.data(), x.layout, priority));
-      if (op % 4 == 3) ops.back()->wait(std::chrono::microseconds(-1));  // interleave sync and async
+      if (op % 4 == 3) comm.wait(ops.back(), std::chrono::microseconds(-1));  // interleave sync and async
     }
-    for (auto& op : ops) op->wait(std::chrono::microseconds(-1));
+    // Half driven by the waiting thread, half by the progress thread.
+    for (size_t i = 0; i < ops.size(); ++i) {
+      if (i % 2 == 0) {
+        comm.wait(ops[i], std::chrono::microseconds(-1));
+      } else {
+        ops[i]->wait(std::chrono::microseconds(-1));
+      }
+    }
     for (auto& x : exchanges)
       if (auto err = x->check(rank); !err.empty()) return err;
     return "";
@@ -104,6 +111,41 @@ TEST_P(HostAllToAll, RandomUnevenSplitsWithPrioritiesMatchTheReference) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Worlds, HostAllToAll, ::testing::Values(1, 2, 3, 4));
+
+TEST(HostTransport, SeveralThreadsWaitingAtOnceShareTheDriving) {
+  auto outcomes = run_forked_ranks(3, [](int rank, Bootstrap& bootstrap) -> std::string {
+    Communicator comm(bootstrap, small_config());
+    std::mt19937_64 rng(99);
+    std::vector<std::unique_ptr<Exchange>> exchanges;
+    std::vector<std::shared_ptr<OpState>> ops;
+    for (int op = 0; op < 16; ++op) {
+      std::vector<std::vector<uint64_t>> counts(3, std::vector<uint64_t>(3));
+      for (auto& row : counts)
+        for (auto& c : row) c = rng() % 200000;
+      exchanges.push_back(std::make_unique<Exchange>(counts, rank));
+      ops.push_back(comm.all_to_all(exchanges.back()->send.data(), exchanges.back()->recv.data(),
+                                    exchanges.back()->layout, static_cast<int>(rng() % 3)));
+    }
+    // Four threads wait at once, one of them with a zero timeout (returns at once, false while pending).
+    std::vector<std::thread> waiters;
+    std::atomic<int> done{0};
+    for (int t = 0; t < 4; ++t) {
+      waiters.emplace_back([&, t] {
+        for (size_t i = static_cast<size_t>(t); i < ops.size(); i += 4) {
+          while (!comm.wait(ops[i], std::chrono::microseconds(t == 0 ? 0 : 500))) {
+          }
+          ++done;
+        }
+      });
+    }
+    for (auto& w : waiters) w.join();
+    if (done != 16) return "only " + std::to_string(done.load()) + " waits returned";
+    for (auto& x : exchanges)
+      if (auto err = x->check(rank); !err.empty()) return err;
+    return "";
+  });
+  expect_all_ok(outcomes);
+}
 
 TEST(HostTransport, LaterHighPriorityOpCompletesBeforeA64MiBTransferInProgress) {
   auto outcomes = run_forked_ranks(2, [](int rank, Bootstrap& bootstrap) -> std::string {
@@ -165,7 +207,7 @@ TEST(HostTransport, SplitsThatDisagreeFailOnEveryRank) {
     auto op = comm.all_to_all(x.send.data(), x.recv.data(), x.layout, 0);
     std::string err;
     try {
-      op->wait(std::chrono::microseconds(-1));
+      comm.wait(op, std::chrono::microseconds(-1));  // the failure surfaces on the driving thread
       return "no error";
     } catch (const CommError& e) {
       if (rank == 1 && e.code() != ErrorCode::kSizeMismatch) return std::string("wrong code: ") + e.what();
@@ -189,7 +231,7 @@ TEST(HostTransport, KilledPeerFailsEverySurvivorWithPeerDied) {
       std::this_thread::sleep_for(std::chrono::milliseconds(5));
       raise(SIGKILL);  // mid-transfer
     }
-    return expect_comm_error([&] { op->wait(std::chrono::microseconds(-1)); }, ErrorCode::kPeerDied);
+    return expect_comm_error([&] { comm.wait(op, std::chrono::microseconds(-1)); }, ErrorCode::kPeerDied);
   });
   EXPECT_EQ(outcomes[3].signal, SIGKILL);
   for (int r = 0; r < 3; ++r) {

@@ -110,7 +110,9 @@ void register_communicator(py::module_& m) {
               }
             });
           },
-          py::arg("fn"), "Calls fn() once the op is done or failed (on the progress thread, or now).");
+          py::arg("fn"),
+          "Calls fn() once the op is done or failed: now, or on the thread that completes it (the "
+          "progress thread or one blocked in Communicator.wait).");
 
   py::class_<Communicator, std::shared_ptr<Communicator>>(m, "Communicator")
       .def(py::init([](Bootstrap& bootstrap, const Config& config) {
@@ -132,12 +134,24 @@ void register_communicator(py::module_& m) {
       .def_property_readonly("config", &Communicator::config)
       .def(
           "all_to_all",
-          [](Communicator& c, uintptr_t send_ptr, uintptr_t recv_ptr, AllToAllLayout layout, int priority) {
+          [](Communicator& c, uintptr_t send_ptr, uintptr_t recv_ptr, AllToAllLayout layout, int priority,
+             bool caller_waits) {
             return c.all_to_all(reinterpret_cast<const uint8_t*>(send_ptr), reinterpret_cast<uint8_t*>(recv_ptr),
-                                std::move(layout), priority);
+                                std::move(layout), priority, caller_waits);
           },
           py::arg("send_ptr"), py::arg("recv_ptr"), py::arg("layout"), py::arg("priority"),
-          "Queues an AllToAllv of bytes; the buffers must outlive the returned Work.")
+          py::arg("caller_waits") = false,
+          "Queues an AllToAllv of bytes; the buffers must outlive the returned Work. caller_waits: "
+          "the caller calls wait() next, which drives it (the progress thread is not woken).")
+      .def(
+          "wait",
+          [](Communicator& c, const std::shared_ptr<OpState>& op, std::optional<double> timeout_s) {
+            auto timeout = to_timeout(timeout_s);
+            py::gil_scoped_release release;
+            return c.wait(op, timeout);
+          },
+          py::arg("work"), py::arg("timeout_s") = py::none(),
+          "Like Work.wait, but drives progress on the calling thread (GIL released) while it waits.")
       .def("close", &Communicator::close, py::call_guard<py::gil_scoped_release>())
       .def_property_readonly("closed", &Communicator::closed);
 }

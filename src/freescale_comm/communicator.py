@@ -171,8 +171,8 @@ class Communicator:
         source = input if input.is_contiguous() else input.contiguous()
         row_bytes = row_elems_in * input.element_size()
         layout = _core.AllToAllLayout.packed([s * row_bytes for s in in_splits], [s * row_bytes for s in out_splits])
-        handle = self._core.all_to_all(source.data_ptr(), output.data_ptr(), layout, priority)
-        work = Work(handle, [output], keepalive=(source, output))
+        handle = self._core.all_to_all(source.data_ptr(), output.data_ptr(), layout, priority, not async_op)
+        work = Work(self._core, handle, [output], keepalive=(source, output))
         if async_op:
             self._inflight = [w for w in self._inflight if not w.is_completed()]
             self._inflight.append(work)

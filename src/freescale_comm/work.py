@@ -26,7 +26,10 @@ def _timeout_seconds(timeout: Timeout) -> Optional[float]:
 class Work:
     """Returned by every collective. Keeps the tensors it reads and writes alive until done."""
 
-    def __init__(self, handle: _core.Work, result: list[torch.Tensor], keepalive: tuple[Any, ...]) -> None:
+    def __init__(
+        self, comm: _core.Communicator, handle: _core.Work, result: list[torch.Tensor], keepalive: tuple[Any, ...]
+    ) -> None:
+        self._comm = comm  # waiting drives its progress on the waiting thread
         self._handle = handle
         self._result = result
         self._keepalive: Optional[tuple[Any, ...]] = keepalive
@@ -42,7 +45,7 @@ class Work:
         """Blocks (GIL released) until the op completed on this rank and every peer received its
         part. Raises CommError if the op failed, or if `timeout` (seconds or timedelta) passed
         first (the op itself goes on). Returns True."""
-        if not self._handle.wait(_timeout_seconds(timeout)):
+        if not self._comm.wait(self._handle, _timeout_seconds(timeout)):
             err = _core.CommError(f"all_to_all op #{self.seq} did not complete within {timeout} (the op is still pending)")
             err.code = "TIMEOUT"
             raise err
@@ -72,7 +75,8 @@ class Work:
 
     def get_future(self) -> torch.futures.Future:
         """A torch Future completed with [output] (or the CommError) when the op finishes. Its
-        callbacks run on the communicator's progress thread."""
+        callbacks run on the thread that completes the op (the communicator's progress thread, or
+        one blocked in wait)."""
         with self._lock:
             if self._future is None:
                 future: torch.futures.Future = torch.futures.Future()
