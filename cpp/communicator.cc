@@ -185,14 +185,16 @@ bool Communicator::send_round() {
 void Communicator::check_health(Clock::time_point now) {
   for (const auto& op : active_) {
     if (op->is_completed() || now < op->deadline) continue;
+    // Ranks whose bytes are not through yet; when there are none, only other ranks' receipts are missing.
     std::ostringstream waiting;
     for (int p = 0; p < world_; ++p) {
-      if (op->needs_peer(p)) waiting << (waiting.tellp() > 0 ? ", " : "") << p;
+      if (!op->recv_finished[p] || !op->send_finished[p]) waiting << (waiting.tellp() > 0 ? ", " : "") << p;
     }
+    std::string what = waiting.tellp() > 0 ? "still waiting on rank(s) [" + waiting.str() + "]"
+                                           : "every byte moved, but some rank has not confirmed receiving its share";
     throw CommError(ErrorCode::kTimeout, "all_to_all op #" + std::to_string(op->seq) + " on rank " + std::to_string(rank_) +
-                                             " Timed out after " + std::to_string(config_.timeout_ms / 1000.0) +
-                                             " s, still waiting on rank(s) [" + waiting.str() +
-                                             "] (set the group timeout or FREESCALE_TIMEOUT_S)");
+                                             " Timed out after " + std::to_string(config_.timeout_ms / 1000.0) + " s, " +
+                                             what + " (set the group timeout or FREESCALE_TIMEOUT_S)");
   }
   transport_->check_peers();
 }

@@ -1,7 +1,8 @@
 """freescale_comm: a communication runtime for distributed training of sequence recommendation
 models: prioritized AllToAll on SM-free transports, jagged dispatch/combine and load balancing.
 
-The direct face: ``fc.Communicator(group).all_to_all_single(...)``. See README.md.
+Importing it registers the torch.distributed backend "freescale". The direct faces:
+``fc.Communicator(group).all_to_all_single(...)``, ``fc.dispatch`` / ``fc.combine``. See README.md.
 """
 
 from freescale_comm._core import (
@@ -11,11 +12,14 @@ from freescale_comm._core import (
     InvalidUsageError,
     UnsupportedError,
 )
+from freescale_comm.backend import ProcessGroupFreescale, priority, register_backend
 from freescale_comm.build import build_info
 from freescale_comm.communicator import Communicator
 from freescale_comm.work import Work
 
 __version__: str = build_info()["version"]
+
+register_backend()
 
 __all__ = [
     "CommError",
@@ -23,8 +27,11 @@ __all__ = [
     "ErrorCode",
     "InternalError",
     "InvalidUsageError",
+    "ProcessGroupFreescale",
     "UnsupportedError",
     "Work",
     "__version__",
     "build_info",
+    "priority",
+    "register_backend",
 ]

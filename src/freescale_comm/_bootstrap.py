@@ -30,3 +30,31 @@ class GroupBootstrap(_core.Bootstrap):
 
     def barrier(self) -> None:
         self.allgather(b"")
+
+
+class StoreBootstrap(_core.Bootstrap):
+    """Exchanges setup blobs through a c10d Store (the one a process group is built on): round k
+    of allgather writes ``<k>/<rank>`` and reads every rank's key (Store.get waits for it, up to
+    the store's timeout). Used by the backend, which has a store but no group to lean on yet."""
+
+    def __init__(self, store: dist.Store, rank: int, size: int) -> None:
+        super().__init__()
+        self._store = store
+        self._rank = rank
+        self._size = size
+        self._round = 0
+
+    def rank(self) -> int:
+        return self._rank
+
+    def size(self) -> int:
+        return self._size
+
+    def allgather(self, blob: bytes) -> list[bytes]:
+        prefix = f"bootstrap/{self._round}/"
+        self._round += 1
+        self._store.set(prefix + str(self._rank), bytes(blob))
+        return [bytes(self._store.get(prefix + str(p))) for p in range(self._size)]
+
+    def barrier(self) -> None:
+        self.allgather(b"")

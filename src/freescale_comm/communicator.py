@@ -94,13 +94,24 @@ class Communicator:
             raise RuntimeError(
                 "freescale_comm.Communicator needs torch.distributed: call dist.init_process_group(...) first"
             )
-        self._group = group if group is not None else dist.group.WORLD
-        if dist.get_rank(self._group) < 0:
+        group = group if group is not None else dist.group.WORLD
+        if dist.get_rank(group) < 0:
             raise ValueError("this process is not a member of `group`; build the Communicator on its members only")
+        self._start(GroupBootstrap(group), _group_timeout(group), group)
+
+    @classmethod
+    def _over(cls, bootstrap: _core.Bootstrap, timeout: datetime.timedelta, group: Optional[dist.ProcessGroup] = None) -> "Communicator":
+        """A communicator bootstrapped through `bootstrap` (e.g. a store), for the backend itself."""
+        comm = cls.__new__(cls)
+        comm._start(bootstrap, timeout, group)
+        return comm
+
+    def _start(self, bootstrap: _core.Bootstrap, timeout: datetime.timedelta, group: Optional[dist.ProcessGroup]) -> None:
+        self._group = group
         config = _core.Config.from_env()  # ValueError naming a malformed FREESCALE_* variable
         if config.timeout_ms == 0:
-            config.timeout_ms = max(1, int(_group_timeout(self._group).total_seconds() * 1000))
-        self._core = _core.Communicator(GroupBootstrap(self._group), config)
+            config.timeout_ms = max(1, int(timeout.total_seconds() * 1000))
+        self._core = _core.Communicator(bootstrap, config)
         self._inflight: list[Work] = []  # async ops whose tensors must outlive the caller's refs
         with _live_lock:
             _live.add(self)
@@ -119,7 +130,7 @@ class Communicator:
         return self._core.transport
 
     @property
-    def group(self) -> dist.ProcessGroup:
+    def group(self) -> Optional[dist.ProcessGroup]:
         return self._group
 
     def all_to_all_single(

@@ -1,0 +1,65 @@
+"""The torch.distributed backend "freescale": registration, every collective against gloo, async
+ops under fc.priority, subgroups, barrier timeout, and a torchrun script."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch.distributed as dist
+
+import freescale_comm as fc
+from freescale_comm.testing import run_ranks, spawn
+from backend_programs import (
+    async_ops_and_priorities_interleave,
+    barrier_peer_never_joins,
+    every_collective_matches_gloo,
+    subgroup_of_some_ranks,
+)
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_import_registers_the_backend_idempotently():
+    assert "FREESCALE" in dist.Backend._plugins
+    fc.register_backend()
+    fc.register_backend("freescale")
+    assert dist.Backend("freescale") == "freescale"
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_every_collective_matches_gloo(world):
+    checked = spawn(every_collective_matches_gloo, world, 7 * world, backend="freescale")
+    assert all(c == checked[0] for c in checked)
+    for name in ("all_to_all_single[torch.float32]", "all_to_all", "barrier", "all_gather_object", "reduce_scatter_tensor"):
+        assert name in checked[0]
+
+
+def test_async_ops_and_priorities_interleaved():
+    assert spawn(async_ops_and_priorities_interleave, 3, 11, backend="freescale") == [12, 12, 12]
+
+
+def test_new_group_on_some_ranks():
+    results = spawn(subgroup_of_some_ranks, 4)  # gloo world, freescale subgroup of ranks 0 and 2
+    assert results[0] == [0.0, 20.0, 2.0]
+    assert results[2] == [1.0, 21.0, 2.0]
+    assert results[1] == results[3] == []
+
+
+def test_barrier_that_a_peer_never_joins_times_out_after_the_group_timeout():
+    results = run_ranks(barrier_peer_never_joins, 2, 3.0, timeout_s=60)
+    assert all(r.ok for r in results), [r.error for r in results]
+    waited, message = results[0].value.split("|", 1)
+    assert " Timed out " in message and "CommError" in message, message
+    assert "waiting on rank(s) [1]" in message, message  # the silent peer, and only it
+    assert float(waited) >= 3.0, f"raised after {waited} s, before the 3 s group timeout"
+
+
+def test_torchrun_script_with_only_dist_calls():
+    env = dict(os.environ, PYTHONPATH=str(REPO / "examples") + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
+           str(REPO / "examples" / "torchrun_backend.py")]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert proc.stdout.count("torchrun_backend: rank ok") == 4, proc.stdout

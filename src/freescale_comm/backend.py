@@ -1,0 +1,309 @@
+"""The torch.distributed backend "freescale": a ProcessGroup whose all-to-alls and barrier run on
+freescale's own transports, with every other collective delegated to an inner group built on the
+same store (gloo for CPU tensors, NCCL for CUDA tensors). ``with fc.priority(p):`` sets the
+priority of the native ops issued inside it.
+
+torch hands a Python ProcessGroup subclass every call made on the group, under the new method
+names (all_to_all_single, all_gather_single, reduce_scatter_single, ...) or the old ones
+(alltoall_base, _allgather_base, ...); inner c10d backends answer only to the old ones.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import datetime
+import logging
+import operator
+import threading
+from collections.abc import Iterator, Sequence
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+
+from freescale_comm import _core
+from freescale_comm._bootstrap import StoreBootstrap
+from freescale_comm.communicator import Communicator
+from freescale_comm.work import Work
+
+logger = logging.getLogger("freescale_comm")
+
+BACKEND_NAME = "freescale"
+
+_priority: contextvars.ContextVar[int] = contextvars.ContextVar("freescale_priority", default=0)
+
+
+@contextlib.contextmanager
+def priority(p: int) -> Iterator[None]:
+    """Native ops issued through a ``freescale`` group inside this block run at priority `p`
+    (an int; larger = sooner; default 0). Priorities reorder execution, never matching."""
+    if isinstance(p, bool) or not isinstance(p, int):
+        raise TypeError(f"priority must be an int (larger = sooner), got {p!r}")
+    if not -(2**31) <= p < 2**31:
+        raise ValueError(f"priority must fit in 32 bits, got {p}")
+    token = _priority.set(p)
+    try:
+        yield
+    finally:
+        _priority.reset(token)
+
+
+def current_priority() -> int:
+    """The priority set by the innermost ``fc.priority`` block (0 outside any)."""
+    return _priority.get()
+
+
+class _NativeWork(dist._Work):
+    """A c10d Work over a freescale op: wait() drives the op on the waiting thread."""
+
+    def __init__(self, work: Work, result: list[torch.Tensor]) -> None:
+        super().__init__()
+        self._work = work
+        self._result = result
+
+    def wait(self, timeout: Optional[datetime.timedelta] = None) -> bool:
+        # c10d passes timedelta(0) for "no timeout given".
+        seconds = None if timeout is None or timeout == datetime.timedelta(0) else timeout
+        return self._work.wait(seconds)
+
+    def is_completed(self) -> bool:
+        return self._work.is_completed()
+
+    def is_success(self) -> bool:
+        return self._work.is_success()
+
+    def exception(self) -> Optional[BaseException]:
+        return self._work.exception()
+
+    def result(self) -> list[torch.Tensor]:
+        return self._result
+
+    def get_future(self) -> torch.futures.Future:
+        return self._work.get_future()
+
+
+def _split_list(splits: Sequence[int]) -> Optional[list[int]]:
+    return None if splits is None or len(splits) == 0 else [operator.index(s) for s in splits]
+
+
+class ProcessGroupFreescale(dist.ProcessGroup):
+    """Created by torch for ``init_process_group("freescale")`` / ``new_group(backend="freescale")``."""
+
+    def __init__(self, store: dist.Store, rank: int, size: int, timeout: datetime.timedelta, group_name: str = "") -> None:
+        super().__init__(rank, size)
+        self._store = store
+        self._timeout = timeout
+        self._group_name_ = group_name
+        self._cpu = dist.ProcessGroupGloo(dist.PrefixStore("gloo/", store), rank, size, timeout)
+        self._cuda: Optional[dist.ProcessGroup] = None  # NCCL, built on first use
+        self._cuda_lock = threading.Lock()
+        self._comm: Optional[Communicator] = None
+        try:
+            self._comm = Communicator._over(StoreBootstrap(dist.PrefixStore("freescale/", store), rank, size), timeout)
+        except _core.UnsupportedError as e:
+            # Ranks on several hosts: the host transport cannot serve them; gloo moves CPU data.
+            logger.warning("freescale group %r: native ops fall back to gloo (%s)", group_name, e)
+
+    # --- identity -----------------------------------------------------------------------------
+    def getBackendName(self) -> str:  # noqa: N802 - c10d's name
+        return BACKEND_NAME
+
+    def name(self) -> str:
+        return BACKEND_NAME
+
+    def _set_group_name(self, name: str) -> None:
+        self._group_name_ = name
+        super()._set_group_name(name)
+
+    @property
+    def group_name(self) -> str:
+        return self._group_name_
+
+    def __repr__(self) -> str:
+        return f"ProcessGroupFreescale(rank={self.rank()}, size={self.size()}, name={self._group_name_!r})"
+
+    # --- where a call goes ----------------------------------------------------------------------
+    def _inner(self, tensors: Sequence[torch.Tensor]) -> Any:
+        """The inner group for these tensors' device: gloo (CPU) or NCCL (CUDA)."""
+        device = next((t.device for t in tensors if isinstance(t, torch.Tensor)), torch.device("cpu"))
+        if device.type == "cpu":
+            return self._cpu
+        if device.type == "cuda":
+            return self._nccl()
+        raise ValueError(f"the freescale backend takes CPU or CUDA tensors, got {device}; move them with .to()")
+
+    def _nccl(self) -> Any:
+        with self._cuda_lock:
+            if self._cuda is None:
+                if not dist.is_nccl_available():
+                    raise RuntimeError("CUDA tensors need NCCL for the collectives freescale delegates, and this torch has none")
+                options = dist.ProcessGroupNCCL.Options()
+                options._timeout = self._timeout
+                self._cuda = dist.ProcessGroupNCCL(dist.PrefixStore("nccl/", self._store), self.rank(), self.size(), options)
+            return self._cuda
+
+    def _native(self, tensors: Sequence[torch.Tensor]) -> bool:
+        """True if freescale's own transports move these tensors (CPU, same host)."""
+        return self._comm is not None and all(t.device.type == "cpu" for t in tensors)
+
+    # --- native ---------------------------------------------------------------------------------
+    def all_to_all_single(self, output: torch.Tensor, input: torch.Tensor, output_split_sizes: Sequence[int],
+                          input_split_sizes: Sequence[int], opts: Any = None) -> dist.Work:
+        if not self._native([output, input]):
+            opts = opts if opts is not None else dist.AllToAllOptions()
+            return self._inner([input]).alltoall_base(output, input, list(output_split_sizes), list(input_split_sizes), opts)
+        assert self._comm is not None
+        work = self._comm.all_to_all_single(output, input, _split_list(output_split_sizes), _split_list(input_split_sizes),
+                                            priority=current_priority(), async_op=True)
+        return _NativeWork(work, [output])
+
+    def alltoall_base(self, output: torch.Tensor, input: torch.Tensor, output_split_sizes: Sequence[int],
+                      input_split_sizes: Sequence[int], opts: Any = None) -> dist.Work:
+        return self.all_to_all_single(output, input, output_split_sizes, input_split_sizes, opts)
+
+    def alltoall(self, output_tensors: list[torch.Tensor], input_tensors: list[torch.Tensor], opts: Any = None) -> dist.Work:
+        tensors = [*output_tensors, *input_tensors]
+        if not self._native(tensors):
+            return self._inner(tensors).alltoall(output_tensors, input_tensors, opts if opts is not None else dist.AllToAllOptions())
+        if len(output_tensors) != self.size() or len(input_tensors) != self.size():
+            raise ValueError(f"all_to_all needs one output and one input tensor per rank ({self.size()}), got "
+                             f"{len(output_tensors)} outputs and {len(input_tensors)} inputs")
+        dtypes = {t.dtype for t in tensors}
+        if len(dtypes) > 1:
+            raise TypeError(f"all_to_all tensors must share one dtype, got {sorted(map(str, dtypes))}")
+        # One byte-level AllToAllv over packed copies: rows = elements, so shapes may differ per rank.
+        send = torch.cat([t.reshape(-1) for t in input_tensors]) if input_tensors else torch.empty(0)
+        recv = torch.empty(sum(t.numel() for t in output_tensors), dtype=send.dtype)
+        assert self._comm is not None
+        work = self._comm.all_to_all_single(recv, send, [t.numel() for t in output_tensors],
+                                            [t.numel() for t in input_tensors], priority=current_priority(), async_op=True)
+
+        def unpack(_: Any) -> list[torch.Tensor]:
+            for out, part in zip(output_tensors, recv.split([t.numel() for t in output_tensors])):
+                out.copy_(part.view_as(out))
+            return output_tensors
+
+        return _UnpackWork(work, output_tensors, unpack)
+
+    def barrier(self, opts: Any = None) -> dist.Work:
+        if self._comm is None:
+            return self._cpu.barrier(opts if opts is not None else dist.BarrierOptions())
+        empty = torch.empty(0, dtype=torch.uint8)
+        work = self._comm.all_to_all_single(empty, empty, [0] * self.size(), [0] * self.size(),
+                                            priority=current_priority(), async_op=True)
+        return _NativeWork(work, [])
+
+    # --- delegated (same results as the inner group) ------------------------------------------
+    def broadcast(self, tensors: list[torch.Tensor], opts: Any) -> dist.Work:
+        return self._inner(tensors).broadcast(tensors, opts)
+
+    def allreduce(self, tensors: list[torch.Tensor], opts: Any) -> dist.Work:
+        return self._inner(tensors).allreduce(tensors, opts)
+
+    def allreduce_coalesced(self, tensors: list[torch.Tensor], opts: Any) -> dist.Work:
+        return self._inner(tensors).allreduce_coalesced(tensors, opts)
+
+    def reduce(self, tensors: list[torch.Tensor], opts: Any) -> dist.Work:
+        return self._inner(tensors).reduce(tensors, opts)
+
+    def allgather(self, output_tensors: list[list[torch.Tensor]], input_tensors: list[torch.Tensor], opts: Any) -> dist.Work:
+        return self._inner(input_tensors).allgather(output_tensors, input_tensors, opts)
+
+    def all_gather_single(self, output: torch.Tensor, input: torch.Tensor, opts: Any) -> dist.Work:
+        return self._inner([input])._allgather_base(output, input, opts)
+
+    def _allgather_base(self, output: torch.Tensor, input: torch.Tensor, opts: Any) -> dist.Work:
+        return self.all_gather_single(output, input, opts)
+
+    def allgather_coalesced(self, output_lists: list[list[torch.Tensor]], input_list: list[torch.Tensor], opts: Any) -> dist.Work:
+        return self._inner(input_list).allgather_coalesced(output_lists, input_list, opts)
+
+    def allgather_into_tensor_coalesced(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any) -> dist.Work:
+        return self._inner(inputs).allgather_into_tensor_coalesced(outputs, inputs, opts)
+
+    def gather(self, output_tensors: list[list[torch.Tensor]], input_tensors: list[torch.Tensor], opts: Any) -> dist.Work:
+        return self._inner(input_tensors).gather(output_tensors, input_tensors, opts)
+
+    def scatter(self, output_tensors: list[torch.Tensor], input_tensors: list[list[torch.Tensor]], opts: Any) -> dist.Work:
+        return self._inner(output_tensors).scatter(output_tensors, input_tensors, opts)
+
+    def reduce_scatter(self, output_tensors: list[torch.Tensor], input_tensors: list[list[torch.Tensor]], opts: Any) -> dist.Work:
+        return self._inner(output_tensors).reduce_scatter(output_tensors, input_tensors, opts)
+
+    def reduce_scatter_single(self, output: torch.Tensor, input: torch.Tensor, opts: Any) -> dist.Work:
+        return self._inner([input])._reduce_scatter_base(output, input, opts)
+
+    def _reduce_scatter_base(self, output: torch.Tensor, input: torch.Tensor, opts: Any) -> dist.Work:
+        return self.reduce_scatter_single(output, input, opts)
+
+    def reduce_scatter_tensor_coalesced(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any) -> dist.Work:
+        return self._inner(inputs).reduce_scatter_tensor_coalesced(outputs, inputs, opts)
+
+    def send(self, tensors: list[torch.Tensor], dst: int, tag: int) -> dist.Work:
+        return self._inner(tensors).send(tensors, dst, tag)
+
+    def recv(self, tensors: list[torch.Tensor], src: int, tag: int) -> dist.Work:
+        return self._inner(tensors).recv(tensors, src, tag)
+
+    def recv_anysource(self, tensors: list[torch.Tensor], tag: int) -> dist.Work:
+        return self._inner(tensors).recv_anysource(tensors, tag)
+
+    def monitored_barrier(self, *args: Any, **kwargs: Any) -> None:
+        return self._cpu.monitored_barrier(*args, **kwargs)
+
+    # --- lifetime -------------------------------------------------------------------------------
+    def shutdown(self) -> None:
+        if self._comm is not None:
+            self._comm.close()
+        for inner in (self._cpu, self._cuda):
+            if inner is not None and hasattr(inner, "shutdown"):
+                try:
+                    inner.shutdown()
+                except Exception:  # noqa: BLE001 - best effort while tearing down
+                    logger.debug("inner group shutdown failed", exc_info=True)
+
+    def abort(self) -> None:
+        self.shutdown()
+
+
+class _UnpackWork(_NativeWork):
+    """all_to_all (list form): the op's bytes land packed, and are copied to the caller's outputs
+    once it completes (in wait(), or before the future's callbacks run)."""
+
+    def __init__(self, work: Work, outputs: list[torch.Tensor], unpack: Any) -> None:
+        super().__init__(work, outputs)
+        self._unpack = unpack
+        self._unpacked = False
+        self._lock = threading.Lock()
+
+    def _finish(self) -> None:
+        with self._lock:
+            if not self._unpacked:
+                self._unpack(None)
+                self._unpacked = True
+
+    def wait(self, timeout: Optional[datetime.timedelta] = None) -> bool:
+        done = super().wait(timeout)
+        self._finish()
+        return done
+
+    def get_future(self) -> torch.futures.Future:
+        def then(fut: torch.futures.Future) -> list[torch.Tensor]:
+            fut.wait()  # re-raises the op's error
+            self._finish()
+            return self._result
+
+        return self._work.get_future().then(then)
+
+
+def _create(backend_options: Any, pg_options: Any = None) -> ProcessGroupFreescale:
+    return ProcessGroupFreescale(backend_options.store, backend_options.group_rank, backend_options.group_size,
+                                 backend_options.timeout, str(backend_options.group_id or ""))
+
+
+def register_backend(name: str = BACKEND_NAME) -> None:
+    """Registers the torch.distributed backend `name` (idempotent; done on import)."""
+    if name.upper() in dist.Backend._plugins:
+        return
+    dist.Backend.register_backend(name, _create, extended_api=True, devices=["cpu", "cuda"])
