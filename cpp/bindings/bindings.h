@@ -8,5 +8,6 @@ namespace freescale {
 void register_errors(pybind11::module_& m);
 void register_build_info(pybind11::module_& m);
 void register_communicator(pybind11::module_& m);
+void register_jagged(pybind11::module_& m);
 
 }  // namespace freescale

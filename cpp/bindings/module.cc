@@ -5,4 +5,5 @@ PYBIND11_MODULE(_core, m) {
   freescale::register_errors(m);
   freescale::register_build_info(m);
   freescale::register_communicator(m);
+  freescale::register_jagged(m);
 }

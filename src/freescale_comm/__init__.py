@@ -15,6 +15,7 @@ from freescale_comm._core import (
 from freescale_comm.backend import ProcessGroupFreescale, priority, register_backend
 from freescale_comm.build import build_info
 from freescale_comm.communicator import Communicator
+from freescale_comm.dispatch import DispatchHandle, DispatchResult, combine, dispatch
 from freescale_comm.work import Work
 
 __version__: str = build_info()["version"]
@@ -24,6 +25,8 @@ register_backend()
 __all__ = [
     "CommError",
     "Communicator",
+    "DispatchHandle",
+    "DispatchResult",
     "ErrorCode",
     "InternalError",
     "InvalidUsageError",
@@ -32,6 +35,8 @@ __all__ = [
     "Work",
     "__version__",
     "build_info",
+    "combine",
+    "dispatch",
     "priority",
     "register_backend",
 ]

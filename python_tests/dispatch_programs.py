@@ -1,0 +1,133 @@
+"""Rank functions for fc.dispatch / fc.combine. Every rank rebuilds every rank's inputs from the
+same seeds, so it can compute its expected results (and single-process gradients) locally."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+import freescale_comm as fc
+
+PATTERNS = ("random", "all_to_one", "stay_home", "empty_samples", "no_samples_on_rank0")
+
+
+def _inputs(pattern: str, seed: int, rank: int, world: int, row_shape: tuple[int, ...], dtype: torch.dtype):
+    """(values, lengths, dest) of `rank` for a test pattern."""
+    gen = torch.Generator().manual_seed(seed * 1000 + rank)
+    samples = int(torch.randint(0, 9, (1,), generator=gen))
+    if pattern == "no_samples_on_rank0" and rank == 0:
+        samples = 0
+    lengths = torch.randint(0, 6, (samples,), generator=gen, dtype=torch.int64)
+    if pattern == "empty_samples":
+        lengths[torch.rand(samples, generator=gen) < 0.5] = 0
+    dest = torch.randint(0, world, (samples,), generator=gen, dtype=torch.int64)
+    if pattern == "all_to_one":
+        dest.fill_(world - 1)
+    elif pattern == "stay_home":
+        dest.fill_(rank)
+    rows = int(lengths.sum())
+    values = (torch.randn((rows, *row_shape), generator=gen) * 10).to(dtype)
+    return values, lengths, dest
+
+
+def _expected(all_inputs, rank: int):
+    """Rows, lengths and source ranks rank `rank` receives: by source, then original order."""
+    rows, lengths, sources = [], [], []
+    for src, (values, lens, dest) in enumerate(all_inputs):
+        starts = torch.cumsum(lens, 0) - lens
+        for i in range(lens.numel()):
+            if int(dest[i]) == rank:
+                rows.append(values[int(starts[i]):int(starts[i]) + int(lens[i])])
+                lengths.append(int(lens[i]))
+                sources.append(src)
+    shape = all_inputs[0][0].shape[1:]
+    values = torch.cat(rows) if rows else all_inputs[0][0].new_empty((0, *shape))
+    return values, torch.tensor(lengths, dtype=torch.int64), torch.tensor(sources, dtype=torch.int64)
+
+
+def roundtrip_is_identity(info, seed: int) -> int:
+    """dispatch delivers exactly the expected samples; combine brings every row home unchanged.
+    Returns the number of cases checked."""
+    rank, world = info.rank, info.world_size
+    cases = 0
+    for k, pattern in enumerate(PATTERNS):
+        for row_shape, dtype in (((3,), torch.float32), ((2, 4), torch.bfloat16), ((), torch.int64)):
+            all_inputs = [_inputs(pattern, seed + k, p, world, row_shape, dtype) for p in range(world)]
+            values, lengths, dest = all_inputs[rank]
+            res = fc.dispatch(values, lengths, dest, priority=k % 3)
+            exp_values, exp_lengths, exp_sources = _expected(all_inputs, rank)
+            assert torch.equal(res.values, exp_values), (pattern, row_shape)
+            assert torch.equal(res.lengths, exp_lengths), (pattern, res.lengths, exp_lengths)
+            assert torch.equal(res.source_ranks, exp_sources), (pattern, res.source_ranks, exp_sources)
+            back = fc.combine(res.values, res.handle)
+            assert torch.equal(back, values), (pattern, row_shape)
+            cases += 1
+    return cases
+
+
+def gradients_match_single_process(info, seed: int) -> float:
+    """loss = Σ_r <combine(dispatch(x).values * (r + 1) + r), g>  +  Σ_r <dispatch(x).values, w_r>:
+    the gradient of x on every rank equals the one autograd computes over all ranks' data in one
+    process. Returns the largest absolute difference."""
+    rank, world = info.rank, info.world_size
+    all_inputs = [_inputs("random", seed, p, world, (4,), torch.float64) for p in range(world)]
+    weights = [torch.randn(int(_expected(all_inputs, r)[0].shape[0]), 4, dtype=torch.float64,
+                           generator=torch.Generator().manual_seed(seed + 7 * r)) for r in range(world)]
+    home_weights = [torch.randn(all_inputs[p][0].shape, dtype=torch.float64,
+                                generator=torch.Generator().manual_seed(seed + 11 * p)) for p in range(world)]
+
+    # Distributed.
+    values, lengths, dest = all_inputs[rank]
+    x = values.clone().requires_grad_(True)
+    res = fc.dispatch(x, lengths, dest)
+    z = fc.combine(res.values * (rank + 1) + rank, res.handle)
+    loss = (z * home_weights[rank]).sum() + (res.values * weights[rank]).sum()
+    loss.backward()
+
+    # Single process: the same function over every rank's data.
+    xs = [v.clone().requires_grad_(True) for v, _, _ in all_inputs]
+    total = torch.zeros((), dtype=torch.float64)
+    for p, (_, lens, d) in enumerate(all_inputs):
+        row_dest = torch.repeat_interleave(d, lens).to(torch.float64).unsqueeze(1)
+        total = total + ((xs[p] * (row_dest + 1) + row_dest) * home_weights[p]).sum()
+    for r in range(world):
+        received, _, _ = _expected([(xs[p], lens, d) for p, (_, lens, d) in enumerate(all_inputs)], r)
+        total = total + (received * weights[r]).sum()
+    total.backward()
+    return float((x.grad - xs[rank].grad).abs().max()) if x.numel() else 0.0
+
+
+def bad_inputs_raise_before_communicating(info) -> list[str]:
+    """Each bad call raises ValueError/TypeError on every rank, before any collective (ranks
+    that raised would otherwise desynchronize the next good call). Returns the messages."""
+    rank, world = info.rank, info.world_size
+    values = torch.randn(6, 2)
+    lengths = torch.tensor([2, 3, 1])
+    dest = torch.tensor([0, world - 1, 0])
+    messages = []
+
+    def expect(exc, fn):
+        try:
+            fn()
+        except exc as e:
+            messages.append(str(e))
+            return
+        raise AssertionError(f"expected {exc.__name__}")
+
+    expect(ValueError, lambda: fc.dispatch(values, torch.tensor([2, 3, 2]), dest))          # sum != rows
+    expect(ValueError, lambda: fc.dispatch(values, lengths, torch.tensor([0, world, 0])))  # rank out of range
+    expect(ValueError, lambda: fc.dispatch(values, lengths, torch.tensor([0, -1, 0])))
+    expect(ValueError, lambda: fc.dispatch(values, torch.tensor([2, -1, 5]), dest))       # negative length
+    expect(TypeError, lambda: fc.dispatch(values, lengths.int(), dest))                   # not int64
+    expect(ValueError, lambda: fc.dispatch(values, lengths, torch.tensor([0, 0])))        # one dest per sample
+    expect(TypeError, lambda: fc.dispatch(values, lengths, dest, priority=1.5))
+    res = fc.dispatch(values, lengths, dest)  # a good call still works after all that
+    other = fc.dispatch(torch.randn(7, 2), torch.tensor([7]), torch.tensor([rank]))
+    expect(ValueError, lambda: fc.combine(res.values[:-1] if res.values.shape[0] else torch.randn(1, 2), res.handle))
+    expect(ValueError, lambda: fc.combine(res.values, other.handle) if res.values.shape[0] != 7
+           else fc.combine(torch.randn(8, 2), other.handle))                              # handle of another call
+    expect(TypeError, lambda: fc.combine(res.values, {"not": "a handle"}))
+    back = fc.combine(res.values, res.handle)
+    assert torch.equal(back, values)
+    dist.barrier()
+    return messages

@@ -1,0 +1,26 @@
+"""fc.dispatch / fc.combine across ranks: identity round trips, gradients, bad input."""
+
+import pytest
+
+from freescale_comm.testing import spawn
+from dispatch_programs import PATTERNS, bad_inputs_raise_before_communicating, gradients_match_single_process, roundtrip_is_identity
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+def test_dispatch_then_combine_is_the_identity(world):
+    assert spawn(roundtrip_is_identity, world, 40 + world) == [3 * len(PATTERNS)] * world
+
+
+@pytest.mark.parametrize("backend", ["gloo", "freescale"])
+def test_gradients_equal_a_single_process_reference(backend):
+    diffs = spawn(gradients_match_single_process, 3, 5, backend=backend)
+    assert max(diffs) < 1e-12, diffs
+
+
+def test_bad_input_raises_before_communication():
+    messages = spawn(bad_inputs_raise_before_communicating, 2)
+    assert len(messages[0]) == 10
+    assert "lengths sum to 7" in messages[0][0]
+    assert "dest_ranks[1] = 2" in messages[0][1]
+    assert "lengths[1] = -1" in messages[0][3]
+    assert "another dispatch" in messages[0][8]

@@ -1,0 +1,201 @@
+"""fc.dispatch / fc.combine: move jagged samples (runs of rows) to other ranks and back, with
+autograd (the backward of one is the other). The layout work (counting, putting samples in
+destination order and back) runs in C++; the bytes move on freescale's transports."""
+
+from __future__ import annotations
+
+import math
+import threading
+import weakref
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+
+from freescale_comm import _core
+from freescale_comm.communicator import Communicator
+
+_comms: "weakref.WeakKeyDictionary[Any, Communicator]" = weakref.WeakKeyDictionary()
+_comms_lock = threading.Lock()
+
+
+def communicator_for(group: Optional[dist.ProcessGroup]) -> Communicator:
+    """The Communicator moving dispatch/combine bytes for `group` (default WORLD): a freescale
+    group's own, else one built over the group on first use (collective) and kept with it."""
+    group = group if group is not None else dist.group.WORLD
+    own = getattr(group, "_comm", None)
+    if isinstance(own, Communicator):
+        return own
+    with _comms_lock:
+        comm = _comms.get(group)
+        if comm is None or comm.closed:
+            comm = Communicator(group)
+            _comms[group] = comm
+        return comm
+
+
+@dataclass(frozen=True)
+class DispatchHandle:
+    """What combine needs to send rows back: the plan of this rank's send and the row counts
+    received from every rank. Opaque to users; valid with the communicator that made it."""
+
+    comm: Communicator
+    plan: Any  # _core.JaggedPlan
+    send_rows: list[int]  # [world] rows this rank sent to each rank
+    recv_rows: list[int]  # [world] rows this rank received from each rank
+    recv_lengths: torch.Tensor  # int64 [received samples]
+    row_shape: tuple[int, ...]  # trailing shape of the dispatched values
+
+    @property
+    def rows_sent(self) -> int:
+        return sum(self.send_rows)
+
+    @property
+    def rows_received(self) -> int:
+        return sum(self.recv_rows)
+
+
+@dataclass(frozen=True)
+class DispatchResult:
+    values: torch.Tensor  # [rows received, *trailing]: samples by source rank, then original order
+    lengths: torch.Tensor  # int64 [samples received]
+    source_ranks: torch.Tensor  # int64 [samples received]
+    handle: DispatchHandle
+
+
+def _check_index_tensor(t: object, name: str, samples: Optional[int]) -> torch.Tensor:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor of int64, got {type(t).__name__}")
+    if t.dtype != torch.int64:
+        raise TypeError(f"{name} must be int64, got {t.dtype}; convert it with .long()")
+    if t.dim() != 1:
+        raise ValueError(f"{name} must be 1-D (one entry per sample), got shape {tuple(t.shape)}")
+    if t.device.type != "cpu":
+        raise ValueError(f"{name} is on {t.device}: this build dispatches CPU tensors only; use .cpu()")
+    if samples is not None and t.numel() != samples:
+        raise ValueError(f"{name} has {t.numel()} entries but lengths has {samples}; give one per sample")
+    return t.contiguous()
+
+
+def _check_values(values: object, name: str = "values") -> torch.Tensor:
+    if not isinstance(values, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(values).__name__}")
+    if values.dim() == 0:
+        raise ValueError(f"{name} must have at least one dimension (rows along dim 0)")
+    if values.device.type != "cpu":
+        raise ValueError(f"{name} is on {values.device}: this build dispatches CPU tensors only; use .cpu()")
+    if values.is_sparse or values.layout != torch.strided:
+        raise ValueError(f"{name} must be a dense (strided) tensor, got layout {values.layout}")
+    return values
+
+
+def _row_bytes(t: torch.Tensor) -> int:
+    return math.prod(t.shape[1:]) * t.element_size()
+
+
+def _forward_rows(values: torch.Tensor, handle: DispatchHandle, priority: int) -> torch.Tensor:
+    """Rows in original order on this rank → rows received (dispatch's data movement)."""
+    values = values.contiguous()
+    send = torch.empty_like(values)
+    if values.numel():
+        _core.gather_jagged(handle.plan, values.data_ptr(), send.data_ptr(), _row_bytes(values))
+    recv = values.new_empty((handle.rows_received, *values.shape[1:]))
+    handle.comm.all_to_all_single(recv, send, handle.recv_rows, handle.send_rows, priority=priority)
+    return recv
+
+
+def _backward_rows(values: torch.Tensor, handle: DispatchHandle, priority: int) -> torch.Tensor:
+    """Rows received → rows in original order on their home rank (combine's data movement)."""
+    values = values.contiguous()
+    send_order = values.new_empty((handle.rows_sent, *values.shape[1:]))
+    handle.comm.all_to_all_single(send_order, values, handle.send_rows, handle.recv_rows, priority=priority)
+    home = torch.empty_like(send_order)
+    if send_order.numel():
+        _core.scatter_jagged(handle.plan, send_order.data_ptr(), home.data_ptr(), _row_bytes(send_order))
+    return home
+
+
+class _Dispatch(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, values: torch.Tensor, handle: DispatchHandle, priority: int) -> torch.Tensor:
+        ctx.handle, ctx.priority = handle, priority
+        return _forward_rows(values, handle, priority)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Optional[torch.Tensor], None, None]:
+        return _backward_rows(grad, ctx.handle, ctx.priority), None, None
+
+
+class _Combine(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, values: torch.Tensor, handle: DispatchHandle, priority: int) -> torch.Tensor:
+        ctx.handle, ctx.priority = handle, priority
+        return _backward_rows(values, handle, priority)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Optional[torch.Tensor], None, None]:
+        return _forward_rows(grad, ctx.handle, ctx.priority), None, None
+
+
+def _check_priority(priority: object) -> int:
+    if isinstance(priority, bool) or not isinstance(priority, int):
+        raise TypeError(f"priority must be an int (larger = sooner), got {priority!r}")
+    if not -(2**31) <= priority < 2**31:
+        raise ValueError(f"priority must fit in 32 bits, got {priority}")
+    return priority
+
+
+def dispatch(values: torch.Tensor, lengths: torch.Tensor, dest_ranks: torch.Tensor, *,
+             group: Optional[dist.ProcessGroup] = None, priority: int = 0) -> DispatchResult:
+    """Sends sample i (rows lengths[:i].sum() ... + lengths[i] of `values`) to rank dest_ranks[i]
+    of `group` (default WORLD). Collective. Returns the samples this rank received, ordered by
+    source rank, then by their original order there; their lengths and source ranks; and the
+    handle combine needs to send rows back. Autograd flows back through combine's movement."""
+    values = _check_values(values)
+    lengths = _check_index_tensor(lengths, "lengths", None)
+    dest_ranks = _check_index_tensor(dest_ranks, "dest_ranks", lengths.numel())
+    priority = _check_priority(priority)
+    total = int(lengths.sum()) if lengths.numel() else 0
+    if total != values.shape[0]:
+        raise ValueError(f"lengths sum to {total}, but values has {values.shape[0]} rows; they must be equal")
+    if not dist.is_initialized():
+        raise RuntimeError("fc.dispatch needs torch.distributed: call dist.init_process_group(...) first")
+    world = dist.get_world_size(group)
+    # Local checks (ValueError naming a bad length or rank) before anything collective.
+    plan = _core.plan_jagged_dispatch(lengths.data_ptr(), dest_ranks.data_ptr(), lengths.numel(), world)
+    comm = communicator_for(group)
+
+    # 1. Sample counts, 2. lengths of the samples, in send order; then the rows (in autograd).
+    send_counts = torch.from_numpy(plan.sample_counts)
+    recv_counts = torch.empty(world, dtype=torch.int64)
+    comm.all_to_all_single(recv_counts, send_counts, priority=priority)
+    recv_lengths = torch.empty(int(recv_counts.sum()), dtype=torch.int64)
+    comm.all_to_all_single(recv_lengths, torch.from_numpy(plan.sent_lengths), recv_counts.tolist(),
+                           send_counts.tolist(), priority=priority)
+    source_ranks = torch.repeat_interleave(torch.arange(world, dtype=torch.int64), recv_counts)
+    recv_rows = torch.zeros(world, dtype=torch.int64).index_add_(0, source_ranks, recv_lengths)
+    handle = DispatchHandle(comm, plan, plan.row_counts.tolist(), recv_rows.tolist(), recv_lengths,
+                            tuple(values.shape[1:]))
+    out = _Dispatch.apply(values, handle, priority)
+    return DispatchResult(out, recv_lengths, source_ranks, handle)
+
+
+def combine(values: torch.Tensor, handle: DispatchHandle, *, priority: int = 0) -> torch.Tensor:
+    """Returns rows of the samples a dispatch delivered here to their home ranks, in their
+    original order: `values` holds one row-block per received sample (the dispatch's lengths;
+    any trailing shape). Collective over the dispatch's group. Autograd flows back through
+    dispatch's movement."""
+    if not isinstance(handle, DispatchHandle):
+        raise TypeError(f"handle must be the .handle of an fc.dispatch result, got {type(handle).__name__}")
+    values = _check_values(values)
+    priority = _check_priority(priority)
+    if handle.comm.closed:
+        raise ValueError("handle belongs to a communicator that was closed (its group was destroyed); dispatch again")
+    if values.shape[0] != handle.rows_received:
+        raise ValueError(
+            f"values has {values.shape[0]} rows, but the dispatch behind this handle delivered {handle.rows_received} "
+            f"rows ({handle.recv_lengths.numel()} samples) to this rank; pass one row-block per received sample "
+            "(is the handle from another dispatch call?)"
+        )
+    return _Combine.apply(values, handle, priority)
