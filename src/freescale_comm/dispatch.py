@@ -18,6 +18,20 @@ from freescale_comm.communicator import Communicator
 
 _comms: "weakref.WeakKeyDictionary[Any, Communicator]" = weakref.WeakKeyDictionary()
 _comms_lock = threading.Lock()
+# Per thread: the staging buffer rows wait in while in send order (reused across calls, growing
+# to the largest seen, so big dispatches do not page-fault fresh memory every step).
+_staging = threading.local()
+
+
+def _staging_like(values: torch.Tensor, rows: int) -> torch.Tensor:
+    """A [rows, *values.shape[1:]] tensor of values' dtype over this thread's staging bytes."""
+    shape = (rows, *values.shape[1:])
+    nbytes = math.prod(shape) * values.element_size()
+    buf: Optional[torch.Tensor] = getattr(_staging, "buf", None)
+    if buf is None or buf.numel() < nbytes:
+        buf = torch.empty(max(nbytes, 64), dtype=torch.uint8)
+        _staging.buf = buf
+    return buf[:nbytes].view(values.dtype).view(shape)
 
 
 def communicator_for(group: Optional[dist.ProcessGroup]) -> Communicator:
@@ -97,7 +111,7 @@ def _row_bytes(t: torch.Tensor) -> int:
 def _forward_rows(values: torch.Tensor, handle: DispatchHandle, priority: int) -> torch.Tensor:
     """Rows in original order on this rank → rows received (dispatch's data movement)."""
     values = values.contiguous()
-    send = torch.empty_like(values)
+    send = _staging_like(values, values.shape[0])  # free again once the all-to-all returns
     if values.numel():
         _core.gather_jagged(handle.plan, values.data_ptr(), send.data_ptr(), _row_bytes(values))
     recv = values.new_empty((handle.rows_received, *values.shape[1:]))
@@ -108,9 +122,9 @@ def _forward_rows(values: torch.Tensor, handle: DispatchHandle, priority: int) -
 def _backward_rows(values: torch.Tensor, handle: DispatchHandle, priority: int) -> torch.Tensor:
     """Rows received → rows in original order on their home rank (combine's data movement)."""
     values = values.contiguous()
-    send_order = values.new_empty((handle.rows_sent, *values.shape[1:]))
+    send_order = _staging_like(values, handle.rows_sent)  # free again once scattered home
     handle.comm.all_to_all_single(send_order, values, handle.send_rows, handle.recv_rows, priority=priority)
-    home = torch.empty_like(send_order)
+    home = values.new_empty((handle.rows_sent, *values.shape[1:]))
     if send_order.numel():
         _core.scatter_jagged(handle.plan, send_order.data_ptr(), home.data_ptr(), _row_bytes(send_order))
     return home

@@ -29,6 +29,14 @@ def _parser() -> argparse.ArgumentParser:
     a.add_argument("--warmup", type=int, default=10, help="untimed iterations per case")
     a.add_argument("--json", metavar="PATH", help="also write the rows as JSON")
     a.add_argument("--no-progress", action="store_true", help="no progress bar")
+    d = sub.add_parser("dispatch", help="fc.dispatch + fc.combine of jagged samples vs a pure-PyTorch + gloo reference")
+    d.add_argument("--ranks", type=int, default=4, help="processes on this host (default 4)")
+    d.add_argument("--rows", type=_size, default=1 << 20, help="rows across all ranks (default 1M)")
+    d.add_argument("--dim", type=int, default=128, help="float32 values per row (default 128)")
+    d.add_argument("--iters", type=int, default=5, help="timed iterations (default 5)")
+    d.add_argument("--warmup", type=int, default=2, help="untimed iterations")
+    d.add_argument("--json", metavar="PATH", help="also write the rows as JSON")
+    d.add_argument("--no-progress", action="store_true", help="no progress bar")
     return p
 
 
@@ -47,6 +55,18 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print("\n".join(alltoall.goal_summary(rows)))
         if args.json:
             write_json(args.json, "alltoall", rows, ranks=args.ranks)
+    elif args.bench == "dispatch":
+        from freescale_comm.bench import dispatch
+        from freescale_comm.bench.report import bandwidth_table, write_json
+
+        if args.ranks < 2 or args.rows < args.ranks or args.dim < 1:
+            print("freescale-bench: need --ranks >= 2, --rows >= --ranks and --dim >= 1", file=sys.stderr)
+            return 2
+        rows = dispatch.run(args.ranks, args.rows, args.dim, args.warmup, args.iters, not args.no_progress)
+        print(bandwidth_table(rows, f"dispatch+combine, {args.ranks} ranks, {args.rows} rows x {args.dim} float32, {platform.node()}"))
+        print(dispatch.summary(rows))
+        if args.json:
+            write_json(args.json, "dispatch", rows, ranks=args.ranks, rows_total=args.rows, dim=args.dim)
     return 0
 
 
