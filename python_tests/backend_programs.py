@@ -39,7 +39,8 @@ def every_collective_matches_gloo(info, seed: int) -> list[str]:
             checked.append(name)
 
     def both(name: str, fn, *tensors):
-        """fn(group, *copies) on both groups; compares the tensors it filled."""
+        """fn(group, *copies) on both groups; compares the tensors it filled (outputs start as
+        zeros: buffers a collective leaves alone on some rank must still compare equal)."""
         a = [t.clone() if isinstance(t, torch.Tensor) else [u.clone() for u in t] for t in tensors]
         b = [t.clone() if isinstance(t, torch.Tensor) else [u.clone() for u in t] for t in tensors]
         fn(fs, *a)
@@ -51,16 +52,16 @@ def every_collective_matches_gloo(info, seed: int) -> list[str]:
     both("all_reduce", lambda g, t: dist.all_reduce(t, op=dist.ReduceOp.SUM, group=g), x)
     both("all_reduce_max", lambda g, t: dist.all_reduce(t, op=dist.ReduceOp.MAX, group=g), x)
     both("reduce", lambda g, t: dist.reduce(t, dst=0, group=g), x)
-    both("all_gather", lambda g, outs, t: dist.all_gather(outs, t, group=g), [torch.empty(5, 3) for _ in range(world)], x)
-    both("all_gather_into_tensor", lambda g, out, t: dist.all_gather_into_tensor(out, t, group=g), torch.empty(5 * world, 3), x)
+    both("all_gather", lambda g, outs, t: dist.all_gather(outs, t, group=g), [torch.zeros(5, 3) for _ in range(world)], x)
+    both("all_gather_into_tensor", lambda g, out, t: dist.all_gather_into_tensor(out, t, group=g), torch.zeros(5 * world, 3), x)
     both("gather", lambda g, outs, t: dist.gather(t, outs if rank == 0 else None, dst=0, group=g),
-         [torch.empty(5, 3) for _ in range(world)], x)
+         [torch.zeros(5, 3) for _ in range(world)], x)
     both("scatter", lambda g, out, ins: dist.scatter(out, ins if rank == 0 else None, src=0, group=g),
-         torch.empty(5, 3), [torch.full((5, 3), float(p)) for p in range(world)])
+         torch.zeros(5, 3), [torch.full((5, 3), float(p)) for p in range(world)])
     both("reduce_scatter", lambda g, out, ins: dist.reduce_scatter(out, ins, group=g),
-         torch.empty(2), [torch.randn(2, generator=gen) + rank for _ in range(world)])
+         torch.zeros(2), [torch.randn(2, generator=gen) + rank for _ in range(world)])
     both("reduce_scatter_tensor", lambda g, out, t: dist.reduce_scatter_tensor(out, t, group=g),
-         torch.empty(2), torch.randn(2 * world, generator=gen))
+         torch.zeros(2), torch.randn(2 * world, generator=gen))
 
     # all_to_all_single: uneven splits (every rank derives the same matrix), several dtypes.
     counts = torch.randint(0, 4, (world, world), generator=torch.Generator().manual_seed(seed)).tolist()
@@ -69,13 +70,13 @@ def every_collective_matches_gloo(info, seed: int) -> list[str]:
         recv_rows = sum(counts[p][rank] for p in range(world))
         both(f"all_to_all_single[{dtype}]",
              lambda g, out, t: dist.all_to_all_single(out, t, [c[rank] for c in counts], counts[rank], group=g),
-             torch.empty(recv_rows, 2, dtype=dtype), send)
+             torch.zeros(recv_rows, 2, dtype=dtype), send)
     both("all_to_all_single_equal", lambda g, out, t: dist.all_to_all_single(out, t, group=g),
-         torch.empty(world * 3), torch.randn(world * 3, generator=gen))
+         torch.zeros(world * 3), torch.randn(world * 3, generator=gen))
     # all_to_all (list form); gloo needs equal shapes, freescale also takes shapes differing per peer.
     ins = [torch.full((3, 2), float(rank * 10 + p)) for p in range(world)]
-    both("all_to_all", lambda g, o, i: dist.all_to_all(o, i, group=g), [torch.empty(3, 2) for _ in range(world)], ins)
-    outs = [torch.empty(rank + 1, p + 1) for p in range(world)]
+    both("all_to_all", lambda g, o, i: dist.all_to_all(o, i, group=g), [torch.zeros(3, 2) for _ in range(world)], ins)
+    outs = [torch.zeros(rank + 1, p + 1) for p in range(world)]
     dist.all_to_all(outs, [torch.full((p + 1, rank + 1), float(rank * 10 + p)) for p in range(world)])
     same("all_to_all_uneven", outs, [torch.full((rank + 1, p + 1), float(p * 10 + rank)) for p in range(world)])
 
@@ -89,7 +90,7 @@ def every_collective_matches_gloo(info, seed: int) -> list[str]:
             for r in reqs:
                 r.wait()
 
-        both("isend_irecv", ring, torch.empty(4), torch.arange(4.0) + rank)
+        both("isend_irecv", ring, torch.zeros(4), torch.arange(4.0) + rank)
 
     # Object collectives.
     objs_fs, objs_gl = [None] * world, [None] * world

@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 from freescale_comm import _core
 from freescale_comm._bootstrap import StoreBootstrap
-from freescale_comm.communicator import Communicator
+from freescale_comm.communicator import Communicator, check_priority
 from freescale_comm.work import Work
 
 logger = logging.getLogger("freescale_comm")
@@ -38,11 +38,7 @@ _priority: contextvars.ContextVar[int] = contextvars.ContextVar("freescale_prior
 def priority(p: int) -> Iterator[None]:
     """Native ops issued through a ``freescale`` group inside this block run at priority `p`
     (an int; larger = sooner; default 0). Priorities reorder execution, never matching."""
-    if isinstance(p, bool) or not isinstance(p, int):
-        raise TypeError(f"priority must be an int (larger = sooner), got {p!r}")
-    if not -(2**31) <= p < 2**31:
-        raise ValueError(f"priority must fit in 32 bits, got {p}")
-    token = _priority.set(p)
+    token = _priority.set(check_priority(p))
     try:
         yield
     finally:

@@ -54,6 +54,15 @@ def _check_tensor(t: object, name: str) -> torch.Tensor:
     return t
 
 
+def check_priority(priority: object) -> int:
+    """`priority` as an int32 (larger = sooner); TypeError / ValueError otherwise."""
+    if isinstance(priority, bool) or not isinstance(priority, int):
+        raise TypeError(f"priority must be an int (larger = sooner), got {priority!r}")
+    if not -(2**31) <= priority < 2**31:
+        raise ValueError(f"priority must fit in 32 bits, got {priority}")
+    return priority
+
+
 def _split_sizes(splits: SplitSizes, dim0: int, world: int, name: str, tensor_name: str) -> list[int]:
     """Validated per-rank row counts; None or [] splits dim 0 equally (as dist does)."""
     if isinstance(splits, torch.Tensor):
@@ -163,10 +172,7 @@ class Communicator:
                 f"input and output are on {input.device}: this build moves CPU tensors only "
                 f"(transports: {_core.build_info()['transports']}); use .cpu() or an NCCL group"
             )
-        if isinstance(priority, bool) or not isinstance(priority, int):
-            raise TypeError(f"priority must be an int (larger = sooner), got {priority!r}")
-        if not -(2**31) <= priority < 2**31:
-            raise ValueError(f"priority must fit in 32 bits, got {priority}")
+        check_priority(priority)
         if not output.is_contiguous():
             raise ValueError("output must be contiguous: receive into a contiguous tensor and copy it where needed")
         row_elems_in = math.prod(input.shape[1:])  # elements per dim-0 row (also for 0 rows)

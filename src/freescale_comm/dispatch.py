@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from freescale_comm import _core
-from freescale_comm.communicator import Communicator
+from freescale_comm.communicator import Communicator, check_priority
 
 _comms: "weakref.WeakKeyDictionary[Any, Communicator]" = weakref.WeakKeyDictionary()
 _comms_lock = threading.Lock()
@@ -152,14 +152,6 @@ class _Combine(torch.autograd.Function):
         return _forward_rows(grad, ctx.handle, ctx.priority), None, None
 
 
-def _check_priority(priority: object) -> int:
-    if isinstance(priority, bool) or not isinstance(priority, int):
-        raise TypeError(f"priority must be an int (larger = sooner), got {priority!r}")
-    if not -(2**31) <= priority < 2**31:
-        raise ValueError(f"priority must fit in 32 bits, got {priority}")
-    return priority
-
-
 def dispatch(values: torch.Tensor, lengths: torch.Tensor, dest_ranks: torch.Tensor, *,
              group: Optional[dist.ProcessGroup] = None, priority: int = 0) -> DispatchResult:
     """Sends sample i (rows lengths[:i].sum() ... + lengths[i] of `values`) to rank dest_ranks[i]
@@ -169,7 +161,7 @@ def dispatch(values: torch.Tensor, lengths: torch.Tensor, dest_ranks: torch.Tens
     values = _check_values(values)
     lengths = _check_index_tensor(lengths, "lengths", None)
     dest_ranks = _check_index_tensor(dest_ranks, "dest_ranks", lengths.numel())
-    priority = _check_priority(priority)
+    priority = check_priority(priority)
     total = int(lengths.sum()) if lengths.numel() else 0
     if total != values.shape[0]:
         raise ValueError(f"lengths sum to {total}, but values has {values.shape[0]} rows; they must be equal")
@@ -203,7 +195,7 @@ def combine(values: torch.Tensor, handle: DispatchHandle, *, priority: int = 0) 
     if not isinstance(handle, DispatchHandle):
         raise TypeError(f"handle must be the .handle of an fc.dispatch result, got {type(handle).__name__}")
     values = _check_values(values)
-    priority = _check_priority(priority)
+    priority = check_priority(priority)
     if handle.comm.closed:
         raise ValueError("handle belongs to a communicator that was closed (its group was destroyed); dispatch again")
     if values.shape[0] != handle.rows_received:
