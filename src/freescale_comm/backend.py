@@ -14,7 +14,6 @@ import contextlib
 import contextvars
 import datetime
 import logging
-import operator
 import threading
 from collections.abc import Iterator, Sequence
 from typing import Any, Optional
@@ -77,10 +76,6 @@ class _NativeWork(dist._Work):
 
     def get_future(self) -> torch.futures.Future:
         return self._work.get_future()
-
-
-def _split_list(splits: Sequence[int]) -> Optional[list[int]]:
-    return None if splits is None or len(splits) == 0 else [operator.index(s) for s in splits]
 
 
 class ProcessGroupFreescale(dist.ProcessGroup):
@@ -150,7 +145,7 @@ class ProcessGroupFreescale(dist.ProcessGroup):
             opts = opts if opts is not None else dist.AllToAllOptions()
             return self._inner([input]).alltoall_base(output, input, list(output_split_sizes), list(input_split_sizes), opts)
         assert self._comm is not None
-        work = self._comm.all_to_all_single(output, input, _split_list(output_split_sizes), _split_list(input_split_sizes),
+        work = self._comm.all_to_all_single(output, input, output_split_sizes, input_split_sizes,
                                             priority=current_priority(), async_op=True)
         return _NativeWork(work, [output])
 

@@ -59,7 +59,6 @@ class DispatchHandle:
     send_rows: list[int]  # [world] rows this rank sent to each rank
     recv_rows: list[int]  # [world] rows this rank received from each rank
     recv_lengths: torch.Tensor  # int64 [received samples]
-    row_shape: tuple[int, ...]  # trailing shape of the dispatched values
 
     @property
     def rows_sent(self) -> int:
@@ -181,8 +180,7 @@ def dispatch(values: torch.Tensor, lengths: torch.Tensor, dest_ranks: torch.Tens
                            send_counts.tolist(), priority=priority)
     source_ranks = torch.repeat_interleave(torch.arange(world, dtype=torch.int64), recv_counts)
     recv_rows = torch.zeros(world, dtype=torch.int64).index_add_(0, source_ranks, recv_lengths)
-    handle = DispatchHandle(comm, plan, plan.row_counts.tolist(), recv_rows.tolist(), recv_lengths,
-                            tuple(values.shape[1:]))
+    handle = DispatchHandle(comm, plan, plan.row_counts.tolist(), recv_rows.tolist(), recv_lengths)
     out = _Dispatch.apply(values, handle, priority)
     return DispatchResult(out, recv_lengths, source_ranks, handle)
 

@@ -36,6 +36,7 @@ def _rank_bench(info: Any, sizes: Sequence[int], warmup: int, iters: Optional[in
     import torch.distributed as dist
 
     import freescale_comm as fc
+    from freescale_comm.bench.report import bandwidth_row
 
     torch.set_num_threads(1)  # one copy thread per rank, for every implementation alike
     rank, world = info.rank, info.world_size
@@ -69,7 +70,7 @@ def _rank_bench(info: Any, sizes: Sequence[int], warmup: int, iters: Optional[in
             if rank == 0:
                 # An iteration lasts as long as its slowest rank.
                 per_iter = [max(ts[i] for ts, _ in gathered) for i in range(len(times))]
-                rows.append(_row(impl, n * 4, world, per_iter, sum(w for _, w in gathered)))
+                rows.append(bandwidth_row(impl, n * 4, world, per_iter, sum(w for _, w in gathered)))
             if bar is not None:
                 bar.update(1)
     if bar is not None:
@@ -100,23 +101,6 @@ def _batched_copy_times(run: Any, out: Any, x: Any, count: int, batch_s: float =
             run(out, x)
         times.append((time.perf_counter() - t0) / per_batch)
     return times
-
-
-def _row(impl: str, size_bytes: int, world: int, seconds: Sequence[float], wrong: int) -> dict[str, Any]:
-    from freescale_comm.bench.report import mean_std
-
-    mean, std = mean_std(seconds)
-    algbw = size_bytes / mean / 1e9
-    return {
-        "impl": impl,
-        "size_bytes": size_bytes,
-        "time_us": mean * 1e6,
-        "time_std_us": std * 1e6,
-        "algbw_gbps": algbw,
-        "busbw_gbps": algbw * (world - 1) / world,  # nccl-tests' alltoall bus factor
-        "wrong": wrong,
-        "iters": len(seconds),
-    }
 
 
 def goal_summary(rows: Sequence[dict[str, Any]]) -> list[str]:

@@ -61,6 +61,7 @@ def _rank_bench(info: Any, rows_per_rank: int, dim: int, warmup: int, iters: int
     import torch.distributed as dist
 
     import freescale_comm as fc
+    from freescale_comm.bench.report import bandwidth_row
 
     torch.set_num_threads(1)  # one copy thread per rank, for both implementations alike
     rank, world = info.rank, info.world_size
@@ -105,24 +106,9 @@ def _rank_bench(info: Any, rows_per_rank: int, dim: int, warmup: int, iters: int
     if rank != 0:
         return None
     size = rows_per_rank * dim * 4
-    return [_row(impl, size, world, t, w + (sum(mismatches) if impl == "freescale" else 0)) for impl, t, w in rows]
-
-
-def _row(impl: str, size_bytes: int, world: int, seconds: list[float], wrong: int) -> dict[str, Any]:
-    from freescale_comm.bench.report import mean_std
-
-    mean, std = mean_std(seconds)
-    algbw = 2 * size_bytes / mean / 1e9  # out and back
-    return {
-        "impl": impl,
-        "size_bytes": size_bytes,
-        "time_us": mean * 1e6,
-        "time_std_us": std * 1e6,
-        "algbw_gbps": algbw,
-        "busbw_gbps": algbw * (world - 1) / world,
-        "wrong": wrong,
-        "iters": len(seconds),
-    }
+    # algbw counts the values twice: out and back.
+    return [bandwidth_row(impl, size, world, t, w + (sum(mismatches) if impl == "freescale" else 0), bytes_moved=2 * size)
+            for impl, t, w in rows]
 
 
 def summary(rows: list[dict[str, Any]]) -> str:

@@ -17,6 +17,24 @@ def mean_std(samples: Sequence[float]) -> tuple[float, float]:
     return mean, math.sqrt(var)
 
 
+def bandwidth_row(impl: str, size_bytes: int, world: int, seconds: Sequence[float], wrong: int,
+                  bytes_moved: Optional[int] = None) -> dict[str, Any]:
+    """One all-to-all-style row: algbw = bytes_moved (default size_bytes) per mean second,
+    busbw = algbw x (world - 1) / world (nccl-tests' alltoall bus factor)."""
+    mean, std = mean_std(seconds)
+    algbw = (size_bytes if bytes_moved is None else bytes_moved) / mean / 1e9
+    return {
+        "impl": impl,
+        "size_bytes": size_bytes,
+        "time_us": mean * 1e6,
+        "time_std_us": std * 1e6,
+        "algbw_gbps": algbw,
+        "busbw_gbps": algbw * (world - 1) / world,
+        "wrong": wrong,
+        "iters": len(seconds),
+    }
+
+
 def human_bytes(n: int) -> str:
     for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
         if n >= scale and n % scale == 0:
