@@ -154,7 +154,6 @@ void Communicator::admit() {
       Transfer t;
       t.op = op;
       t.peer = p;
-      t.src = op->send + op->layout.send_offsets[p];
       t.bytes = op->layout.send_bytes[p];
       t.priority = op->priority;
       t.submitted = op->submitted;

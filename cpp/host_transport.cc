@@ -140,8 +140,21 @@ void HostTransport::send_chunk(const Transfer& t, const Chunk& c) {
   header.offset = c.offset;
   header.bytes = c.bytes;
   header.total = t.bytes;
+  const OpState& op = *t.op;
+  const uint64_t block_start = op.layout.send_offsets[t.peer];
   if (t.peer == rank_) {
-    deliver(rank_, header, t.src + c.offset);
+    if (c.bytes == 0) {
+      deliver(rank_, header, nullptr);  // the header of an empty block
+      return;
+    }
+    // Straight from the send block into the recv block, one contiguous piece at a time.
+    for_each_piece(op.send, block_start, op.layout.send_segments, t.peer, c.offset, c.bytes,
+                   [&](const uint8_t* piece, uint64_t n) {
+                     SlotHeader part = header;
+                     part.bytes = n;
+                     deliver(rank_, part, piece);
+                     header.offset += n;
+                   });
     return;
   }
   const Peer& self = peers_[rank_];
@@ -150,7 +163,7 @@ void HostTransport::send_chunk(const Transfer& t, const Chunk& c) {
   uint64_t head = ring->head.load(std::memory_order_relaxed);
   SlotHeader* slot = self.layout.slot(self.segment.data(), t.peer, head);
   *slot = header;
-  if (c.bytes > 0) std::memcpy(HostSegmentLayout::payload(slot), t.src + c.offset, c.bytes);
+  read_block(op.send, block_start, op.layout.send_segments, t.peer, c.offset, c.bytes, HostSegmentLayout::payload(slot));
   ring->head.store(head + 1, std::memory_order_release);
   ring_peer(t.peer);
 }
@@ -173,7 +186,7 @@ void HostTransport::deliver(int src, const SlotHeader& h, const uint8_t* payload
   if (h.offset != op.recv_done[src] || h.bytes > expected - h.offset || op.recv_finished[src]) {
     throw Error(ErrorCode::kInternal, "out-of-order chunk from rank " + std::to_string(src));
   }
-  if (h.bytes > 0) std::memcpy(op.recv + op.layout.recv_offsets[src] + h.offset, payload, h.bytes);
+  write_block(op.recv, op.layout.recv_offsets[src], op.layout.recv_segments, src, h.offset, payload, h.bytes);
   op.recv_done[src] += h.bytes;
   if (op.recv_done[src] == expected) {
     op.recv_finished[src] = 1;

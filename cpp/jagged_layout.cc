@@ -48,22 +48,50 @@ JaggedPlan plan_jagged_dispatch(const int64_t* lengths, const int64_t* dest, int
   return plan;
 }
 
-void gather_jagged(const JaggedPlan& plan, const uint8_t* src, uint8_t* dst, uint64_t row_bytes) {
-  for (int64_t sample : plan.order) {
-    auto bytes = static_cast<uint64_t>(plan.lengths[sample]) * row_bytes;
-    if (bytes == 0) continue;
-    std::memcpy(dst, src + static_cast<uint64_t>(plan.row_start[sample]) * row_bytes, bytes);
-    dst += bytes;
+SegmentMap home_segments(const JaggedPlan& plan, uint64_t row_bytes) {
+  SegmentMap map;
+  size_t k = 0;  // position in send order
+  for (int p = 0; p < plan.world; ++p) {
+    map.begin_peer();
+    for (int64_t left = plan.sample_counts[p]; left > 0; --left, ++k) {
+      int64_t sample = plan.order[k];
+      map.add(static_cast<uint64_t>(plan.row_start[sample]) * row_bytes,
+              static_cast<uint64_t>(plan.lengths[sample]) * row_bytes);
+    }
   }
+  map.finish();
+  return map;
 }
 
-void scatter_jagged(const JaggedPlan& plan, const uint8_t* src, uint8_t* dst, uint64_t row_bytes) {
-  for (int64_t sample : plan.order) {
-    auto bytes = static_cast<uint64_t>(plan.lengths[sample]) * row_bytes;
-    if (bytes == 0) continue;
-    std::memcpy(dst + static_cast<uint64_t>(plan.row_start[sample]) * row_bytes, src, bytes);
-    src += bytes;
+namespace {
+
+std::vector<uint64_t> bytes_of(const std::vector<int64_t>& rows, uint64_t row_bytes, const char* name, int world) {
+  if (rows.size() != static_cast<size_t>(world)) {
+    throw InvalidArgument(std::string(name) + " has " + std::to_string(rows.size()) + " entries, expected " +
+                          std::to_string(world));
   }
+  std::vector<uint64_t> bytes(rows.size());
+  for (size_t p = 0; p < rows.size(); ++p) {
+    if (rows[p] < 0) throw InvalidArgument(std::string(name) + "[" + std::to_string(p) + "] is negative");
+    bytes[p] = static_cast<uint64_t>(rows[p]) * row_bytes;
+  }
+  return bytes;
+}
+
+}  // namespace
+
+AllToAllLayout dispatch_layout(const JaggedPlan& plan, uint64_t row_bytes, const std::vector<int64_t>& recv_rows) {
+  AllToAllLayout layout = AllToAllLayout::packed(bytes_of(plan.row_counts, row_bytes, "row_counts", plan.world),
+                                                 bytes_of(recv_rows, row_bytes, "recv_rows", plan.world));
+  layout.send_segments = home_segments(plan, row_bytes);
+  return layout;
+}
+
+AllToAllLayout combine_layout(const JaggedPlan& plan, uint64_t row_bytes, const std::vector<int64_t>& recv_rows) {
+  AllToAllLayout layout = AllToAllLayout::packed(bytes_of(recv_rows, row_bytes, "recv_rows", plan.world),
+                                                 bytes_of(plan.row_counts, row_bytes, "row_counts", plan.world));
+  layout.recv_segments = home_segments(plan, row_bytes);
+  return layout;
 }
 
 }  // namespace freescale

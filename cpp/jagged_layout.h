@@ -5,6 +5,9 @@
 #include <cstdint>
 #include <vector>
 
+#include "cpp/layout.h"
+#include "cpp/segment_map.h"
+
 namespace freescale {
 
 struct JaggedPlan {
@@ -22,9 +25,14 @@ struct JaggedPlan {
 // `lengths` or `dest_ranks` (and the sample) for a negative length or a rank out of [0, world).
 JaggedPlan plan_jagged_dispatch(const int64_t* lengths, const int64_t* dest, int64_t samples, int world);
 
-// Copies the samples of `src` (original order, plan.rows rows of row_bytes) into `dst` in send
-// order, and back. The buffers must not overlap.
-void gather_jagged(const JaggedPlan& plan, const uint8_t* src, uint8_t* dst, uint64_t row_bytes);
-void scatter_jagged(const JaggedPlan& plan, const uint8_t* src, uint8_t* dst, uint64_t row_bytes);
+// Where each destination's samples sit in the original (home) buffer of plan.rows rows of
+// row_bytes: peer p's block is its samples in send order. Adjacent samples merge into one segment.
+SegmentMap home_segments(const JaggedPlan& plan, uint64_t row_bytes);
+
+// The AllToAllv layouts that move the plan's rows with no staging copy. recv_rows: [world] rows
+// received from each rank by the dispatch. dispatch: sent straight from home (segments), received
+// packed by source rank; combine: the reverse, landing straight home.
+AllToAllLayout dispatch_layout(const JaggedPlan& plan, uint64_t row_bytes, const std::vector<int64_t>& recv_rows);
+AllToAllLayout combine_layout(const JaggedPlan& plan, uint64_t row_bytes, const std::vector<int64_t>& recv_rows);
 
 }  // namespace freescale

@@ -63,6 +63,13 @@ void validate_alltoallv(const AllToAllLayout& layout, int world) {
   check_length(layout.recv_offsets, "recv_offsets", world);
   check_within(layout.send_bytes, layout.send_offsets, layout.send_capacity, "send");
   check_within(layout.recv_bytes, layout.recv_offsets, layout.recv_capacity, "recv");
+  if (!layout.send_segments.empty()) {
+    validate_segments(layout.send_segments, layout.send_bytes, layout.send_capacity, world, false, "send");
+  }
+  if (!layout.recv_segments.empty()) {
+    validate_segments(layout.recv_segments, layout.recv_bytes, layout.recv_capacity, world, true, "recv");
+    return;  // the segments, not the offsets, say where bytes land
+  }
   // Receive blocks are written concurrently: they must not overlap.
   std::vector<std::pair<uint64_t, uint64_t>> blocks;  // (offset, end)
   for (int p = 0; p < world; ++p) {

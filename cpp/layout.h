@@ -4,6 +4,8 @@
 #include <cstdint>
 #include <vector>
 
+#include "cpp/segment_map.h"
+
 namespace freescale {
 
 // One rank's view of an AllToAllv, in bytes. Entry p of each vector concerns peer rank p.
@@ -14,6 +16,10 @@ struct AllToAllLayout {
   std::vector<uint64_t> recv_offsets;  // [world] byte offset of peer p's block in the recv buffer
   uint64_t send_capacity = 0;          // bytes addressable from the send pointer
   uint64_t recv_capacity = 0;          // bytes addressable from the recv pointer
+  // Optional scatter/gather: when a map is not empty, peer p's block on that side is its
+  // segments (offsets from the buffer base) and that side's offsets above are not used.
+  SegmentMap send_segments;
+  SegmentMap recv_segments;
 
   uint64_t total_send() const;
   uint64_t total_recv() const;
@@ -23,7 +29,8 @@ struct AllToAllLayout {
 };
 
 // Throws InvalidArgument naming the field when: a vector is not [world] long, a block runs past
-// its buffer's capacity (overflow-safe), or two receive blocks overlap.
+// its buffer's capacity (overflow-safe), two receive blocks (or receive segments) overlap, or a
+// segment map does not match the block sizes.
 void validate_alltoallv(const AllToAllLayout& layout, int world);
 
 // A contiguous piece of one transfer.

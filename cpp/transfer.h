@@ -11,7 +11,6 @@ namespace freescale {
 struct Transfer {
   std::shared_ptr<OpState> op;  // the op this send belongs to
   int peer = 0;                 // destination rank
-  const uint8_t* src = nullptr; // first byte of the block
   uint64_t bytes = 0;           // bytes of the whole block (0 still sends one empty chunk)
   uint64_t sent = 0;            // bytes handed to the transport so far
   int priority = 0;             // larger = sooner (the scheduler's business, not the transport's)

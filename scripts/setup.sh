@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Installs everything the tests and the demo need on a fresh machine (idempotent):
-# GoogleTest, torch 2.13.0 (CPU), and this package with its test extras.
+# GoogleTest, torch 2.13.0 (CPU), this package with its test extras, and TorchRec (a real client
+# the tests run against the backend).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 SUDO=""
@@ -11,3 +12,7 @@ if [ ! -f /usr/include/gtest/gtest.h ]; then
 fi
 python3 -m pip install -q --disable-pip-version-check torch==2.13.0
 python3 -m pip install -q --disable-pip-version-check ".[test]"
+# torchrec declares a dependency on the CUDA fbgemm-gpu wheel, which does not load on a CPU torch
+# and shares its import name with fbgemm-gpu-cpu: install the CPU one and torchrec without deps.
+python3 -m pip install -q --disable-pip-version-check fbgemm-gpu-cpu==1.8.0 tensordict "torchmetrics==1.0.3" tqdm pyre-extensions
+python3 -m pip install -q --disable-pip-version-check --no-deps torchrec==1.8.0

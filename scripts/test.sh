@@ -7,4 +7,4 @@ cmake -S . -B build/ctest -DFREESCALE_BUILD_TESTS=ON -DCMAKE_BUILD_TYPE=Release 
 cmake --build build/ctest -j2 >> build-ctest.log 2>&1 || { cat build-ctest.log; exit 1; }
 rm -f build-ctest.log
 ctest --test-dir build/ctest --output-on-failure
-python3 -m pytest python_tests -q -p no:cacheprovider
+FREESCALE_REQUIRE_CLIENTS=1 python3 -m pytest python_tests -q -p no:cacheprovider

@@ -1,7 +1,8 @@
-// Binds the CPU layout work of dispatch/combine: JaggedPlan and the sample gather/scatter.
-// Pointers cross as integers; the copies run with the GIL released.
+// Binds the CPU layout work of dispatch/combine: JaggedPlan and the scatter/gather layouts that
+// move samples with no staging copy. Pointers cross as integers.
 #include <pybind11/numpy.h>
 #include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
 
 #include <memory>
 
@@ -36,20 +37,10 @@ void register_jagged(py::module_& m) {
       },
       py::arg("lengths_ptr"), py::arg("dest_ptr"), py::arg("samples"), py::arg("world"),
       "Plans sending sample i to rank dest[i] (int64 arrays of `samples` entries). ValueError names a bad entry.");
-  m.def(
-      "gather_jagged",
-      [](const JaggedPlan& plan, uintptr_t src, uintptr_t dst, uint64_t row_bytes) {
-        gather_jagged(plan, reinterpret_cast<const uint8_t*>(src), reinterpret_cast<uint8_t*>(dst), row_bytes);
-      },
-      py::arg("plan"), py::arg("src_ptr"), py::arg("dst_ptr"), py::arg("row_bytes"), py::call_guard<py::gil_scoped_release>(),
-      "Copies samples from original order (src) to send order (dst).");
-  m.def(
-      "scatter_jagged",
-      [](const JaggedPlan& plan, uintptr_t src, uintptr_t dst, uint64_t row_bytes) {
-        scatter_jagged(plan, reinterpret_cast<const uint8_t*>(src), reinterpret_cast<uint8_t*>(dst), row_bytes);
-      },
-      py::arg("plan"), py::arg("src_ptr"), py::arg("dst_ptr"), py::arg("row_bytes"), py::call_guard<py::gil_scoped_release>(),
-      "Copies samples from send order (src) back to original order (dst).");
+  m.def("dispatch_layout", &dispatch_layout, py::arg("plan"), py::arg("row_bytes"), py::arg("recv_rows"),
+        "AllToAllLayout sending the plan's samples straight from their home rows, received packed by source.");
+  m.def("combine_layout", &combine_layout, py::arg("plan"), py::arg("row_bytes"), py::arg("recv_rows"),
+        "AllToAllLayout sending received rows back packed, landing straight in their home rows.");
 }
 
 }  // namespace freescale

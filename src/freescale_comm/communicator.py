@@ -10,7 +10,7 @@ import operator
 import threading
 import weakref
 from collections.abc import Sequence
-from typing import Optional, Union
+from typing import Any, Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -188,8 +188,13 @@ class Communicator:
         source = input if input.is_contiguous() else input.contiguous()
         row_bytes = row_elems_in * input.element_size()
         layout = _core.AllToAllLayout.packed([s * row_bytes for s in in_splits], [s * row_bytes for s in out_splits])
-        handle = self._core.all_to_all(source.data_ptr(), output.data_ptr(), layout, priority, not async_op)
-        work = Work(self._core, handle, [output], keepalive=(source, output))
+        return self._submit(output, source, layout, priority, async_op)
+
+    def _submit(self, output: torch.Tensor, input: torch.Tensor, layout: Any, priority: int, async_op: bool) -> Work:
+        """Queues an AllToAllv of the contiguous CPU tensors' bytes as `layout` (a checked
+        _core.AllToAllLayout) says; waits for it unless async_op."""
+        handle = self._core.all_to_all(input.data_ptr(), output.data_ptr(), layout, priority, not async_op)
+        work = Work(self._core, handle, [output], keepalive=(input, output))
         if async_op:
             self._inflight = [w for w in self._inflight if not w.is_completed()]
             self._inflight.append(work)

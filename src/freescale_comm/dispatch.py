@@ -14,26 +14,11 @@ import torch
 import torch.distributed as dist
 
 from freescale_comm import _core
+from freescale_comm._output_cache import output_cache
 from freescale_comm.communicator import Communicator, check_priority
 
 _comms: "weakref.WeakKeyDictionary[Any, Communicator]" = weakref.WeakKeyDictionary()
 _comms_lock = threading.Lock()
-# Per thread: the staging buffer rows wait in while in send order (reused across calls, growing
-# to the largest seen, so big dispatches do not page-fault fresh memory every step).
-_staging = threading.local()
-
-
-def _staging_like(values: torch.Tensor, rows: int) -> torch.Tensor:
-    """A [rows, *values.shape[1:]] tensor of values' dtype over this thread's staging bytes."""
-    shape = (rows, *values.shape[1:])
-    nbytes = math.prod(shape) * values.element_size()
-    buf: Optional[torch.Tensor] = getattr(_staging, "buf", None)
-    if buf is None or buf.numel() < nbytes:
-        buf = torch.empty(max(nbytes, 64), dtype=torch.uint8)
-        _staging.buf = buf
-    return buf[:nbytes].view(values.dtype).view(shape)
-
-
 def communicator_for(group: Optional[dist.ProcessGroup]) -> Communicator:
     """The Communicator moving dispatch/combine bytes for `group` (default WORLD): a freescale
     group's own, else one built over the group on first use (collective) and kept with it."""
@@ -108,24 +93,22 @@ def _row_bytes(t: torch.Tensor) -> int:
 
 
 def _forward_rows(values: torch.Tensor, handle: DispatchHandle, priority: int) -> torch.Tensor:
-    """Rows in original order on this rank → rows received (dispatch's data movement)."""
+    """Rows in original order on this rank → rows received (dispatch's data movement). Samples
+    leave straight from their rows in `values`: no staging copy."""
     values = values.contiguous()
-    send = _staging_like(values, values.shape[0])  # free again once the all-to-all returns
-    if values.numel():
-        _core.gather_jagged(handle.plan, values.data_ptr(), send.data_ptr(), _row_bytes(values))
-    recv = values.new_empty((handle.rows_received, *values.shape[1:]))
-    handle.comm.all_to_all_single(recv, send, handle.recv_rows, handle.send_rows, priority=priority)
+    recv = output_cache().empty((handle.rows_received, *values.shape[1:]), values.dtype)
+    layout = _core.dispatch_layout(handle.plan, _row_bytes(values), handle.recv_rows)
+    handle.comm._submit(recv, values, layout, priority, async_op=False)
     return recv
 
 
 def _backward_rows(values: torch.Tensor, handle: DispatchHandle, priority: int) -> torch.Tensor:
-    """Rows received → rows in original order on their home rank (combine's data movement)."""
+    """Rows received → rows in original order on their home rank (combine's data movement).
+    Samples land straight in their home rows."""
     values = values.contiguous()
-    send_order = _staging_like(values, handle.rows_sent)  # free again once scattered home
-    handle.comm.all_to_all_single(send_order, values, handle.send_rows, handle.recv_rows, priority=priority)
-    home = values.new_empty((handle.rows_sent, *values.shape[1:]))
-    if send_order.numel():
-        _core.scatter_jagged(handle.plan, send_order.data_ptr(), home.data_ptr(), _row_bytes(send_order))
+    home = output_cache().empty((handle.rows_sent, *values.shape[1:]), values.dtype)
+    layout = _core.combine_layout(handle.plan, _row_bytes(values), handle.recv_rows)
+    handle.comm._submit(home, values, layout, priority, async_op=False)
     return home
 
 
