@@ -12,7 +12,9 @@ from freescale_comm._core import (
     InvalidUsageError,
     UnsupportedError,
 )
+from freescale_comm import planner
 from freescale_comm.backend import ProcessGroupFreescale, priority, register_backend
+from freescale_comm.balancer import BalancedBatch, LoadBalancer, balance
 from freescale_comm.build import build_info
 from freescale_comm.communicator import Communicator
 from freescale_comm.dispatch import DispatchHandle, DispatchResult, combine, dispatch
@@ -23,6 +25,7 @@ __version__: str = build_info()["version"]
 register_backend()
 
 __all__ = [
+    "BalancedBatch",
     "CommError",
     "Communicator",
     "DispatchHandle",
@@ -30,13 +33,16 @@ __all__ = [
     "ErrorCode",
     "InternalError",
     "InvalidUsageError",
+    "LoadBalancer",
     "ProcessGroupFreescale",
     "UnsupportedError",
     "Work",
     "__version__",
+    "balance",
     "build_info",
     "combine",
     "dispatch",
+    "planner",
     "priority",
     "register_backend",
 ]

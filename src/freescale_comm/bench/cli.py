@@ -37,6 +37,15 @@ def _parser() -> argparse.ArgumentParser:
     d.add_argument("--warmup", type=int, default=2, help="untimed iterations")
     d.add_argument("--json", metavar="PATH", help="also write the rows as JSON")
     d.add_argument("--no-progress", action="store_true", help="no progress bar")
+    pl = sub.add_parser("planner", help="load-balancing plans: freescale vs none, LPT and Karmarkar-Karp")
+    pl.add_argument("--ranks", type=int, default=256, help="ranks to balance across (default 256)")
+    pl.add_argument("--samples", type=int, default=64, help="samples per rank (default 64)")
+    pl.add_argument("--workload", default="kuairand", help="kuairand | ml20m | zipf (default kuairand)")
+    pl.add_argument("--seed", type=int, default=0, help="workload seed")
+    pl.add_argument("--repeats", type=int, default=20, help="plans timed per method; the median is reported")
+    pl.add_argument("--bytes-per-item", type=int, default=512, help="bytes of one embedded item (default 128 float32)")
+    pl.add_argument("--json", metavar="PATH", help="also write the rows as JSON")
+    pl.add_argument("--no-progress", action="store_true", help="no progress bar")
     return p
 
 
@@ -67,6 +76,20 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(dispatch.summary(rows))
         if args.json:
             write_json(args.json, "dispatch", rows, ranks=args.ranks, rows_total=args.rows, dim=args.dim)
+    elif args.bench == "planner":
+        from freescale_comm.bench import planner, workloads
+        from freescale_comm.bench.report import write_json
+
+        if args.ranks < 1 or args.samples < 1 or args.repeats < 1 or args.workload not in workloads.WORKLOADS:
+            print(f"freescale-bench: need --ranks, --samples, --repeats >= 1 and --workload in {sorted(workloads.WORKLOADS)}",
+                  file=sys.stderr)
+            return 2
+        rows = planner.run(args.ranks, args.samples, args.workload, args.seed, args.repeats, args.bytes_per_item,
+                           not args.no_progress)
+        print(planner.table(rows, f"planner, {args.ranks} ranks x {args.samples} samples, {args.workload}, HSTU cost"))
+        print(planner.summary(rows))
+        if args.json:
+            write_json(args.json, "planner", rows, ranks=args.ranks, samples=args.samples, workload=args.workload)
     return 0
 
 

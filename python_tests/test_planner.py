@@ -1,0 +1,139 @@
+"""fc.planner: the cost model, the workload generators and plan_rebalance's contract (valid,
+deterministic, never worse, samples stay home unless moving helps, far fewer bytes than
+Karmarkar-Karp repartition for the same balance)."""
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from freescale_comm.bench import balancing_baselines, workloads
+from freescale_comm.planner import CostModel, plan_rebalance
+
+CM = CostModel.hstu(num_heads=4, attn_dim=128, hidden_dim=128)
+
+
+def test_hstu_cost_model_counts_attention_and_projection_flops():
+    cm = CostModel.hstu(num_heads=2, attn_dim=8, hidden_dim=16)
+    # (4·H·d_attn + 3·H·d_hidden) / 2 per L² (causal); projections 6·(d·H·(2·8 + 2·16) + H·16·d), d = 32.
+    assert cm.quadratic == (4 * 2 * 8 + 3 * 2 * 16) / 2
+    assert cm.linear == 6 * (32 * 2 * 48 + 2 * 16 * 32)
+    assert cm.constant == 0
+    assert np.allclose(cm.cost([0, 10]), [0, 100 * cm.quadratic + 10 * cm.linear])
+
+
+def test_fit_recovers_a_cost_model_and_keeps_coefficients_non_negative():
+    L = np.array([100, 500, 1000, 4000, 9000, 21000])
+    truth = CostModel(quadratic=2e-9, linear=3e-6, constant=1e-4)
+    fitted = CostModel.fit(L, truth.cost(L))
+    assert np.allclose([fitted.quadratic, fitted.linear, fitted.constant], [2e-9, 3e-6, 1e-4], rtol=1e-6)
+    # Timings a negative constant would fit best: the constant is dropped instead.
+    odd = CostModel.fit(L, 1e-9 * L.astype(float) ** 2 - 1e-3)
+    assert min(odd.quadratic, odd.linear, odd.constant) >= 0
+
+
+@pytest.mark.parametrize("bad", [dict(quadratic=-1.0), dict(linear=float("nan")), dict(quadratic=0, linear=0, constant=0)])
+def test_bad_cost_models_are_refused(bad):
+    with pytest.raises(ValueError, match="CostModel"):
+        CostModel(**bad)
+
+
+def test_workloads_are_seeded_and_shaped_like_their_data():
+    a = workloads.kuairand(200_000, seed=3)
+    assert np.array_equal(a, workloads.kuairand(200_000, seed=3))
+    assert not np.array_equal(a, workloads.kuairand(200_000, seed=4))
+    assert a.min() >= 100 and a.max() <= 21000 and a.dtype == np.int64
+    assert abs(np.median(a) - 8591) / 8591 < 0.02
+    m = workloads.ml20m(100_000, seed=1)
+    assert m.min() >= 20 and abs(np.median(m) - (19.07 + 43.1)) < 3  # lognormal median: loc + scale
+    z = workloads.zipf(100_000, seed=1)
+    assert z.min() >= 1 and z.max() <= 4096
+    assert abs(np.mean(z == 1) - 1 / 5.5915) < 0.01  # P(1) = 1 / zeta(1.2)
+    with pytest.raises(ValueError, match="unknown workload"):
+        workloads.generate("criteo", 3)
+
+
+def _loads(lengths, dest, cm=CM):
+    loads = np.zeros(len(lengths))
+    for r, L in enumerate(lengths):
+        np.add.at(loads, dest[r], cm.cost(L))
+    return loads
+
+
+lengths_lists = st.lists(st.lists(st.integers(0, 3000), min_size=0, max_size=12), min_size=1, max_size=9)
+
+
+@settings(max_examples=150, deadline=None)
+@given(lengths_lists, st.integers(0, 1024))
+def test_plans_are_valid_deterministic_and_never_worse(raw, bytes_per_item):
+    lengths = [np.array(L, dtype=np.int64) for L in raw]
+    plan = plan_rebalance(lengths, cost_model=CM, bytes_per_item=bytes_per_item)
+    world = len(lengths)
+    assert len(plan.dest) == world
+    for r, L in enumerate(lengths):
+        assert plan.dest[r].shape == L.shape and plan.dest[r].dtype == np.int64
+        assert ((plan.dest[r] >= 0) & (plan.dest[r] < world)).all()
+    assert np.allclose(plan.loads_after, _loads(lengths, plan.dest))
+    assert np.isclose(plan.loads_after.sum(), plan.loads_before.sum())
+    assert plan.loads_after.max() <= plan.loads_before.max() * (1 + 1e-12)
+    assert plan.loads_after.max() >= plan.lower_bound * (1 - 1e-12)
+    moved = [plan.dest[r] != r for r in range(world)]
+    assert plan.moved_samples == sum(int(m.sum()) for m in moved)
+    assert plan.moved_bytes == sum(int(lengths[r][moved[r]].sum()) for r in range(world)) * bytes_per_item
+    again = plan_rebalance([L.copy() for L in lengths], cost_model=CM, bytes_per_item=bytes_per_item)
+    assert all(np.array_equal(a, b) for a, b in zip(plan.dest, again.dest))
+
+
+def test_balanced_ranks_move_nothing():
+    lengths = [np.array([300, 20, 7000]), np.array([7000, 300, 20]), np.array([20, 7000, 300])]
+    plan = plan_rebalance(lengths, cost_model=CM, bytes_per_item=4)
+    assert plan.moved_samples == 0 and plan.moved_bytes == 0
+    assert plan.imbalance_before == plan.imbalance_after == 1.0
+
+
+def test_one_straggler_sends_just_its_excess_and_the_others_keep_theirs():
+    lengths = [np.array([3000] * 7)] + [np.array([3000] * 3)] * 3  # 16 equal samples, 4 per rank
+    plan = plan_rebalance(lengths, cost_model=CM, bytes_per_item=1)
+    assert plan.imbalance_after == pytest.approx(1.0)
+    assert plan.moved_samples == 3 and plan.moved_bytes == 9000
+    assert sorted(plan.dest[0][plan.dest[0] != 0].tolist()) == [1, 2, 3]
+    for r in range(1, 4):
+        assert (plan.dest[r] == r).all()
+
+
+def test_kuairand_at_256_ranks_balances_like_karmarkar_karp_moving_far_fewer_bytes():
+    lengths = [workloads.kuairand(64, seed=r) for r in range(256)]
+    plan = plan_rebalance(lengths, cost_model=CM, bytes_per_item=512)
+    kk = balancing_baselines.kk([CM.cost(L) for L in lengths])
+    kk_loads = _loads(lengths, kk)
+    kk_bytes = sum(int(lengths[r][kk[r] != r].sum()) for r in range(256)) * 512
+    assert plan.imbalance_before > 1.2
+    assert plan.imbalance_after <= kk_loads.max() / kk_loads.mean() + 1e-3
+    assert plan.moved_bytes < 0.1 * kk_bytes
+
+
+def test_baselines_place_every_sample():
+    costs = [CM.cost(workloads.zipf(20, seed=r)) for r in range(5)]
+    for method in (balancing_baselines.lpt, balancing_baselines.kk):
+        dest = method(costs)
+        loads = np.zeros(5)
+        for r in range(5):
+            assert dest[r].shape == costs[r].shape
+            np.add.at(loads, dest[r], costs[r])
+        assert np.isclose(loads.sum(), sum(c.sum() for c in costs))
+
+
+@pytest.mark.parametrize("bad, match", [
+    (dict(lengths_per_rank=[]), "empty"),
+    (dict(lengths_per_rank=[np.array([3, -1])]), "negative"),
+    (dict(lengths_per_rank=[np.array([1.5])]), "integer"),
+    (dict(bytes_per_item=-1), "bytes_per_item"),
+    (dict(cost_model="hstu"), "CostModel"),
+    (dict(tolerance=2.0), "tolerance"),
+])
+def test_bad_arguments_name_themselves(bad, match):
+    args = dict(lengths_per_rank=[np.array([1, 2])], cost_model=CM, bytes_per_item=1)
+    args.update(bad)
+    lengths = args.pop("lengths_per_rank")
+    with pytest.raises((ValueError, TypeError), match=match):
+        plan_rebalance(lengths, **args)
