@@ -1,0 +1,98 @@
+"""Rank functions for the LoadBalancer tests: balanced computation must equal unbalanced
+computation (outputs and gradients), and every rank must plan the same."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+import freescale_comm as fc
+from freescale_comm.planner import CostModel
+
+CM = CostModel(quadratic=1.0, linear=0.0, constant=0.0)
+
+
+def _rank_batch(rank: int, seed: int, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed + rank)
+    # Rank 0 is the straggler: long samples; the others short ones (some empty).
+    hi = 40 if rank == 0 else 6
+    lengths = torch.randint(0, hi, (5 + rank,), generator=gen)
+    values = torch.randn(int(lengths.sum()), dim, generator=gen)
+    return values, lengths
+
+
+class JaggedCausalMix(torch.nn.Module):
+    """Per sample: row t becomes a weighted mean of rows 0..t of the same sample (a causal mix,
+    like attention with uniform scores), then a linear layer. Uses lengths, so rows must arrive
+    grouped by sample."""
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.proj = torch.nn.Linear(dim, dim)
+        with torch.no_grad():
+            self.proj.weight.copy_(torch.eye(dim) * 0.5 + 0.01)
+            self.proj.bias.fill_(0.1)
+
+    def forward(self, values: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+        out = []
+        for block in torch.split(values, lengths.tolist()):
+            steps = torch.arange(1, block.shape[0] + 1, dtype=block.dtype).unsqueeze(1)
+            out.append(torch.cumsum(block, 0) / steps)
+        mixed = torch.cat(out) if out else values[:0]
+        return self.proj(mixed)
+
+
+def balanced_equals_unbalanced(info, seed: int, dim: int) -> dict:
+    rank, world = info.rank, info.world_size
+    values, lengths = _rank_batch(rank, seed, dim)
+    model = JaggedCausalMix(dim)
+
+    x_ref = values.clone().requires_grad_()
+    ref = model(x_ref, lengths)
+    (ref * ref).sum().backward()
+    ref_weight_grad = model.proj.weight.grad.clone()
+    model.zero_grad()
+
+    lb = fc.LoadBalancer(CM)
+    x = values.clone().requires_grad_()
+    batch = lb.dispatch(x, lengths)
+    y = model(batch.values, batch.lengths)
+    home = lb.combine(y, batch.handle)
+    (home * home).sum().backward()
+    assert torch.allclose(home, ref, atol=1e-5), "balanced forward differs"
+    assert torch.allclose(x.grad, x_ref.grad, atol=1e-5), "balanced input gradient differs"
+    # Weight gradients: each rank computed on other samples; their sum over ranks must agree.
+    total, total_ref = model.proj.weight.grad.clone(), ref_weight_grad
+    dist.all_reduce(total)
+    dist.all_reduce(total_ref)
+    assert torch.allclose(total, total_ref, atol=1e-4), "summed weight gradients differ"
+
+    plan = batch.plan
+    plans = [None] * world
+    dist.all_gather_object(plans, [d.tolist() for d in plan.dest])
+    assert all(p == plans[0] for p in plans), "ranks computed different plans"
+    received = CM.cost(batch.lengths.numpy()).sum()
+    assert np.isclose(received, plan.loads_after[rank]), (received, plan.loads_after[rank])
+    return {"before": plan.imbalance_before, "after": plan.imbalance_after, "moved": plan.moved_samples}
+
+
+def module_hook_form(info, seed: int, dim: int) -> float:
+    rank = info.rank
+    values, lengths = _rank_batch(rank, seed, dim)
+    plain = JaggedCausalMix(dim)
+    balanced = fc.balance(JaggedCausalMix(dim), CM)
+    x_ref = values.clone().requires_grad_()
+    ref = plain(x_ref, lengths)
+    ref.sum().backward()
+    x = values.clone().requires_grad_()
+    out = balanced(x, lengths)
+    out.sum().backward()
+    assert out.shape == ref.shape
+    assert torch.allclose(out, ref, atol=1e-5)
+    assert torch.allclose(x.grad, x_ref.grad, atol=1e-5)
+    balanced.freescale_balance.remove()
+    assert balanced.freescale_balance is None
+    again = balanced(values, lengths)  # hooks off: plain local forward
+    assert torch.allclose(again, ref.detach(), atol=1e-5)
+    return float(out.sum())
