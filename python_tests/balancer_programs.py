@@ -50,7 +50,8 @@ def balanced_equals_unbalanced(info, seed: int, dim: int) -> dict:
 
     x_ref = values.clone().requires_grad_()
     ref = model(x_ref, lengths)
-    (ref * ref).sum().backward()
+    ref_loss = (ref * ref).sum()
+    ref_loss.backward()
     ref_weight_grad = model.proj.weight.grad.clone()
     model.zero_grad()
 
@@ -59,7 +60,11 @@ def balanced_equals_unbalanced(info, seed: int, dim: int) -> dict:
     batch = lb.dispatch(x, lengths)
     y = model(batch.values, batch.lengths)
     home = lb.combine(y, batch.handle)
-    (home * home).sum().backward()
+    loss = (home * home).sum()
+    loss.backward()
+    losses = torch.stack([loss.detach(), ref_loss.detach()])
+    dist.all_reduce(losses)  # the step's loss over all ranks, balanced vs not
+    assert torch.allclose(losses[0], losses[1], rtol=1e-5), losses
     assert torch.allclose(home, ref, atol=1e-5), "balanced forward differs"
     assert torch.allclose(x.grad, x_ref.grad, atol=1e-5), "balanced input gradient differs"
     # Weight gradients: each rank computed on other samples; their sum over ranks must agree.

@@ -77,11 +77,26 @@ def test_plans_are_valid_deterministic_and_never_worse(raw, bytes_per_item):
     assert np.isclose(plan.loads_after.sum(), plan.loads_before.sum())
     assert plan.loads_after.max() <= plan.loads_before.max() * (1 + 1e-12)
     assert plan.loads_after.max() >= plan.lower_bound * (1 - 1e-12)
+    largest = max((CM.cost(L).max() for L in lengths if L.size), default=0.0)
+    assert plan.loads_after.max() <= plan.loads_after.mean() + largest + 1e-6 * plan.loads_after.max()
     moved = [plan.dest[r] != r for r in range(world)]
     assert plan.moved_samples == sum(int(m.sum()) for m in moved)
     assert plan.moved_bytes == sum(int(lengths[r][moved[r]].sum()) for r in range(world)) * bytes_per_item
     again = plan_rebalance([L.copy() for L in lengths], cost_model=CM, bytes_per_item=bytes_per_item)
     assert all(np.array_equal(a, b) for a, b in zip(plan.dest, again.dest))
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.integers(0, 5000), max_size=10), st.integers(1, 8), st.randoms(use_true_random=False))
+def test_an_already_balanced_input_moves_nothing(samples, world, rnd):
+    lengths = []
+    for _ in range(world):  # every rank: the same samples, in its own order
+        mine = list(samples)
+        rnd.shuffle(mine)
+        lengths.append(np.array(mine, dtype=np.int64))
+    plan = plan_rebalance(lengths, cost_model=CM, bytes_per_item=8)
+    assert plan.moved_samples == 0 and plan.moved_bytes == 0
+    assert all((d == r).all() for r, d in enumerate(plan.dest))
 
 
 def test_balanced_ranks_move_nothing():
