@@ -56,6 +56,9 @@ class Communicator {
   // Idempotent. Call without holding locks the progress thread's callbacks need (the GIL).
   void close();
   bool closed() const;
+  // True on this communicator's own progress thread (where it must not be destroyed: the
+  // destructor joins that thread).
+  bool on_progress_thread() const { return std::this_thread::get_id() == thread_.get_id(); }
 
  private:
   void progress_loop();

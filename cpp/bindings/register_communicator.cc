@@ -6,6 +6,7 @@
 
 #include <chrono>
 #include <cmath>
+#include <thread>
 #include <optional>
 
 #include "cpp/bindings/bindings.h"
@@ -119,6 +120,12 @@ void register_communicator(py::module_& m) {
              // Destroying a communicator joins its progress thread, which may need the GIL for a
              // done-callback: never join while holding it.
              return std::shared_ptr<Communicator>(new Communicator(bootstrap, config), [](Communicator* c) {
+               if (c->on_progress_thread()) {
+                 // The last reference went away in a done-callback on the progress thread, which
+                 // the destructor joins: destroy it from another thread instead.
+                 std::thread([c] { delete c; }).detach();
+                 return;
+               }
                if (Py_IsInitialized() && PyGILState_Check()) {
                  py::gil_scoped_release release;
                  delete c;
