@@ -1,6 +1,5 @@
 #include "cpp/jagged_layout.h"
 
-#include <cstring>
 #include <limits>
 #include <string>
 

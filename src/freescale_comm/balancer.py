@@ -17,7 +17,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from freescale_comm.dispatch import DispatchHandle, combine, dispatch
+from freescale_comm.dispatch import DispatchHandle, check_jagged_batch, combine, dispatch
 from freescale_comm.planner import CostModel, RebalancePlan, plan_rebalance
 
 __all__ = ["BalancedBatch", "LoadBalancer", "balance"]
@@ -70,18 +70,15 @@ class LoadBalancer:
     def dispatch(self, values: torch.Tensor, lengths: torch.Tensor, *, priority: int = 0) -> BalancedBatch:
         """Stage 1. Collective. `values`: rows of this rank's samples back to back; `lengths`:
         int64 rows per sample. Returns the balanced samples this rank now computes on."""
-        if not isinstance(lengths, torch.Tensor) or lengths.dtype != torch.int64 or lengths.dim() != 1:
-            raise TypeError("lengths must be a 1-D int64 torch.Tensor (rows per sample); convert it with .long()")
-        if not isinstance(values, torch.Tensor) or values.dim() == 0:
-            raise TypeError("values must be a torch.Tensor with rows along dim 0")
+        # Local checks before the all-gather: fc.dispatch's own, plus negative lengths, which it
+        # would only find after this collective.
+        values, lengths = check_jagged_batch(values, lengths)
         if lengths.numel() and int(lengths.min()) < 0:
             raise ValueError(f"lengths has a negative entry ({int(lengths.min())}); lengths count rows")
-        if int(lengths.sum()) != values.shape[0]:
-            raise ValueError(f"lengths sum to {int(lengths.sum())}, but values has {values.shape[0]} rows; they must be equal")
         item_bytes = self.bytes_per_item
         if item_bytes is None:
             item_bytes = math.prod(values.shape[1:]) * values.element_size()
-        plan = self.plan(lengths.cpu(), item_bytes)
+        plan = self.plan(lengths, item_bytes)
         rank = dist.get_rank(self.group)
         dest = torch.from_numpy(np.ascontiguousarray(plan.dest[rank]))
         res = dispatch(values, lengths, dest, group=self.group, priority=priority)

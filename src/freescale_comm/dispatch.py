@@ -88,50 +88,54 @@ def _check_values(values: object, name: str = "values") -> torch.Tensor:
     return values
 
 
+def check_jagged_batch(values: object, lengths: object) -> tuple[torch.Tensor, torch.Tensor]:
+    """Local checks of a batch of jagged samples (rows of `values`, `lengths` rows per sample):
+    TypeError/ValueError naming the argument. Returns them (lengths contiguous)."""
+    values = _check_values(values)
+    lengths = _check_index_tensor(lengths, "lengths", None)
+    total = int(lengths.sum()) if lengths.numel() else 0
+    if total != values.shape[0]:
+        raise ValueError(f"lengths sum to {total}, but values has {values.shape[0]} rows; they must be equal")
+    return values, lengths
+
+
 def _row_bytes(t: torch.Tensor) -> int:
     return math.prod(t.shape[1:]) * t.element_size()
 
 
-def _forward_rows(values: torch.Tensor, handle: DispatchHandle, priority: int) -> torch.Tensor:
-    """Rows in original order on this rank → rows received (dispatch's data movement). Samples
-    leave straight from their rows in `values`: no staging copy."""
+def _move_rows(values: torch.Tensor, handle: DispatchHandle, priority: int, forward: bool) -> torch.Tensor:
+    """forward: rows in original order on this rank → rows received (dispatch's movement), sent
+    straight from their rows in `values`. Else the reverse (combine's movement): rows received →
+    their home rows, landing there straight. No staging copy either way."""
     values = values.contiguous()
-    recv = output_cache().empty((handle.rows_received, *values.shape[1:]), values.dtype)
-    layout = _core.dispatch_layout(handle.plan, _row_bytes(values), handle.recv_rows)
-    handle.comm._submit(recv, values, layout, priority, async_op=False)
-    return recv
-
-
-def _backward_rows(values: torch.Tensor, handle: DispatchHandle, priority: int) -> torch.Tensor:
-    """Rows received → rows in original order on their home rank (combine's data movement).
-    Samples land straight in their home rows."""
-    values = values.contiguous()
-    home = output_cache().empty((handle.rows_sent, *values.shape[1:]), values.dtype)
-    layout = _core.combine_layout(handle.plan, _row_bytes(values), handle.recv_rows)
-    handle.comm._submit(home, values, layout, priority, async_op=False)
-    return home
+    rows = handle.rows_received if forward else handle.rows_sent
+    out = output_cache().empty((rows, *values.shape[1:]), values.dtype)
+    make_layout = _core.dispatch_layout if forward else _core.combine_layout
+    handle.comm._submit(out, values, make_layout(handle.plan, _row_bytes(values), handle.recv_rows), priority,
+                        async_op=False)
+    return out
 
 
 class _Dispatch(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, values: torch.Tensor, handle: DispatchHandle, priority: int) -> torch.Tensor:
         ctx.handle, ctx.priority = handle, priority
-        return _forward_rows(values, handle, priority)
+        return _move_rows(values, handle, priority, forward=True)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Optional[torch.Tensor], None, None]:
-        return _backward_rows(grad, ctx.handle, ctx.priority), None, None
+        return _move_rows(grad, ctx.handle, ctx.priority, forward=False), None, None
 
 
 class _Combine(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, values: torch.Tensor, handle: DispatchHandle, priority: int) -> torch.Tensor:
         ctx.handle, ctx.priority = handle, priority
-        return _backward_rows(values, handle, priority)
+        return _move_rows(values, handle, priority, forward=False)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Optional[torch.Tensor], None, None]:
-        return _forward_rows(grad, ctx.handle, ctx.priority), None, None
+        return _move_rows(grad, ctx.handle, ctx.priority, forward=True), None, None
 
 
 def dispatch(values: torch.Tensor, lengths: torch.Tensor, dest_ranks: torch.Tensor, *,
@@ -140,13 +144,9 @@ def dispatch(values: torch.Tensor, lengths: torch.Tensor, dest_ranks: torch.Tens
     of `group` (default WORLD). Collective. Returns the samples this rank received, ordered by
     source rank, then by their original order there; their lengths and source ranks; and the
     handle combine needs to send rows back. Autograd flows back through combine's movement."""
-    values = _check_values(values)
-    lengths = _check_index_tensor(lengths, "lengths", None)
+    values, lengths = check_jagged_batch(values, lengths)
     dest_ranks = _check_index_tensor(dest_ranks, "dest_ranks", lengths.numel())
     priority = check_priority(priority)
-    total = int(lengths.sum()) if lengths.numel() else 0
-    if total != values.shape[0]:
-        raise ValueError(f"lengths sum to {total}, but values has {values.shape[0]} rows; they must be equal")
     if not dist.is_initialized():
         raise RuntimeError("fc.dispatch needs torch.distributed: call dist.init_process_group(...) first")
     world = dist.get_world_size(group)
