@@ -7,6 +7,8 @@ import platform
 import sys
 from typing import Optional, Sequence
 
+from freescale_comm.bench import trace
+
 
 def _size(text: str) -> int:
     units = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30}
@@ -46,7 +48,118 @@ def _parser() -> argparse.ArgumentParser:
     pl.add_argument("--bytes-per-item", type=int, default=512, help="bytes of one embedded item (default 128 float32)")
     pl.add_argument("--json", metavar="PATH", help="also write the rows as JSON")
     pl.add_argument("--no-progress", action="store_true", help="no progress bar")
+    e = sub.add_parser("e2e", help="HSTU-like training step on N local ranks: vanilla vs balance vs overlap vs freescale")
+    _e2e_args(e)
+    si = sub.add_parser("simulate", help="the e2e step at scale (up to 4096 ranks) on a cost + network model")
+    si.add_argument("--ranks", type=int, default=256, help="ranks (default 256, at most 4096)")
+    si.add_argument("--samples", type=int, default=64, help="samples per rank and step (default 64)")
+    si.add_argument("--workload", default="kuairand", help="kuairand | ml20m | zipf (default kuairand)")
+    si.add_argument("--steps", type=int, default=3, help="steps simulated (default 3)")
+    si.add_argument("--seed", type=int, default=0, help="workload seed")
+    si.add_argument("--groups", type=int, default=4, help="pipeline groups of the overlapped modes (default 4)")
+    si.add_argument("--bandwidth-gbps", type=float, default=50.0, help="AllToAll bandwidth per rank, GB/s (default 50)")
+    si.add_argument("--latency-us", type=float, default=20.0, help="latency per collective, µs (default 20)")
+    si.add_argument("--bytes-per-item", type=int, default=512, help="bytes of one embedded item (default 512)")
+    si.add_argument("--dense-bytes", type=_size, default=16 << 20, help="dense gradient bytes all-reduced per step")
+    si.add_argument("--plan-us-per-sample", type=float, default=0.5, help="planner time per sample of the world, µs")
+    si.add_argument("--calibration", metavar="E2E_JSON",
+                    help="use the cost model fitted by a measured run (the --json of freescale-bench e2e); "
+                         "default: HSTU FLOPs (4 layers, 4 heads x 128) at 300 TFLOP/s")
+    si.add_argument("--modes", nargs="+", default=list(_modes()), help="modes to simulate (default all)")
+    si.add_argument("--trace", metavar="DIR", help="write trace.json, timeline.png and bubbles.png there")
+    si.add_argument("--json", metavar="PATH", help="also write the rows as JSON")
     return p
+
+
+def _modes() -> tuple[str, ...]:
+    from freescale_comm.bench.e2e import MODES
+
+    return tuple(MODES)
+
+
+def _e2e_args(e: argparse.ArgumentParser) -> None:
+    e.add_argument("--ranks", type=int, default=4, help="processes on this host (default 4)")
+    e.add_argument("--steps", type=int, default=3, help="measured steps per mode (default 3)")
+    e.add_argument("--warmup", type=int, default=1, help="unmeasured steps before them (default 1)")
+    e.add_argument("--samples", type=int, default=8, help="samples per rank and step (default 8)")
+    e.add_argument("--workload", default="kuairand", help="kuairand | ml20m | zipf (default kuairand)")
+    e.add_argument("--length-scale", type=float, default=1 / 12, help="history lengths scaled by this (default 1/12)")
+    e.add_argument("--dim", type=int, default=64, help="embedding / model dim (default 64)")
+    e.add_argument("--groups", type=int, default=4, help="pipeline groups of the overlapped modes (default 4)")
+    e.add_argument("--modes", nargs="+", default=list(_modes()), help="modes to run (default all)")
+    e.add_argument("--seed", type=int, default=0, help="data and weight seed")
+    e.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="where the dense tower computes")
+    e.add_argument("--trace", metavar="DIR", help="write trace.json, timeline.png and bubbles.png there")
+    e.add_argument("--json", metavar="PATH", help="also write the rows (and the fitted cost model) as JSON")
+    e.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def run_e2e(args: argparse.Namespace) -> int:
+    import dataclasses
+
+    from freescale_comm.bench import e2e
+    from freescale_comm.bench.report import bubble_summary, step_table, write_json
+
+    cfg = e2e.E2EConfig(ranks=args.ranks, steps=args.steps, warmup=args.warmup, samples=args.samples,
+                        workload=args.workload, length_scale=args.length_scale, dim=args.dim, groups=args.groups,
+                        modes=tuple(args.modes), seed=args.seed, device=args.device)
+    try:
+        cfg.check()
+    except ValueError as err:
+        print(f"freescale-bench e2e: {err}", file=sys.stderr)
+        return 2
+    res = e2e.run(cfg, progress=not args.no_progress)
+    title = (f"e2e, {cfg.ranks} ranks x {cfg.samples} samples, {cfg.workload} x {cfg.length_scale:.3g}, "
+             f"dim {cfg.dim}, {cfg.device}, {platform.node()}; ms per step, mean of {cfg.steps}")
+    print(step_table(res.rows, title, extra=("sparsity", "loss")))
+    print(bubble_summary(res.rows))
+    print("# losses per step (same seed, every mode): "
+          + "; ".join(f"{m} " + " ".join(f"{v:.6f}" for v in ls) for m, ls in res.losses.items()))
+    if args.trace:
+        paths = trace.write_all(args.trace, res.timelines, res.rows, f"e2e {cfg.ranks} ranks: bubbles per step")
+        print("# wrote " + ", ".join(paths))
+    if args.json:
+        write_json(args.json, "e2e", res.rows, config=dataclasses.asdict(cfg),
+                   cost_model=dataclasses.asdict(res.cost_model), losses=res.losses, reduction=res.reduction())
+    return 0
+
+
+def run_simulate(args: argparse.Namespace) -> int:
+    import json
+
+    from freescale_comm.bench import simulate
+    from freescale_comm.bench.report import bubble_summary, step_table, write_json
+
+    p = simulate.SimParams(ranks=args.ranks, samples=args.samples, workload=args.workload, steps=args.steps,
+                           seed=args.seed, modes=tuple(args.modes), groups=args.groups,
+                           bandwidth_gbps=args.bandwidth_gbps, latency_us=args.latency_us,
+                           bytes_per_item=args.bytes_per_item, dense_bytes=args.dense_bytes,
+                           plan_us_per_sample=args.plan_us_per_sample)
+    try:
+        if args.ranks > 4096:
+            raise ValueError("ranks must be at most 4096")
+        if args.calibration:
+            with open(args.calibration) as f:
+                p = simulate.with_calibration(p, json.load(f))
+        p.check()
+    except (ValueError, OSError) as err:
+        print(f"freescale-bench simulate: {err}", file=sys.stderr)
+        return 2
+    timelines = {m: simulate.simulate_mode(p, m) for m in p.modes}
+    rows = [{"mode": m, **simulate.mode_metrics(tl)} for m, tl in timelines.items()]
+    cm = p.cost_model
+    print(step_table(rows, f"simulate, {p.ranks} ranks x {p.samples} samples, {p.workload}; cost "
+                           f"{cm.quadratic:.3g}·L² + {cm.linear:.3g}·L + {cm.constant:.3g} s; "
+                           f"{p.bandwidth_gbps:g} GB/s, {p.latency_us:g} µs; ms per step, mean of {p.steps}"))
+    print(bubble_summary(rows))
+    if args.trace:
+        paths = trace.write_all(args.trace, timelines, rows, f"simulate {p.ranks} ranks: bubbles per step")
+        print("# wrote " + ", ".join(paths))
+    if args.json:
+        import dataclasses
+
+        write_json(args.json, "simulate", rows, params={**dataclasses.asdict(p), "cost_model": dataclasses.asdict(cm)})
+    return 0
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -90,6 +203,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(planner.summary(rows))
         if args.json:
             write_json(args.json, "planner", rows, ranks=args.ranks, samples=args.samples, workload=args.workload)
+    elif args.bench == "e2e":
+        return run_e2e(args)
+    elif args.bench == "simulate":
+        return run_simulate(args)
     return 0
 
 

@@ -108,6 +108,7 @@ class E2EResult:
     rows: list[dict[str, Any]]  # one per mode: design.md §6 e2e keys and more
     timelines: dict[str, Timeline]  # mode -> measured steps, all ranks
     losses: dict[str, list[float]]  # mode -> global mean loss of every step (warmup included)
+    computed_samples: dict[str, list[list[int]]]  # mode -> [rank][step] samples computed there
     cost_model: Optional[CostModel] = None  # fitted at the start of the run (balancing uses it)
     calibration: list[tuple[list[int], float]] = field(default_factory=list)  # (group lengths, fwd+bwd s)
 
@@ -187,6 +188,7 @@ class _Trainer:
             self.balancer = LoadBalancer(cost_model, bytes_per_item=8)  # ids move: 8 B per item
         self.losses: list[float] = []
         self.sparsity: list[float] = []
+        self.computed: list[int] = []  # samples this rank computed, per prepared step
         self.calibration: list[tuple[list[int], float]] = []
 
     # -- communication helpers: blocking, or async at a priority ----------------------------------
@@ -213,6 +215,7 @@ class _Trainer:
             batch = self.rec.blocking("balance", lambda: self.balancer.dispatch(ids, lengths))
             ids, lengths = batch.values, batch.lengths
         lengths_list = lengths.tolist()
+        self.computed.append(len(lengths_list))
         if lengths_list:
             self.sparsity.append(1.0 - sum(lengths_list) / (len(lengths_list) * max(lengths_list)))
         starts = np.concatenate([[0], np.cumsum(lengths_list)]).astype(np.int64)
@@ -316,7 +319,7 @@ class _Trainer:
             if self.progress is not None:
                 self.progress.update(1)
         return {"losses": self.losses, "timeline": self.rec.timeline.to_dict(), "sparsity": self.sparsity,
-                "calibration": self.calibration}
+                "computed_samples": self.computed, "calibration": self.calibration}
 
 
 def _rank_program(info: Any, cfg: E2EConfig, progress: bool) -> dict[str, Any]:
@@ -345,7 +348,7 @@ def run(cfg: E2EConfig, progress: bool = True, timeout_s: float = 600.0) -> E2ER
     cfg.check()
     per_rank = spawn(_rank_program, cfg.ranks, cfg, progress, backend="freescale", timeout_s=timeout_s)
     measured = lambda s: s >= cfg.warmup  # noqa: E731
-    rows, timelines, losses, calibration = [], {}, {}, []
+    rows, timelines, losses, calibration, computed = [], {}, {}, [], {}
     for name in cfg.modes:
         tl = Timeline()
         for r in per_rank:
@@ -353,7 +356,8 @@ def run(cfg: E2EConfig, progress: bool = True, timeout_s: float = 600.0) -> E2ER
             calibration += [(list(lens), s) for lens, s in r[name]["calibration"]]
         timelines[name] = tl
         losses[name] = per_rank[0][name]["losses"]
+        computed[name] = [r[name]["computed_samples"] for r in per_rank]
         sparsity = [v for r in per_rank for v in r[name]["sparsity"]]
         rows.append({"mode": name, **mode_metrics(tl), "sparsity": float(np.mean(sparsity)) if sparsity else math.nan,
                      "loss": losses[name][-1]})
-    return E2EResult(cfg, rows, timelines, losses, per_rank[0]["cost_model"], calibration)
+    return E2EResult(cfg, rows, timelines, losses, computed, per_rank[0]["cost_model"], calibration)

@@ -61,3 +61,26 @@ def write_json(path: str, bench: str, rows: Sequence[dict[str, Any]], **meta: An
     with open(path, "w") as f:
         json.dump({"bench": bench, **meta, "rows": list(rows)}, f, indent=2)
         f.write("\n")
+
+
+STEP_COLUMNS = ("step_ms", "straggler_pct", "idle_ms", "exposed_comm_ms", "bubble_ms", "compute_ms", "comm_ms")
+
+
+def step_table(rows: Sequence[dict[str, Any]], title: str, extra: Sequence[str] = ()) -> str:
+    """e2e / simulate rows: mode, then STEP_COLUMNS and `extra` keys, one row per mode."""
+    columns = list(STEP_COLUMNS) + list(extra)
+    header = f"{'mode':<10}" + "".join(f"{c:>16}" for c in columns)
+    lines = [f"# {title}", header, "-" * len(header)]
+    for r in rows:
+        lines.append(f"{r['mode']:<10}" + "".join(f"{r[c]:>16.3f}" for c in columns))
+    return "\n".join(lines)
+
+
+def bubble_summary(rows: Sequence[dict[str, Any]], mode: str = "freescale", baseline: str = "vanilla") -> str:
+    """'# bubble ms per step, vanilla -> freescale: a -> b (x% fewer)', or '' if a mode is missing."""
+    by = {r["mode"]: r for r in rows}
+    if mode not in by or baseline not in by or by[baseline]["bubble_ms"] <= 0:
+        return ""
+    a, b = by[baseline]["bubble_ms"], by[mode]["bubble_ms"]
+    return (f"# bubble ms per step (idle + exposed comm), {baseline} -> {mode}: {a:.2f} -> {b:.2f} "
+            f"({100 * (1 - b / a):.1f}% fewer); step {by[baseline]['step_ms']:.1f} -> {by[mode]['step_ms']:.1f} ms")

@@ -260,8 +260,10 @@ def run(p: SimParams, lengths: Optional[list[list[np.ndarray]]] = None) -> list[
 
 
 def with_calibration(p: SimParams, e2e_json: dict) -> SimParams:
-    """p with the cost model (and length scale) of a measured e2e run (its --json output)."""
-    cm = e2e_json.get("cost_model")
-    if not cm:
-        raise ValueError("the calibration file has no cost_model: pass the --json output of freescale-bench e2e")
-    return replace(p, cost_model=CostModel(**cm))
+    """p with what a measured e2e run (its --json output) used and fitted: its cost model, and the
+    history length scale and embedded item size it was fitted at (dim × 4 bytes)."""
+    cm, cfg = e2e_json.get("cost_model"), e2e_json.get("config", {})
+    if not cm or "length_scale" not in cfg or "dim" not in cfg:
+        raise ValueError("the calibration file has no cost_model/config: pass the --json output of freescale-bench e2e")
+    return replace(p, cost_model=CostModel(**cm), length_scale=float(cfg["length_scale"]),
+                   bytes_per_item=4 * int(cfg["dim"]))

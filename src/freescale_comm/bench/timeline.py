@@ -163,7 +163,8 @@ class StepRecorder:
         self.timeline.blocked.append(Blocked(self.rank, self.step, key, t0, t1))
 
 
-def _last_issue(ops: list[OpSeen]) -> dict[tuple[int, str], float]:
+def last_issue(ops: list[OpSeen]) -> dict[tuple[int, str], float]:
+    """(step, op) -> when the last rank issued it."""
     last: dict[tuple[int, str], float] = {}
     for o in ops:
         k = (o.step, o.op)
@@ -175,7 +176,7 @@ def step_breakdown(tl: Timeline) -> dict[tuple[int, int], dict[str, float]]:
     """(step, rank) -> seconds of step, compute, comm (issued: from the op's last issue to its
     completion here), exposed_comm and idle. A blocked interval is idle until the last rank issued
     the op, exposed comm after."""
-    last = _last_issue(tl.ops)
+    last = last_issue(tl.ops)
     out: dict[tuple[int, int], dict[str, float]] = {}
     for w in tl.steps:
         out[(w.step, w.rank)] = {"step": w.t1 - w.t0, "compute": 0.0, "comm": 0.0, "exposed_comm": 0.0, "idle": 0.0}
