@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Optional
 
 import numpy as np
@@ -109,8 +109,7 @@ class E2EResult:
     timelines: dict[str, Timeline]  # mode -> measured steps, all ranks
     losses: dict[str, list[float]]  # mode -> global mean loss of every step (warmup included)
     computed_samples: dict[str, list[list[int]]]  # mode -> [rank][step] samples computed there
-    cost_model: Optional[CostModel] = None  # fitted at the start of the run (balancing uses it)
-    calibration: list[tuple[list[int], float]] = field(default_factory=list)  # (group lengths, fwd+bwd s)
+    cost_model: CostModel  # fitted at the start of the run; balancing plans with it
 
     def reduction(self, mode: str = "freescale", baseline: str = "vanilla") -> Optional[float]:
         """Fraction of bubble ms removed by `mode` relative to `baseline` (None if either is missing)."""
@@ -189,7 +188,6 @@ class _Trainer:
         self.losses: list[float] = []
         self.sparsity: list[float] = []
         self.computed: list[int] = []  # samples this rank computed, per prepared step
-        self.calibration: list[tuple[list[int], float]] = []
 
     # -- communication helpers: blocking, or async at a priority ----------------------------------
     def _alltoall(self, name: str, out: torch.Tensor, inp: torch.Tensor, out_splits: list[int],
@@ -262,24 +260,27 @@ class _Trainer:
         for i, (g, (emb, key, work)) in enumerate(zip(groups, fetched)):
             if work is not None:
                 rec.wait(key, work)
-            t0 = rec.clock()
-            with rec.compute("forward_backward"):
-                x = torch.empty_like(emb)
-                x[g.order] = emb  # back to sample order
-                x = x.to(self.device).requires_grad_()
-                logits = self.dense(x, g.lengths)
-                loss = F.binary_cross_entropy_with_logits(
-                    logits, sample_labels(g.ids, g.lengths).to(self.device), reduction="sum")
-                (loss / total_samples).backward()
-                grad_out = x.grad.cpu()[g.order]  # owner order
-                loss_sum += loss.detach()
-            self.calibration.append((g.lengths, rec.clock() - t0))
+            if not g.lengths:  # an empty group (fewer samples than groups here)
+                grad_out = emb
+            else:
+                with rec.compute("forward_backward"):
+                    x = torch.empty_like(emb)
+                    x[g.order] = emb  # back to sample order
+                    x = x.to(self.device).requires_grad_()
+                    logits = self.dense(x, g.lengths)
+                    loss = F.binary_cross_entropy_with_logits(
+                        logits, sample_labels(g.ids, g.lengths).to(self.device), reduction="sum")
+                    (loss / total_samples).backward()
+                    grad_out = x.grad.cpu()[g.order]  # owner order
+                    loss_sum += loss.detach()
             grads = torch.empty(sum(g.recv), cfg.dim)
             grads_in.append((g, grads, *self._alltoall("gradients", grads, grad_out, g.recv, g.send,
                                                        self._async(GRADIENT_PRIORITY - i))))
         # Dense gradients and the loss, one flat all-reduce (under the rows' update when overlapped).
         params = [p for p in self.dense.parameters()]
-        flat = torch.cat([p.grad.reshape(-1) for p in params] + [loss_sum.reshape(1)]).cpu()
+        # A rank that computed no sample has no gradients: zeros.
+        flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in params]
+                         + [loss_sum.reshape(1)]).cpu()
         if self.mode.overlap:
             t0 = rec.clock()
             reduce_work = dist.all_reduce(flat, async_op=True)
@@ -319,7 +320,7 @@ class _Trainer:
             if self.progress is not None:
                 self.progress.update(1)
         return {"losses": self.losses, "timeline": self.rec.timeline.to_dict(), "sparsity": self.sparsity,
-                "computed_samples": self.computed, "calibration": self.calibration}
+                "computed_samples": self.computed}
 
 
 def _rank_program(info: Any, cfg: E2EConfig, progress: bool) -> dict[str, Any]:
@@ -348,16 +349,15 @@ def run(cfg: E2EConfig, progress: bool = True, timeout_s: float = 600.0) -> E2ER
     cfg.check()
     per_rank = spawn(_rank_program, cfg.ranks, cfg, progress, backend="freescale", timeout_s=timeout_s)
     measured = lambda s: s >= cfg.warmup  # noqa: E731
-    rows, timelines, losses, calibration, computed = [], {}, {}, [], {}
+    rows, timelines, losses, computed = [], {}, {}, {}
     for name in cfg.modes:
         tl = Timeline()
         for r in per_rank:
             tl.extend(Timeline.from_dict(r[name]["timeline"]).select(measured))
-            calibration += [(list(lens), s) for lens, s in r[name]["calibration"]]
         timelines[name] = tl
         losses[name] = per_rank[0][name]["losses"]
         computed[name] = [r[name]["computed_samples"] for r in per_rank]
         sparsity = [v for r in per_rank for v in r[name]["sparsity"]]
         rows.append({"mode": name, **mode_metrics(tl), "sparsity": float(np.mean(sparsity)) if sparsity else math.nan,
                      "loss": losses[name][-1]})
-    return E2EResult(cfg, rows, timelines, losses, computed, per_rank[0]["cost_model"], calibration)
+    return E2EResult(cfg, rows, timelines, losses, computed, per_rank[0]["cost_model"])

@@ -1,0 +1,87 @@
+"""freescale-bench e2e: every mode does the same math; traces are valid; the CLI writes its rows."""
+
+import json
+
+import pytest
+
+from freescale_comm.bench import cli, e2e, trace
+
+SMALL = dict(ranks=2, steps=3, warmup=0, samples=4, length_scale=1 / 64, dim=32, rows_per_rank=1024, groups=2)
+
+
+@pytest.fixture(scope="module")
+def small_run():
+    return e2e.run(e2e.E2EConfig(**SMALL), progress=False)
+
+
+def test_every_mode_gives_the_same_losses(small_run):
+    losses = small_run.losses
+    assert set(losses) == set(e2e.MODES)
+    base = losses["vanilla"]
+    assert len(base) == 3
+    assert len(set(round(v, 6) for v in base)) > 1  # the steps differ: it trains on new data
+    for mode, values in losses.items():
+        assert values == pytest.approx(base, rel=1e-5, abs=1e-7), mode
+
+
+def test_balanced_modes_really_move_samples(small_run):
+    per_rank = small_run.computed_samples
+    assert all(n == SMALL["samples"] for rank in per_rank["vanilla"] for n in rank)
+    assert any(n != SMALL["samples"] for rank in per_rank["freescale"] for n in rank)
+    assert [sum(step) for step in zip(*per_rank["freescale"])] == [2 * SMALL["samples"]] * len(per_rank["freescale"][0])
+
+
+def test_a_different_seed_gives_different_losses(small_run):
+    other = e2e.run(e2e.E2EConfig(**{**SMALL, "seed": 1, "modes": ("vanilla",)}), progress=False)
+    assert other.losses["vanilla"] != pytest.approx(small_run.losses["vanilla"], rel=1e-3)
+
+
+def test_rows_have_the_metrics(small_run):
+    for row in small_run.rows:
+        for key in ("mode", "step_ms", "straggler_pct", "exposed_comm_ms", "bubble_ms", "idle_ms", "sparsity"):
+            assert key in row
+        assert row["bubble_ms"] == pytest.approx(row["idle_ms"] + row["exposed_comm_ms"])
+        assert 0 <= row["straggler_pct"] < 100 and row["step_ms"] > 0 and row["compute_ms"] > 0
+
+
+def test_trace_is_json_with_one_track_per_rank(small_run, tmp_path):
+    paths = trace.write_all(str(tmp_path), small_run.timelines, small_run.rows, "test")
+    with open(paths[0]) as f:
+        doc = json.load(f)
+    events = doc["traceEvents"]
+    modes = {e["pid"]: e["args"]["name"] for e in events if e["name"] == "process_name"}
+    assert sorted(modes.values()) == sorted(e2e.MODES)
+    for pid in modes:
+        slices = [e for e in events if e["pid"] == pid and e["ph"] == "X"]
+        assert {e["tid"] for e in slices} == {0, 1}
+        assert {e["cat"] for e in slices} >= {"compute", "exposed_comm"}
+        named = {e["tid"]: e["args"]["name"] for e in events if e["pid"] == pid and e["name"] == "thread_name"}
+        assert named == {0: "rank 0", 1: "rank 1"}
+        for tid in (0, 1):  # a rank computes or waits, never both: its slices do not overlap
+            spans = sorted((e["ts"], e["ts"] + e["dur"]) for e in slices if e["tid"] == tid)
+            assert all(a[1] <= b[0] + 1e-3 for a, b in zip(spans, spans[1:]))
+    for png in paths[1:]:
+        with open(png, "rb") as f:
+            assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+def test_cli_writes_rows_and_the_fitted_cost_model(tmp_path, capsys):
+    out = tmp_path / "e2e.json"
+    code = cli.main(["e2e", "--ranks", "2", "--steps", "1", "--warmup", "0", "--samples", "2", "--length-scale", "0.01",
+                     "--dim", "16", "--modes", "vanilla", "freescale", "--json", str(out), "--no-progress"])
+    assert code == 0
+    doc = json.loads(out.read_text())
+    assert doc["bench"] == "e2e" and [r["mode"] for r in doc["rows"]] == ["vanilla", "freescale"]
+    assert set(doc["cost_model"]) == {"quadratic", "linear", "constant"}
+    assert "bubble ms per step" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("argv", [["--ranks", "1"], ["--modes", "fast"], ["--workload", "nope"], ["--length-scale", "2"]])
+def test_cli_rejects_bad_arguments(argv, capsys):
+    assert cli.main(["e2e", *argv, "--no-progress"]) == 2
+    assert "freescale-bench e2e:" in capsys.readouterr().err
+
+
+def test_config_check_names_the_problem():
+    with pytest.raises(ValueError, match="dim must be a positive multiple of heads"):
+        e2e.E2EConfig(dim=30, heads=4).check()
