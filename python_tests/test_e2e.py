@@ -3,6 +3,7 @@
 import json
 
 import pytest
+import torch
 
 from freescale_comm.bench import cli, e2e, trace
 
@@ -85,3 +86,9 @@ def test_cli_rejects_bad_arguments(argv, capsys):
 def test_config_check_names_the_problem():
     with pytest.raises(ValueError, match="dim must be a positive multiple of heads"):
         e2e.E2EConfig(dim=30, heads=4).check()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error on a machine without CUDA")
+def test_cuda_without_a_gpu_is_refused_before_spawning():
+    with pytest.raises(ValueError, match="no CUDA device"):
+        e2e.run(e2e.E2EConfig(device="cuda"), progress=False)

@@ -98,6 +98,8 @@ class E2EConfig:
             problems.append(f"modes must be a non-empty subset of {list(MODES)} (got {list(self.modes)})")
         if self.device not in ("cpu", "cuda"):
             problems.append("device must be cpu or cuda")
+        elif self.device == "cuda" and not torch.cuda.is_available():
+            problems.append("device is cuda but torch sees no CUDA device: use device cpu")
         if problems:
             raise ValueError("bad e2e config: " + "; ".join(problems))
 
