@@ -137,6 +137,8 @@ def calibrate(cfg: E2EConfig, device: torch.device, points: int = 6, repeats: in
     seconds: every rank gets the same model, which the LoadBalancer then plans with."""
     full = workloads.generate(cfg.workload, 4096, seed=cfg.seed)
     lengths = np.unique(np.maximum(1, np.rint(np.quantile(full, np.linspace(0, 1, points)) * cfg.length_scale))).astype(np.int64)
+    if lengths.size < 2:  # every length scaled to the same value: a fit needs two
+        lengths = np.array([lengths[0], 2 * lengths[0]], dtype=np.int64)
     torch.manual_seed(cfg.seed)
     dense = DenseTower(cfg.dim, cfg.heads, cfg.layers).to(device)
     seconds = torch.zeros(lengths.size, dtype=torch.float64)
