@@ -21,6 +21,16 @@ def _size(text: str) -> int:
         raise argparse.ArgumentTypeError(f"not a size: {text!r} (examples: 4K, 1M, 65536)") from None
 
 
+def _outputs(p: argparse.ArgumentParser, *, trace: bool = False, progress: bool = True,
+             json_help: str = "also write the rows as JSON") -> None:
+    """The output flags benchmarks share: --json, and --trace / --no-progress where they apply."""
+    if trace:
+        p.add_argument("--trace", metavar="DIR", help="write trace.json, timeline.png and bubbles.png there")
+    p.add_argument("--json", metavar="PATH", help=json_help)
+    if progress:
+        p.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="freescale-bench", description="Benchmarks of freescale_comm.")
     sub = p.add_subparsers(dest="bench", required=True)
@@ -29,16 +39,14 @@ def _parser() -> argparse.ArgumentParser:
     a.add_argument("--sizes", type=_size, nargs="+", help="bytes per rank (default 4K ... 64M)")
     a.add_argument("--iters", type=int, default=None, help="timed iterations per case (default: by size)")
     a.add_argument("--warmup", type=int, default=10, help="untimed iterations per case")
-    a.add_argument("--json", metavar="PATH", help="also write the rows as JSON")
-    a.add_argument("--no-progress", action="store_true", help="no progress bar")
+    _outputs(a)
     d = sub.add_parser("dispatch", help="fc.dispatch + fc.combine of jagged samples vs a pure-PyTorch + gloo reference")
     d.add_argument("--ranks", type=int, default=4, help="processes on this host (default 4)")
     d.add_argument("--rows", type=_size, default=1 << 20, help="rows across all ranks (default 1M)")
     d.add_argument("--dim", type=int, default=128, help="float32 values per row (default 128)")
     d.add_argument("--iters", type=int, default=5, help="timed iterations (default 5)")
     d.add_argument("--warmup", type=int, default=2, help="untimed iterations")
-    d.add_argument("--json", metavar="PATH", help="also write the rows as JSON")
-    d.add_argument("--no-progress", action="store_true", help="no progress bar")
+    _outputs(d)
     pl = sub.add_parser("planner", help="load-balancing plans: freescale vs none, LPT and Karmarkar-Karp")
     pl.add_argument("--ranks", type=int, default=256, help="ranks to balance across (default 256)")
     pl.add_argument("--samples", type=int, default=64, help="samples per rank (default 64)")
@@ -46,8 +54,7 @@ def _parser() -> argparse.ArgumentParser:
     pl.add_argument("--seed", type=int, default=0, help="workload seed")
     pl.add_argument("--repeats", type=int, default=20, help="plans timed per method; the median is reported")
     pl.add_argument("--bytes-per-item", type=int, default=512, help="bytes of one embedded item (default 128 float32)")
-    pl.add_argument("--json", metavar="PATH", help="also write the rows as JSON")
-    pl.add_argument("--no-progress", action="store_true", help="no progress bar")
+    _outputs(pl)
     e = sub.add_parser("e2e", help="HSTU-like training step on N local ranks: vanilla vs balance vs overlap vs freescale")
     _e2e_args(e)
     si = sub.add_parser("simulate", help="the e2e step at scale (up to 4096 ranks) on a cost + network model")
@@ -66,8 +73,7 @@ def _parser() -> argparse.ArgumentParser:
                     help="use the cost model fitted by a measured run (the --json of freescale-bench e2e); "
                          "default: HSTU FLOPs (4 layers, 4 heads x 128) at 300 TFLOP/s")
     si.add_argument("--modes", nargs="+", default=list(_modes()), help="modes to simulate (default all)")
-    si.add_argument("--trace", metavar="DIR", help="write trace.json, timeline.png and bubbles.png there")
-    si.add_argument("--json", metavar="PATH", help="also write the rows as JSON")
+    _outputs(si, trace=True, progress=False)
     return p
 
 
@@ -89,9 +95,7 @@ def _e2e_args(e: argparse.ArgumentParser) -> None:
     e.add_argument("--modes", nargs="+", default=list(_modes()), help="modes to run (default all)")
     e.add_argument("--seed", type=int, default=0, help="data and weight seed")
     e.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="where the dense tower computes")
-    e.add_argument("--trace", metavar="DIR", help="write trace.json, timeline.png and bubbles.png there")
-    e.add_argument("--json", metavar="PATH", help="also write the rows (and the fitted cost model) as JSON")
-    e.add_argument("--no-progress", action="store_true", help="no progress bar")
+    _outputs(e, trace=True, json_help="also write the rows (and the fitted cost model) as JSON")
 
 
 def run_e2e(args: argparse.Namespace) -> int:

@@ -34,6 +34,7 @@ import torch.nn.functional as F
 
 from freescale_comm.bench import workloads
 from freescale_comm.bench.hstu_model import DenseTower, ShardedTable, sample_labels
+from freescale_comm.bench.report import bubble_reduction
 from freescale_comm.bench.timeline import StepRecorder, Timeline, mode_metrics
 from freescale_comm.planner import CostModel
 
@@ -115,19 +116,15 @@ class E2EResult:
 
     def reduction(self, mode: str = "freescale", baseline: str = "vanilla") -> Optional[float]:
         """Fraction of bubble ms removed by `mode` relative to `baseline` (None if either is missing)."""
-        by = {r["mode"]: r for r in self.rows}
-        if mode not in by or baseline not in by or by[baseline]["bubble_ms"] <= 0:
-            return None
-        return 1.0 - by[mode]["bubble_ms"] / by[baseline]["bubble_ms"]
+        return bubble_reduction(self.rows, mode, baseline)
 
 
 def home_batch(cfg: E2EConfig, step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The samples rank `rank` reads at `step`: (ids int64 [ΣL], lengths int64 [samples]).
     Deterministic in (seed, step, rank), whatever the mode."""
-    seed = (cfg.seed * 1_000_003 + step) * 1009 + rank
-    full = workloads.generate(cfg.workload, cfg.samples, seed=seed)
-    lengths = np.maximum(1, np.rint(full * cfg.length_scale)).astype(np.int64)
-    ids = np.random.default_rng(seed + 1).integers(0, cfg.rows_per_rank * cfg.ranks, int(lengths.sum()))
+    lengths = workloads.step_lengths(cfg.workload, cfg.samples, seed=cfg.seed, step=step, rank=rank,
+                                     scale=cfg.length_scale)
+    ids = np.random.default_rng(workloads.step_seed(cfg.seed, step, rank) + 1).integers(0, cfg.rows_per_rank * cfg.ranks, int(lengths.sum()))
     return torch.from_numpy(ids), torch.from_numpy(lengths)
 
 
@@ -136,7 +133,7 @@ def calibrate(cfg: E2EConfig, device: torch.device, points: int = 6, repeats: in
     workload (the fastest of `repeats` runs), averages over ranks and fits a CostModel to the
     seconds: every rank gets the same model, which the LoadBalancer then plans with."""
     full = workloads.generate(cfg.workload, 4096, seed=cfg.seed)
-    lengths = np.unique(np.maximum(1, np.rint(np.quantile(full, np.linspace(0, 1, points)) * cfg.length_scale))).astype(np.int64)
+    lengths = np.unique(workloads.scale_lengths(np.quantile(full, np.linspace(0, 1, points)), cfg.length_scale))
     if lengths.size < 2:  # every length scaled to the same value: a fit needs two
         lengths = np.array([lengths[0], 2 * lengths[0]], dtype=np.int64)
     torch.manual_seed(cfg.seed)

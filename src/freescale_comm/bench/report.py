@@ -76,11 +76,20 @@ def step_table(rows: Sequence[dict[str, Any]], title: str, extra: Sequence[str] 
     return "\n".join(lines)
 
 
-def bubble_summary(rows: Sequence[dict[str, Any]], mode: str = "freescale", baseline: str = "vanilla") -> str:
-    """'# bubble ms per step, vanilla -> freescale: a -> b (x% fewer)', or '' if a mode is missing."""
+def bubble_reduction(rows: Sequence[dict[str, Any]], mode: str = "freescale", baseline: str = "vanilla") -> Optional[float]:
+    """Fraction of bubble ms that `mode` removes relative to `baseline` (None if either is missing)."""
     by = {r["mode"]: r for r in rows}
     if mode not in by or baseline not in by or by[baseline]["bubble_ms"] <= 0:
+        return None
+    return 1.0 - by[mode]["bubble_ms"] / by[baseline]["bubble_ms"]
+
+
+def bubble_summary(rows: Sequence[dict[str, Any]], mode: str = "freescale", baseline: str = "vanilla") -> str:
+    """'# bubble ms per step, vanilla -> freescale: a -> b (x% fewer)', or '' if a mode is missing."""
+    reduction = bubble_reduction(rows, mode, baseline)
+    if reduction is None:
         return ""
+    by = {r["mode"]: r for r in rows}
     a, b = by[baseline]["bubble_ms"], by[mode]["bubble_ms"]
     return (f"# bubble ms per step (idle + exposed comm), {baseline} -> {mode}: {a:.2f} -> {b:.2f} "
-            f"({100 * (1 - b / a):.1f}% fewer); step {by[baseline]['step_ms']:.1f} -> {by[mode]['step_ms']:.1f} ms")
+            f"({100 * reduction:.1f}% fewer); step {by[baseline]['step_ms']:.1f} -> {by[mode]['step_ms']:.1f} ms")

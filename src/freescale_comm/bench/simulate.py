@@ -247,8 +247,7 @@ def simulate_mode(p: SimParams, mode: str, lengths: Optional[list[list[np.ndarra
         if lengths is not None:
             home = [np.asarray(x, dtype=np.int64) for x in lengths[step]]
         else:
-            home = [np.maximum(1, np.rint(workloads.generate(p.workload, p.samples, seed=(p.seed * 1_000_003 + step)
-                                                              * 1009 + r) * p.length_scale)).astype(np.int64)
+            home = [workloads.step_lengths(p.workload, p.samples, seed=p.seed, step=step, rank=r, scale=p.length_scale)
                     for r in range(p.ranks)]
         t = _simulate_step(p, MODES[mode], step, t, home, tl)
     return tl

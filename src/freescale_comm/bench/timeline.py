@@ -23,7 +23,8 @@ from typing import Any, Callable, Iterator, Optional
 
 import numpy as np
 
-__all__ = ["Busy", "Blocked", "OpSeen", "StepWindow", "Timeline", "StepRecorder", "step_breakdown", "mode_metrics"]
+__all__ = ["Busy", "Blocked", "OpSeen", "StepWindow", "Timeline", "StepRecorder", "idle_end", "last_issue",
+           "step_breakdown", "mode_metrics"]
 
 
 @dataclass(frozen=True)
@@ -172,6 +173,12 @@ def last_issue(ops: list[OpSeen]) -> dict[tuple[int, str], float]:
     return last
 
 
+def idle_end(b: Blocked, last_issued: float) -> float:
+    """Where blocked interval b stops being idle (waiting for the last rank to issue its op) and
+    becomes exposed comm: the last issue, clamped to [b.t0, b.t1]."""
+    return min(max(b.t0, last_issued), b.t1)
+
+
 def step_breakdown(tl: Timeline) -> dict[tuple[int, int], dict[str, float]]:
     """(step, rank) -> seconds of step, compute, comm (issued: from the op's last issue to its
     completion here), exposed_comm and idle. A blocked interval is idle until the last rank issued
@@ -185,7 +192,7 @@ def step_breakdown(tl: Timeline) -> dict[tuple[int, int], dict[str, float]]:
     for o in tl.ops:
         out[(o.step, o.rank)]["comm"] += max(0.0, o.done - last[(o.step, o.op)])
     for b in tl.blocked:
-        idle = min(max(0.0, last[(b.step, b.op)] - b.t0), b.t1 - b.t0)
+        idle = idle_end(b, last[(b.step, b.op)]) - b.t0
         row = out[(b.step, b.rank)]
         row["idle"] += idle
         row["exposed_comm"] += (b.t1 - b.t0) - idle

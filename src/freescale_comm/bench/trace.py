@@ -12,7 +12,7 @@ import json
 import os
 from typing import Any, Sequence
 
-from freescale_comm.bench.timeline import Timeline, last_issue
+from freescale_comm.bench.timeline import Timeline, idle_end, last_issue
 
 __all__ = ["chrome_trace", "write_trace", "plot_timeline", "plot_bubbles", "write_all"]
 
@@ -24,7 +24,7 @@ def _slices(tl: Timeline) -> list[tuple[int, int, str, str, float, float]]:
     last = last_issue(tl.ops)
     out = [(b.rank, b.step, "compute", b.name, b.t0, b.t1) for b in tl.busy]
     for b in tl.blocked:
-        split = min(max(b.t0, last[(b.step, b.op)]), b.t1)
+        split = idle_end(b, last[(b.step, b.op)])
         op = b.op.split("@")[0]
         if split > b.t0:
             out.append((b.rank, b.step, "idle", f"idle ({op})", b.t0, split))

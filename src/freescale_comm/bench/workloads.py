@@ -13,7 +13,7 @@ import math
 
 import numpy as np
 
-__all__ = ["WORKLOADS", "kuairand", "ml20m", "zipf", "generate"]
+__all__ = ["WORKLOADS", "kuairand", "ml20m", "zipf", "generate", "scale_lengths", "step_lengths"]
 
 KUAIRAND_MEDIAN = 8591
 KUAIRAND_MEAN = 11796
@@ -60,3 +60,18 @@ def generate(name: str, samples: int, *, seed: int = 0, **kwargs) -> np.ndarray:
     if name not in WORKLOADS:
         raise ValueError(f"unknown workload {name!r}; choose one of {sorted(WORKLOADS)}")
     return WORKLOADS[name](samples, seed=seed, **kwargs)
+
+
+def scale_lengths(lengths: np.ndarray, scale: float) -> np.ndarray:
+    """lengths × scale, rounded, at least 1 (int64): a workload shrunk for a small machine."""
+    return np.maximum(1, np.rint(np.asarray(lengths) * scale)).astype(np.int64)
+
+
+def step_seed(seed: int, step: int, rank: int) -> int:
+    """The seed of one rank's batch at one step (e2e and the simulator draw the same batches)."""
+    return (seed * 1_000_003 + step) * 1009 + rank
+
+
+def step_lengths(name: str, samples: int, *, seed: int, step: int, rank: int, scale: float = 1.0) -> np.ndarray:
+    """The lengths of rank `rank`'s `samples` samples at `step`, scaled by `scale`."""
+    return scale_lengths(generate(name, samples, seed=step_seed(seed, step, rank)), scale)
