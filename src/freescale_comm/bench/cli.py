@@ -72,14 +72,16 @@ def _parser() -> argparse.ArgumentParser:
     si.add_argument("--calibration", metavar="E2E_JSON",
                     help="use the cost model fitted by a measured run (the --json of freescale-bench e2e); "
                          "default: HSTU FLOPs (4 layers, 4 heads x 128) at 300 TFLOP/s")
-    si.add_argument("--modes", nargs="+", default=list(_modes()), help="modes to simulate (default all)")
+    si.add_argument("--modes", nargs="+", default=list(_modes(simulated=True)), help="modes to simulate (default all)")
     _outputs(si, trace=True, progress=False)
     return p
 
 
-def _modes() -> tuple[str, ...]:
-    from freescale_comm.bench.e2e import MODES
-
+def _modes(simulated: bool = False) -> tuple[str, ...]:
+    if simulated:
+        from freescale_comm.bench.simulate import MODES
+    else:
+        from freescale_comm.bench.e2e import MODES
     return tuple(MODES)
 
 

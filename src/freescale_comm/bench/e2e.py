@@ -16,16 +16,22 @@ Modes (MODES):
              the group compute needs next, so group g+1 arrives while group g computes; each
              group's gradient AllToAll leaves as soon as its backward is done, below every
              embedding fetch; the dense all-reduce runs under the rows' update.
+- pec:       + prioritized embedding communication (freescale_comm.pec, see bench/e2e_pec.py):
+             the next step's ids and the rows it reads that this step does not (non-overlap) move
+             at low priority under this step's compute; the overlap rows' gradients and fetch go
+             first at high priority after backward; the non-overlap gradients are deferred.
 - freescale: balance + overlap.
+- balance_pec: balance + pec.
 Every mode does the same math: same seed → same losses (to float rounding).
 """
 
 from __future__ import annotations
 
+import functools
 import math
 import time
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import numpy as np
 import torch
@@ -45,6 +51,7 @@ __all__ = ["MODES", "Mode", "E2EConfig", "E2EResult", "run", "home_batch"]
 class Mode:
     balance: bool
     overlap: bool
+    pec: bool = False
 
 
 MODES: dict[str, Mode] = {
@@ -52,6 +59,8 @@ MODES: dict[str, Mode] = {
     "balance": Mode(balance=True, overlap=False),
     "overlap": Mode(balance=False, overlap=True),
     "freescale": Mode(balance=True, overlap=True),
+    "pec": Mode(balance=False, overlap=True, pec=True),
+    "balance_pec": Mode(balance=True, overlap=True, pec=True),
 }
 
 # Priorities on freescale's queue (larger = sooner): what compute needs next goes first.
@@ -77,6 +86,7 @@ class E2EConfig:
     seed: int = 0
     modes: tuple[str, ...] = tuple(MODES)
     device: str = "cpu"  # where the dense tower computes
+    collision_rate: Optional[float] = None  # share of each step's ids read at the step before; None: uniform ids
 
     def check(self) -> None:
         problems = []
@@ -97,6 +107,8 @@ class E2EConfig:
         unknown = [m for m in self.modes if m not in MODES]
         if unknown or not self.modes:
             problems.append(f"modes must be a non-empty subset of {list(MODES)} (got {list(self.modes)})")
+        if self.collision_rate is not None and not 0 <= self.collision_rate <= 1:
+            problems.append("collision_rate must be None or in [0, 1]")
         if self.device not in ("cpu", "cuda"):
             problems.append("device must be cpu or cuda")
         elif self.device == "cuda" and not torch.cuda.is_available():
@@ -122,10 +134,24 @@ class E2EResult:
 def home_batch(cfg: E2EConfig, step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The samples rank `rank` reads at `step`: (ids int64 [ΣL], lengths int64 [samples]).
     Deterministic in (seed, step, rank), whatever the mode."""
-    lengths = workloads.step_lengths(cfg.workload, cfg.samples, seed=cfg.seed, step=step, rank=rank,
-                                     scale=cfg.length_scale)
-    ids = np.random.default_rng(workloads.step_seed(cfg.seed, step, rank) + 1).integers(0, cfg.rows_per_rank * cfg.ranks, int(lengths.sum()))
+    lengths = _lengths(cfg, step, rank)
+    if cfg.collision_rate is None:
+        ids = np.random.default_rng(workloads.step_seed(cfg.seed, step, rank) + 1).integers(0, cfg.rows_per_rank * cfg.ranks, int(lengths.sum()))
+    else:
+        ids = _overlapping_ids(cfg, step + 1)[step][rank]
     return torch.from_numpy(ids), torch.from_numpy(lengths)
+
+
+def _lengths(cfg: E2EConfig, step: int, rank: int) -> np.ndarray:
+    return workloads.step_lengths(cfg.workload, cfg.samples, seed=cfg.seed, step=step, rank=rank,
+                                  scale=cfg.length_scale)
+
+
+@functools.lru_cache(maxsize=4)
+def _overlapping_ids(cfg: E2EConfig, steps: int) -> list[list[np.ndarray]]:
+    """Steps [0, steps) of every rank's ids at cfg.collision_rate (each step depends on the one before)."""
+    counts = [[int(_lengths(cfg, s, r).sum()) for r in range(cfg.ranks)] for s in range(steps)]
+    return workloads.overlapping_ids(counts, cfg.rows_per_rank * cfg.ranks, cfg.collision_rate, seed=cfg.seed)
 
 
 def calibrate(cfg: E2EConfig, device: torch.device, points: int = 6, repeats: int = 2) -> CostModel:
@@ -189,6 +215,8 @@ class _Trainer:
         self.losses: list[float] = []
         self.sparsity: list[float] = []
         self.computed: list[int] = []  # samples this rank computed, per prepared step
+        # Test hook: on_rows(step, group, rows [items, dim]) sees every embedding row read, in sample order.
+        self.on_rows: Optional[Callable[[int, int, torch.Tensor], None]] = None
 
     # -- communication helpers: blocking, or async at a priority ----------------------------------
     def _alltoall(self, name: str, out: torch.Tensor, inp: torch.Tensor, out_splits: list[int],
@@ -267,6 +295,8 @@ class _Trainer:
                 with rec.compute("forward_backward"):
                     x = torch.empty_like(emb)
                     x[g.order] = emb  # back to sample order
+                    if self.on_rows is not None:
+                        self.on_rows(step, i, x)
                     x = x.to(self.device).requires_grad_()
                     logits = self.dense(x, g.lengths)
                     loss = F.binary_cross_entropy_with_logits(
@@ -296,15 +326,19 @@ class _Trainer:
         if self.mode.overlap:
             rec.wait(reduce_key, reduce_work)
         with rec.compute("dense_sgd"):
-            offset = 0
-            with torch.no_grad():
-                for p in params:
-                    n = p.numel()
-                    p -= cfg.lr * flat[offset:offset + n].view_as(p).to(self.device)
-                    p.grad = None
-                    offset += n
+            self._dense_sgd(params, flat)
         self.losses.append(float(flat[-1]) / total_samples)
         return nxt
+
+    def _dense_sgd(self, params: list[torch.nn.Parameter], flat: torch.Tensor) -> None:
+        """SGD on the dense weights from `flat`, their all-reduced gradients back to back."""
+        offset = 0
+        with torch.no_grad():
+            for p in params:
+                n = p.numel()
+                p -= self.cfg.lr * flat[offset:offset + n].view_as(p).to(self.device)
+                p.grad = None
+                offset += n
 
     def run(self) -> dict[str, Any]:
         cfg = self.cfg
@@ -324,6 +358,15 @@ class _Trainer:
                 "computed_samples": self.computed}
 
 
+def trainer_for(cfg: E2EConfig, mode: Mode, rank: int, cost_model: CostModel, progress: Any) -> "_Trainer":
+    """Collective (a PEC trainer builds its communicator): one rank's trainer for `mode`."""
+    if mode.pec:
+        from freescale_comm.bench.e2e_pec import PECTrainer
+
+        return PECTrainer(cfg, mode, rank, cost_model, progress)
+    return _Trainer(cfg, mode, rank, cost_model, progress)
+
+
 def _rank_program(info: Any, cfg: E2EConfig, progress: bool) -> dict[str, Any]:
     torch.set_num_threads(1)  # one compute thread per rank
     bar = None
@@ -337,7 +380,7 @@ def _rank_program(info: Any, cfg: E2EConfig, progress: bool) -> dict[str, Any]:
     for name in cfg.modes:
         if bar is not None:
             bar.set_postfix_str(name)
-        out[name] = _Trainer(cfg, MODES[name], info.rank, cost_model, bar).run()
+        out[name] = trainer_for(cfg, MODES[name], info.rank, cost_model, bar).run()
     if bar is not None:
         bar.close()
     return out

@@ -13,7 +13,7 @@ import math
 
 import numpy as np
 
-__all__ = ["WORKLOADS", "kuairand", "ml20m", "zipf", "generate", "scale_lengths", "step_lengths"]
+__all__ = ["WORKLOADS", "kuairand", "ml20m", "zipf", "generate", "scale_lengths", "step_lengths", "overlapping_ids"]
 
 KUAIRAND_MEDIAN = 8591
 KUAIRAND_MEAN = 11796
@@ -75,3 +75,32 @@ def step_seed(seed: int, step: int, rank: int) -> int:
 def step_lengths(name: str, samples: int, *, seed: int, step: int, rank: int, scale: float = 1.0) -> np.ndarray:
     """The lengths of rank `rank`'s `samples` samples at `step`, scaled by `scale`."""
     return scale_lengths(generate(name, samples, seed=step_seed(seed, step, rank)), scale)
+
+
+def overlapping_ids(counts: list[list[int]], num_rows: int, rate: float, *, seed: int = 0) -> list[list[np.ndarray]]:
+    """Embedding ids with a controlled collision rate: [step][rank] int64 arrays of counts[step][rank]
+    ids in [0, num_rows). Step 0 draws uniformly; at every later step, round(rate × count) of each
+    rank's ids are drawn from the previous step's ids (all ranks), the rest from the rows the
+    previous step did not read, in random positions. So exactly that share of every step's ids
+    collides with the step before (PEC's overlap rows)."""
+    if not 0.0 <= rate <= 1.0:
+        raise ValueError(f"rate must be in [0, 1], got {rate!r}")
+    rng = np.random.default_rng(seed)
+    out: list[list[np.ndarray]] = []
+    for step, per_rank in enumerate(counts):
+        if step == 0:
+            out.append([rng.integers(0, num_rows, n) for n in per_rank])
+            continue
+        previous = np.unique(np.concatenate(out[-1]))
+        fresh_rows = np.setdiff1d(np.arange(num_rows), previous, assume_unique=True)
+        if rate < 1 and fresh_rows.size == 0:
+            raise ValueError(f"step {step - 1} read every one of the {num_rows} rows: no fresh rows for rate {rate}; "
+                             "use more rows or fewer ids")
+        batch = []
+        for n in per_rank:
+            hits = int(round(rate * n))
+            ids = np.concatenate([rng.choice(previous, hits), rng.choice(fresh_rows, n - hits) if n > hits else
+                                  np.zeros(0, dtype=np.int64)])
+            batch.append(rng.permutation(ids).astype(np.int64))
+        out.append(batch)
+    return out

@@ -1,0 +1,341 @@
+"""Prioritized embedding communication (PEC): FreeScale's second technique, on the priority queue.
+
+Batch N's update only touches the rows batch N read. So the rows batch N+1 reads that batch N did
+not ("non-overlap", NOL) have their final values already during N's compute: their ids and rows
+move then, at low priority. The rows both batches read ("overlap", OL, a.k.a. collision rows)
+must wait for N's update: N's gradients for them and their fetch for N+1 go first, at high
+priority, and are what remains exposed. N's gradients for the rows N+1 does not read are sent
+at the lowest priority and applied later (deferred), before any batch reads those rows again.
+
+Overlap is decided by each row's owner, which sees every rank's requests: a row is OL for N+1 if
+any rank read it in N. Reads are never stale: every batch sees exactly the rows fully
+synchronous training would.
+
+One training step with a `PrioritizedEmbedding` `pe` (every rank, same order):
+
+    pe.prefetch(ids[0]); rows = pe.fetch()          # before the first step
+    for step in range(steps):
+        if step + 1 < steps:
+            pe.prefetch(ids[step + 1])               # ids of N+1: low priority, async
+        ... forward / backward of N on `rows`, calling pe.progress() now and then ...
+        pe.backward(grad_of_rows)                    # OL grads high priority, NOL grads deferred
+        if step + 1 < steps:
+            rows = pe.fetch()                        # OL rows of N+1 after N's OL update
+    pe.flush()                                       # applies the deferred updates
+
+Messages per step, all AllToAllv on the module's own Communicator (program order matches them):
+counts, ids, flags (which rows are OL, per pair of batches), NOL rows (low priority); OL
+gradients and OL rows (high priority, skipped when no owner has any); NOL gradients (deferred).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+import torch
+import torch.distributed as dist
+
+from freescale_comm.communicator import Communicator, check_priority
+from freescale_comm.sharding import RowWiseSharding, Sharding, TableWiseSharding
+from freescale_comm.work import Work
+
+__all__ = ["Sharding", "RowWiseSharding", "TableWiseSharding", "overlap_mask", "split_overlap",
+           "collision_rate", "PrioritizedEmbedding"]
+
+IdsPerTable = Sequence[torch.Tensor]
+
+
+def overlap_mask(ids: torch.Tensor, previous: torch.Tensor) -> torch.Tensor:
+    """bool [len(ids)]: True where ids[i] also appears in `previous` (a collision). Vectorized."""
+    return torch.isin(ids.reshape(-1), previous.reshape(-1))
+
+
+def split_overlap(next_ids: IdsPerTable, ids: IdsPerTable) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Per table, batch N+1's ids split into (overlap: also read by batch N, non-overlap), each
+    keeping N+1's order. `next_ids`, `ids`: one int tensor per table, for N+1 and N."""
+    if len(next_ids) != len(ids):
+        raise ValueError(f"next_ids and ids must hold one tensor per table: got {len(next_ids)} and {len(ids)}")
+    overlap, non_overlap = [], []
+    for nxt, cur in zip(next_ids, ids):
+        hit = overlap_mask(nxt, cur)
+        overlap.append(nxt.reshape(-1)[hit])
+        non_overlap.append(nxt.reshape(-1)[~hit])
+    return overlap, non_overlap
+
+
+def collision_rate(next_ids: IdsPerTable, ids: IdsPerTable) -> float:
+    """Share of batch N+1's ids (all tables) that batch N also read."""
+    overlap, non_overlap = split_overlap(next_ids, ids)
+    hits, total = sum(x.numel() for x in overlap), sum(x.numel() for x in overlap + non_overlap)
+    return hits / total if total else 0.0
+
+
+def _segment_counts(mask: torch.Tensor, sizes: list[int]) -> list[int]:
+    """Per segment (consecutive runs of `sizes`), how many of `mask` are True."""
+    if not sizes:
+        return []
+    seg = torch.repeat_interleave(torch.arange(len(sizes)), torch.tensor(sizes, dtype=torch.int64))
+    return torch.bincount(seg[mask], minlength=len(sizes)).tolist()
+
+
+def _minus(a: list[int], b: list[int]) -> list[int]:
+    return [x - y for x, y in zip(a, b)]
+
+
+@dataclass
+class _Batch:
+    """One batch, as this rank sees it both as requester (its own ids) and as owner (peers' asks).
+    Requester arrays are in owner-sorted order: `order` maps them back to the caller's order."""
+
+    size: int  # ids the caller passed (all tables)
+    order: torch.Tensor  # int64 [size]: caller positions, sorted by owner (stable)
+    rows: torch.Tensor  # int64 [size]: shard row of each id at its owner, owner-sorted
+    send: list[int]  # [world] ids I ask of each owner
+    recv: list[int] = field(default_factory=list)  # [world] ids each peer asks of me
+    asked: Optional[torch.Tensor] = None  # int64 [Σ recv]: my shard rows peers ask for, by peer
+    # Which rows are OL, from the flags exchange (None until then):
+    fetch_ol: Optional[torch.Tensor] = None  # bool [size], mine: fetched after the previous update
+    asked_ol: Optional[torch.Tensor] = None  # bool [Σ recv], as owner: the same, for peers' asks
+    any_fetch_ol: bool = False  # some owner has some OL row to serve (all ranks agree)
+    # Gradient split of this batch, set when the next batch's flags arrive:
+    grad_ol: Optional[torch.Tensor] = None  # bool [size], mine: next batch reads it → high priority
+    asked_grad_ol: Optional[torch.Tensor] = None  # bool [Σ recv], as owner
+    any_grad_ol: bool = True
+
+
+@dataclass
+class _Update:
+    """Gradients in flight to this rank (as owner) for `rows` of its shard, applied once arrived."""
+
+    rows: torch.Tensor  # int64 [n]
+    grads: torch.Tensor  # [n, dim], filled by `work`
+    work: Optional[Work]  # None: nothing was sent (empty everywhere)
+
+
+class PrioritizedEmbedding:
+    """PEC over the rows of `sharding`'s tables; this rank stores `weight` [shard_rows(rank), dim],
+    its shard, and updates it in place with SGD (`lr`) or `update(rows, grads)` (int64 shard rows
+    [n], summed-by-row is up to it: duplicates appear once per read). Collective: every rank of
+    `group` (default WORLD) builds one with the same sharding, and calls its methods in the same
+    order (see the module doc). `high_priority` serves OL gradients and rows, `low_priority` the
+    next batch's ids and NOL rows, `deferred_priority` the NOL gradients."""
+
+    def __init__(self, sharding: Sharding, weight: torch.Tensor, *, lr: Optional[float] = None,
+                 update: Optional[Callable[[torch.Tensor, torch.Tensor], None]] = None,
+                 group: Optional[dist.ProcessGroup] = None, high_priority: int = 100, low_priority: int = 0,
+                 deferred_priority: int = -10) -> None:
+        if not isinstance(sharding, Sharding):
+            raise TypeError(f"sharding must be a RowWiseSharding or TableWiseSharding, got {type(sharding).__name__}")
+        if (lr is None) == (update is None):
+            raise ValueError("pass exactly one of lr (plain SGD on weight) or update(rows, grads)")
+        if not isinstance(weight, torch.Tensor) or weight.dim() != 2 or not weight.dtype.is_floating_point:
+            raise ValueError("weight must be a 2-D floating tensor [shard rows, dim], got "
+                             f"{getattr(weight, 'shape', type(weight).__name__)}")
+        for p in (high_priority, low_priority, deferred_priority):
+            check_priority(p)
+        self._comm = Communicator(group)
+        self.rank, self.world = self._comm.rank, self._comm.world_size
+        if sharding.world != self.world:
+            raise ValueError(f"sharding is for {sharding.world} ranks but the group has {self.world}")
+        if weight.shape[0] != sharding.shard_rows(self.rank):
+            raise ValueError(f"weight has {weight.shape[0]} rows but rank {self.rank}'s shard holds "
+                             f"{sharding.shard_rows(self.rank)} (sharding.shard_rows(rank))")
+        self.sharding, self.weight = sharding, weight
+        self.dim = weight.shape[1]
+        self._update = update if update is not None else self._sgd(lr)
+        self._high, self._low, self._deferred = high_priority, low_priority, deferred_priority
+        self._current: Optional[_Batch] = None  # fetched; its gradients come next
+        self._next: Optional[_Batch] = None  # prefetched, not fetched yet
+        self._stage = 0  # progress of _next: 1 counts sent, 2 ids sent, 3 flags sent, 4 NOL rows sent
+        self._works: dict[str, Work] = {}
+        self._flags_in: Optional[torch.Tensor] = None
+        self._nol_rows: Optional[torch.Tensor] = None
+        self._counts_in: Optional[torch.Tensor] = None
+        self._ol_updates: list[_Update] = []  # applied before the next OL lookup
+        self._deferred_updates: list[_Update] = []  # applied before the next NOL lookup
+        self._backward_done = True
+
+    def _sgd(self, lr: float) -> Callable[[torch.Tensor, torch.Tensor], None]:
+        if not isinstance(lr, (int, float)) or lr <= 0:
+            raise ValueError(f"lr must be a positive number, got {lr!r}")
+
+        def sgd(rows: torch.Tensor, grads: torch.Tensor) -> None:
+            self.weight.index_add_(0, rows.to(self.weight.device), grads.to(self.weight.device), alpha=-lr)
+
+        return sgd
+
+    # -- helpers ------------------------------------------------------------------------------------
+    def _a2a(self, name: str, out: torch.Tensor, inp: torch.Tensor, out_splits: list[int], in_splits: list[int],
+             priority: int) -> Work:
+        work = self._comm.all_to_all_single(out, inp, out_splits, in_splits, priority=priority, async_op=True)
+        self._works[name] = work
+        return work
+
+    def _lookup(self, rows: torch.Tensor) -> torch.Tensor:
+        return self.weight.index_select(0, rows.to(self.weight.device))
+
+    @staticmethod
+    def _apply(updates: list[_Update], update: Callable[[torch.Tensor, torch.Tensor], None], block: bool) -> bool:
+        """Applies the arrived updates in order; False if one is still in flight and not `block`."""
+        while updates:
+            u = updates[0]
+            if u.work is not None:
+                if not block and not u.work.is_completed():
+                    return False
+                u.work.wait()
+            if u.rows.numel():
+                update(u.rows, u.grads)
+            updates.pop(0)
+        return True
+
+    # -- the pipeline ------------------------------------------------------------------------------
+    def prefetch(self, ids: IdsPerTable) -> None:
+        """Starts fetching the next batch: `ids`, one int tensor per table (any shape, flattened in
+        order; a single tensor for one table). Sends its id counts at low priority and returns;
+        progress() and fetch() move the rest."""
+        if self._next is not None:
+            raise RuntimeError("prefetch() called twice: fetch() the prefetched batch first")
+        checked = self.sharding.check_ids(ids)
+        owner, rows = self.sharding.route(checked)
+        order = torch.argsort(owner, stable=True)
+        send = torch.bincount(owner, minlength=self.world).tolist()
+        self._next = _Batch(size=owner.numel(), order=order, rows=rows[order], send=send)
+        self._counts_in = torch.empty(self.world, dtype=torch.int64)
+        self._a2a("counts", self._counts_in, torch.tensor(send, dtype=torch.int64), [1] * self.world,
+                  [1] * self.world, self._low)
+        self._stage = 1
+
+    def progress(self, block: bool = False) -> bool:
+        """Advances the prefetch as far as arrived messages allow (waits for them if `block`);
+        True once the next batch's NOL rows are on their way. Call it between compute chunks."""
+        b = self._next
+        if b is None:
+            return True
+        while self._stage < 4:
+            name = ("counts", "ids", "flags")[self._stage - 1]
+            work = self._works[name]
+            if not block and not work.is_completed():
+                return False
+            work.wait()
+            if self._stage == 1:
+                b.recv = self._counts_in.tolist()
+                b.asked = torch.empty(sum(b.recv), dtype=torch.int64)
+                self._a2a("ids", b.asked, b.rows, b.recv, b.send, self._low)
+            elif self._stage == 2:
+                if not self._apply(self._deferred_updates, self._update, block):
+                    return False  # NOL rows must see every deferred update first
+                self._send_flags(b)
+            else:
+                self._send_nol_rows(b)
+            self._stage += 1
+        return True
+
+    def _send_flags(self, b: _Batch) -> None:
+        """As owner: which asked rows of b are OL (the current batch read them) and which of the
+        current batch's asked rows b reads again (their gradients go first). Per peer p the flags
+        message is [any OL row to serve, any OL gradient to take] + b's flags + current's flags."""
+        cur = self._current
+        cur_asked = cur.asked if cur is not None else torch.zeros(0, dtype=torch.int64)
+        b.asked_ol = overlap_mask(b.asked, cur_asked)
+        split_grads = cur is not None and not self._backward_done
+        if split_grads:
+            cur.asked_grad_ol = overlap_mask(cur_asked, b.asked)
+        cur_recv = cur.recv if split_grads else [0] * self.world
+        cur_flags = cur.asked_grad_ol if split_grads else torch.zeros(0, dtype=torch.bool)
+        header = torch.tensor([bool(b.asked_ol.any()), bool(cur_flags.any())], dtype=torch.uint8)
+        parts, b_at, c_at = [], 0, 0
+        for p in range(self.world):
+            parts += [header, b.asked_ol[b_at:b_at + b.recv[p]].to(torch.uint8),
+                      cur_flags[c_at:c_at + cur_recv[p]].to(torch.uint8)]
+            b_at, c_at = b_at + b.recv[p], c_at + cur_recv[p]
+        flags_out = torch.cat(parts)
+        cur_send = cur.send if split_grads else [0] * self.world
+        in_splits = [2 + b.recv[p] + cur_recv[p] for p in range(self.world)]
+        out_splits = [2 + b.send[p] + cur_send[p] for p in range(self.world)]
+        self._flags_in = torch.empty(sum(out_splits), dtype=torch.uint8)
+        self._flags_splits = (out_splits, split_grads)
+        self._a2a("flags", self._flags_in, flags_out, out_splits, in_splits, self._low)
+
+    def _send_nol_rows(self, b: _Batch) -> None:
+        """As requester: reads the flags; as owner: sends the NOL rows of b (low priority)."""
+        out_splits, split_grads = self._flags_splits
+        cur = self._current
+        fetch_ol, grad_ol, any_fetch, any_grad, at = [], [], False, False, 0
+        for p in range(self.world):
+            seg = self._flags_in[at:at + out_splits[p]].bool()
+            any_fetch, any_grad = any_fetch or bool(seg[0]), any_grad or bool(seg[1])
+            fetch_ol.append(seg[2:2 + b.send[p]])
+            grad_ol.append(seg[2 + b.send[p]:])
+            at += out_splits[p]
+        b.fetch_ol, b.any_fetch_ol = torch.cat(fetch_ol), any_fetch
+        if split_grads:
+            cur.grad_ol, cur.any_grad_ol = torch.cat(grad_ol), any_grad
+        nol_send = _minus(b.recv, _segment_counts(b.asked_ol, b.recv))
+        nol_recv = _minus(b.send, _segment_counts(b.fetch_ol, b.send))
+        self._nol_rows = torch.empty(sum(nol_recv), self.dim, dtype=self.weight.dtype)
+        self._a2a("nol_rows", self._nol_rows, self._lookup(b.asked[~b.asked_ol]), nol_recv, nol_send, self._low)
+
+    def backward(self, grads: torch.Tensor) -> None:
+        """Sends the gradients of the rows fetch() last returned ([ids, dim], the caller's order) to
+        their owners: rows the prefetched batch reads again at high priority, the others deferred.
+        Without a prefetched batch, all at high priority."""
+        cur = self._current
+        if cur is None or self._backward_done:
+            raise RuntimeError("backward() needs a fetched batch whose gradients were not sent yet: call fetch() first")
+        if not isinstance(grads, torch.Tensor) or tuple(grads.shape) != (cur.size, self.dim):
+            raise ValueError(f"grads must be a tensor [{cur.size}, {self.dim}] (one row per id fetched), got "
+                             f"{getattr(grads, 'shape', type(grads).__name__)}")
+        self.progress(block=True)  # the flags say which gradients go first
+        g = grads.detach().to(device="cpu", dtype=self.weight.dtype)[cur.order]
+        if cur.grad_ol is None:  # nothing prefetched: every gradient is needed before the next read
+            ol, asked_ol, any_ol = torch.ones(cur.size, dtype=torch.bool), torch.ones(cur.asked.numel(), dtype=torch.bool), True
+        else:
+            ol, asked_ol, any_ol = cur.grad_ol, cur.asked_grad_ol, cur.any_grad_ol
+        ol_send, ol_recv = _segment_counts(ol, cur.send), _segment_counts(asked_ol, cur.recv)
+        ol_update = _Update(cur.asked[asked_ol], torch.empty(sum(ol_recv), self.dim, dtype=self.weight.dtype), None)
+        if any_ol:
+            ol_update.work = self._a2a("ol_grads", ol_update.grads, g[ol], ol_recv, ol_send, self._high)
+        self._ol_updates.append(ol_update)
+        nol_recv = _minus(cur.recv, ol_recv)
+        nol_update = _Update(cur.asked[~asked_ol], torch.empty(sum(nol_recv), self.dim, dtype=self.weight.dtype), None)
+        nol_update.work = self._a2a("nol_grads", nol_update.grads, g[~ol], nol_recv, _minus(cur.send, ol_send),
+                                    self._deferred)
+        self._deferred_updates.append(nol_update)
+        self._backward_done = True
+
+    def fetch(self) -> torch.Tensor:
+        """Rows [ids, dim] of the prefetched batch, in the order its ids were given: NOL rows (sent
+        during progress) and OL rows (looked up after the current batch's OL update, sent now at
+        high priority). Every row equals what synchronous training would read."""
+        b = self._next
+        if b is None:
+            raise RuntimeError("fetch() needs a prefetched batch: call prefetch(ids) first")
+        self.progress(block=True)
+        self._apply(self._ol_updates, self._update, block=True)
+        rows = torch.empty(b.size, self.dim, dtype=self.weight.dtype)
+        if b.any_fetch_ol:
+            ol_recv = _segment_counts(b.fetch_ol, b.send)
+            ol_rows = torch.empty(sum(ol_recv), self.dim, dtype=self.weight.dtype)
+            self._a2a("ol_rows", ol_rows, self._lookup(b.asked[b.asked_ol]), ol_recv,
+                      _segment_counts(b.asked_ol, b.recv), self._high).wait()
+            rows[b.fetch_ol] = ol_rows
+        self._works["nol_rows"].wait()
+        rows[~b.fetch_ol] = self._nol_rows
+        out = torch.empty_like(rows)
+        out[b.order] = rows
+        self._current, self._next, self._stage = b, None, 0
+        self._backward_done = False
+        self._nol_rows = self._flags_in = self._counts_in = None
+        return out
+
+    def flush(self) -> None:
+        """Applies every gradient sent so far (waits for them): the shard is then what synchronous
+        training would hold. Call it before reading or saving `weight` directly."""
+        self._apply(self._ol_updates, self._update, block=True)
+        self._apply(self._deferred_updates, self._update, block=True)
+
+    def close(self) -> None:
+        """Stops the module's communicator (pending ops fail)."""
+        self._comm.close()
