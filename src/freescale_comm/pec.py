@@ -87,7 +87,7 @@ def _minus(a: list[int], b: list[int]) -> list[int]:
 @dataclass
 class _Batch:
     """One batch, as this rank sees it both as requester (its own ids) and as owner (peers' asks).
-    Requester arrays are in owner-sorted order: `order` maps them back to the caller's order."""
+    Requester arrays are in owner-sorted order; `order` maps them to the caller's positions."""
 
     size: int  # ids the caller passed (all tables)
     order: torch.Tensor  # int64 [size]: caller positions, sorted by owner (stable)
@@ -95,14 +95,19 @@ class _Batch:
     send: list[int]  # [world] ids I ask of each owner
     recv: list[int] = field(default_factory=list)  # [world] ids each peer asks of me
     asked: Optional[torch.Tensor] = None  # int64 [Σ recv]: my shard rows peers ask for, by peer
-    # Which rows are OL, from the flags exchange (None until then):
-    fetch_ol: Optional[torch.Tensor] = None  # bool [size], mine: fetched after the previous update
-    asked_ol: Optional[torch.Tensor] = None  # bool [Σ recv], as owner: the same, for peers' asks
-    any_fetch_ol: bool = False  # some owner has some OL row to serve (all ranks agree)
-    # Gradient split of this batch, set when the next batch's flags arrive:
-    grad_ol: Optional[torch.Tensor] = None  # bool [size], mine: next batch reads it → high priority
+    # Fetch split, from the flags exchange: OL rows wait for the previous batch's update.
+    asked_ol: Optional[torch.Tensor] = None  # bool [Σ recv], as owner
+    at_ol: Optional[torch.Tensor] = None  # int64: caller positions of my OL ids, owner-sorted
+    at_nol: Optional[torch.Tensor] = None  # int64: the same for my NOL ids
+    any_fetch_ol: bool = False  # some owner serves some OL row (all ranks agree)
+    out: Optional[torch.Tensor] = None  # [size, dim]: rows in the caller's order, NOL part first
+    # Gradient split, from the next batch's flags: OL gradients are read again next → first.
     asked_grad_ol: Optional[torch.Tensor] = None  # bool [Σ recv], as owner
+    at_grad_ol: Optional[torch.Tensor] = None  # int64: caller positions of my gradients sent first
+    at_grad_nol: Optional[torch.Tensor] = None  # int64: the deferred ones
     any_grad_ol: bool = True
+    fetch_ol_counts: list[int] = field(default_factory=list)  # [world] my OL ids per owner
+    grad_ol_counts: list[int] = field(default_factory=list)  # [world] my first-sent gradients per owner
 
 
 @dataclass
@@ -117,10 +122,10 @@ class _Update:
 class PrioritizedEmbedding:
     """PEC over the rows of `sharding`'s tables; this rank stores `weight` [shard_rows(rank), dim],
     its shard, and updates it in place with SGD (`lr`) or `update(rows, grads)` (int64 shard rows
-    [n], summed-by-row is up to it: duplicates appear once per read). Collective: every rank of
-    `group` (default WORLD) builds one with the same sharding, and calls its methods in the same
-    order (see the module doc). `high_priority` serves OL gradients and rows, `low_priority` the
-    next batch's ids and NOL rows, `deferred_priority` the NOL gradients."""
+    [n], with repeats: one per read). Collective: every rank of `group` (default WORLD) builds one
+    with the same sharding and calls its methods in the same order (see the module doc).
+    `high_priority` serves OL gradients and rows, `low_priority` the next batch's ids and NOL
+    rows, `deferred_priority` the NOL gradients."""
 
     def __init__(self, sharding: Sharding, weight: torch.Tensor, *, lr: Optional[float] = None,
                  update: Optional[Callable[[torch.Tensor, torch.Tensor], None]] = None,
@@ -135,6 +140,7 @@ class PrioritizedEmbedding:
                              f"{getattr(weight, 'shape', type(weight).__name__)}")
         for p in (high_priority, low_priority, deferred_priority):
             check_priority(p)
+        self._update = update if update is not None else self._sgd(lr)
         self._comm = Communicator(group)
         self.rank, self.world = self._comm.rank, self._comm.world_size
         if sharding.world != self.world:
@@ -144,21 +150,22 @@ class PrioritizedEmbedding:
                              f"{sharding.shard_rows(self.rank)} (sharding.shard_rows(rank))")
         self.sharding, self.weight = sharding, weight
         self.dim = weight.shape[1]
-        self._update = update if update is not None else self._sgd(lr)
         self._high, self._low, self._deferred = high_priority, low_priority, deferred_priority
         self._current: Optional[_Batch] = None  # fetched; its gradients come next
         self._next: Optional[_Batch] = None  # prefetched, not fetched yet
-        self._stage = 0  # progress of _next: 1 counts sent, 2 ids sent, 3 flags sent, 4 NOL rows sent
+        self._stage = 0  # of _next: 1 counts sent, 2 ids sent, 3 flags sent, 4 NOL rows sent, 5 placed
         self._works: dict[str, Work] = {}
-        self._flags_in: Optional[torch.Tensor] = None
-        self._nol_rows: Optional[torch.Tensor] = None
         self._counts_in: Optional[torch.Tensor] = None
+        self._flags_in: Optional[torch.Tensor] = None
+        self._flags_splits: tuple[list[int], bool] = ([], False)
+        self._nol_rows: Optional[torch.Tensor] = None
         self._ol_updates: list[_Update] = []  # applied before the next OL lookup
         self._deferred_updates: list[_Update] = []  # applied before the next NOL lookup
+        self._unsent_grads: Optional[tuple[_Batch, torch.Tensor]] = None  # NOL gradients, sent by progress()
         self._backward_done = True
 
     def _sgd(self, lr: float) -> Callable[[torch.Tensor, torch.Tensor], None]:
-        if not isinstance(lr, (int, float)) or lr <= 0:
+        if isinstance(lr, bool) or not isinstance(lr, (int, float)) or lr <= 0:
             raise ValueError(f"lr must be a positive number, got {lr!r}")
 
         def sgd(rows: torch.Tensor, grads: torch.Tensor) -> None:
@@ -173,11 +180,13 @@ class PrioritizedEmbedding:
         self._works[name] = work
         return work
 
-    def _lookup(self, rows: torch.Tensor) -> torch.Tensor:
-        return self.weight.index_select(0, rows.to(self.weight.device))
+    def _rows_buffer(self, n: int) -> torch.Tensor:
+        return torch.empty(n, self.dim, dtype=self.weight.dtype)
 
-    @staticmethod
-    def _apply(updates: list[_Update], update: Callable[[torch.Tensor, torch.Tensor], None], block: bool) -> bool:
+    def _lookup(self, rows: torch.Tensor) -> torch.Tensor:
+        return self.weight.index_select(0, rows.to(self.weight.device)).cpu()
+
+    def _apply(self, updates: list[_Update], block: bool) -> bool:
         """Applies the arrived updates in order; False if one is still in flight and not `block`."""
         while updates:
             u = updates[0]
@@ -186,7 +195,7 @@ class PrioritizedEmbedding:
                     return False
                 u.work.wait()
             if u.rows.numel():
-                update(u.rows, u.grads)
+                self._update(u.rows, u.grads)
             updates.pop(0)
         return True
 
@@ -209,13 +218,13 @@ class PrioritizedEmbedding:
 
     def progress(self, block: bool = False) -> bool:
         """Advances the prefetch as far as arrived messages allow (waits for them if `block`);
-        True once the next batch's NOL rows are on their way. Call it between compute chunks."""
+        True once the next batch's NOL rows are in place. Call it between compute chunks."""
+        self._send_deferred_grads()  # off fetch()'s critical path: they overlap this compute
         b = self._next
         if b is None:
             return True
-        while self._stage < 4:
-            name = ("counts", "ids", "flags")[self._stage - 1]
-            work = self._works[name]
+        while self._stage < 5:
+            work = self._works[("counts", "ids", "flags", "nol_rows")[self._stage - 1]]
             if not block and not work.is_completed():
                 return False
             work.wait()
@@ -224,11 +233,14 @@ class PrioritizedEmbedding:
                 b.asked = torch.empty(sum(b.recv), dtype=torch.int64)
                 self._a2a("ids", b.asked, b.rows, b.recv, b.send, self._low)
             elif self._stage == 2:
-                if not self._apply(self._deferred_updates, self._update, block):
+                if not self._apply(self._deferred_updates, block):
                     return False  # NOL rows must see every deferred update first
                 self._send_flags(b)
-            else:
+            elif self._stage == 3:
                 self._send_nol_rows(b)
+            else:
+                b.out.index_copy_(0, b.at_nol, self._nol_rows)
+                self._nol_rows = None
             self._stage += 1
         return True
 
@@ -250,13 +262,12 @@ class PrioritizedEmbedding:
             parts += [header, b.asked_ol[b_at:b_at + b.recv[p]].to(torch.uint8),
                       cur_flags[c_at:c_at + cur_recv[p]].to(torch.uint8)]
             b_at, c_at = b_at + b.recv[p], c_at + cur_recv[p]
-        flags_out = torch.cat(parts)
         cur_send = cur.send if split_grads else [0] * self.world
         in_splits = [2 + b.recv[p] + cur_recv[p] for p in range(self.world)]
         out_splits = [2 + b.send[p] + cur_send[p] for p in range(self.world)]
         self._flags_in = torch.empty(sum(out_splits), dtype=torch.uint8)
         self._flags_splits = (out_splits, split_grads)
-        self._a2a("flags", self._flags_in, flags_out, out_splits, in_splits, self._low)
+        self._a2a("flags", self._flags_in, torch.cat(parts), out_splits, in_splits, self._low)
 
     def _send_nol_rows(self, b: _Batch) -> None:
         """As requester: reads the flags; as owner: sends the NOL rows of b (low priority)."""
@@ -269,41 +280,55 @@ class PrioritizedEmbedding:
             fetch_ol.append(seg[2:2 + b.send[p]])
             grad_ol.append(seg[2 + b.send[p]:])
             at += out_splits[p]
-        b.fetch_ol, b.any_fetch_ol = torch.cat(fetch_ol), any_fetch
+        ol = torch.cat(fetch_ol)
+        b.at_ol, b.at_nol, b.any_fetch_ol = b.order[ol], b.order[~ol], any_fetch
+        b.fetch_ol_counts = _segment_counts(ol, b.send)
         if split_grads:
-            cur.grad_ol, cur.any_grad_ol = torch.cat(grad_ol), any_grad
-        nol_send = _minus(b.recv, _segment_counts(b.asked_ol, b.recv))
-        nol_recv = _minus(b.send, _segment_counts(b.fetch_ol, b.send))
-        self._nol_rows = torch.empty(sum(nol_recv), self.dim, dtype=self.weight.dtype)
-        self._a2a("nol_rows", self._nol_rows, self._lookup(b.asked[~b.asked_ol]), nol_recv, nol_send, self._low)
+            gol = torch.cat(grad_ol)
+            cur.at_grad_ol, cur.at_grad_nol, cur.any_grad_ol = cur.order[gol], cur.order[~gol], any_grad
+            cur.grad_ol_counts = _segment_counts(gol, cur.send)
+        b.out = self._rows_buffer(b.size)
+        self._nol_rows = self._rows_buffer(b.size - b.at_ol.numel())
+        self._a2a("nol_rows", self._nol_rows, self._lookup(b.asked[~b.asked_ol]), _minus(b.send, b.fetch_ol_counts),
+                  _minus(b.recv, _segment_counts(b.asked_ol, b.recv)), self._low)
 
     def backward(self, grads: torch.Tensor) -> None:
         """Sends the gradients of the rows fetch() last returned ([ids, dim], the caller's order) to
-        their owners: rows the prefetched batch reads again at high priority, the others deferred.
-        Without a prefetched batch, all at high priority."""
+        their owners: those the prefetched batch reads again now, at high priority; the others once
+        the next progress() or flush(), at the lowest (deferred). Without a prefetched batch, all now.
+        `grads` is not copied: leave it unchanged until the next progress() or flush() returns."""
         cur = self._current
         if cur is None or self._backward_done:
             raise RuntimeError("backward() needs a fetched batch whose gradients were not sent yet: call fetch() first")
         if not isinstance(grads, torch.Tensor) or tuple(grads.shape) != (cur.size, self.dim):
             raise ValueError(f"grads must be a tensor [{cur.size}, {self.dim}] (one row per id fetched), got "
                              f"{getattr(grads, 'shape', type(grads).__name__)}")
+        grads = grads.detach().to(device="cpu", dtype=self.weight.dtype)
         self.progress(block=True)  # the flags say which gradients go first
-        g = grads.detach().to(device="cpu", dtype=self.weight.dtype)[cur.order]
-        if cur.grad_ol is None:  # nothing prefetched: every gradient is needed before the next read
-            ol, asked_ol, any_ol = torch.ones(cur.size, dtype=torch.bool), torch.ones(cur.asked.numel(), dtype=torch.bool), True
-        else:
-            ol, asked_ol, any_ol = cur.grad_ol, cur.asked_grad_ol, cur.any_grad_ol
-        ol_send, ol_recv = _segment_counts(ol, cur.send), _segment_counts(asked_ol, cur.recv)
-        ol_update = _Update(cur.asked[asked_ol], torch.empty(sum(ol_recv), self.dim, dtype=self.weight.dtype), None)
-        if any_ol:
-            ol_update.work = self._a2a("ol_grads", ol_update.grads, g[ol], ol_recv, ol_send, self._high)
-        self._ol_updates.append(ol_update)
-        nol_recv = _minus(cur.recv, ol_recv)
-        nol_update = _Update(cur.asked[~asked_ol], torch.empty(sum(nol_recv), self.dim, dtype=self.weight.dtype), None)
-        nol_update.work = self._a2a("nol_grads", nol_update.grads, g[~ol], nol_recv, _minus(cur.send, ol_send),
-                                    self._deferred)
-        self._deferred_updates.append(nol_update)
+        if cur.at_grad_ol is None:  # nothing prefetched: every gradient is needed before the next read
+            cur.at_grad_ol, cur.at_grad_nol, cur.any_grad_ol = cur.order, cur.order[:0], True
+            cur.asked_grad_ol = torch.ones(cur.asked.numel(), dtype=torch.bool)
+            cur.grad_ol_counts = list(cur.send)
+        recv = _segment_counts(cur.asked_grad_ol, cur.recv)
+        update = _Update(cur.asked[cur.asked_grad_ol], self._rows_buffer(sum(recv)), None)
+        if cur.any_grad_ol:
+            update.work = self._a2a("ol_grads", update.grads, grads.index_select(0, cur.at_grad_ol), recv,
+                                    cur.grad_ol_counts, self._high)
+        self._ol_updates.append(update)
+        self._unsent_grads = (cur, grads)
         self._backward_done = True
+
+    def _send_deferred_grads(self) -> None:
+        """The NOL gradients backward() held back, at the lowest priority."""
+        if self._unsent_grads is None:
+            return
+        cur, grads = self._unsent_grads
+        self._unsent_grads = None
+        recv = _minus(cur.recv, _segment_counts(cur.asked_grad_ol, cur.recv))
+        update = _Update(cur.asked[~cur.asked_grad_ol], self._rows_buffer(sum(recv)), None)
+        update.work = self._a2a("nol_grads", update.grads, grads.index_select(0, cur.at_grad_nol), recv,
+                                _minus(cur.send, cur.grad_ol_counts), self._deferred)
+        self._deferred_updates.append(update)
 
     def fetch(self) -> torch.Tensor:
         """Rows [ids, dim] of the prefetched batch, in the order its ids were given: NOL rows (sent
@@ -313,28 +338,25 @@ class PrioritizedEmbedding:
         if b is None:
             raise RuntimeError("fetch() needs a prefetched batch: call prefetch(ids) first")
         self.progress(block=True)
-        self._apply(self._ol_updates, self._update, block=True)
-        rows = torch.empty(b.size, self.dim, dtype=self.weight.dtype)
+        self._apply(self._ol_updates, block=True)
         if b.any_fetch_ol:
-            ol_recv = _segment_counts(b.fetch_ol, b.send)
-            ol_rows = torch.empty(sum(ol_recv), self.dim, dtype=self.weight.dtype)
-            self._a2a("ol_rows", ol_rows, self._lookup(b.asked[b.asked_ol]), ol_recv,
+            ol_rows = self._rows_buffer(b.at_ol.numel())
+            self._a2a("ol_rows", ol_rows, self._lookup(b.asked[b.asked_ol]), b.fetch_ol_counts,
                       _segment_counts(b.asked_ol, b.recv), self._high).wait()
-            rows[b.fetch_ol] = ol_rows
-        self._works["nol_rows"].wait()
-        rows[~b.fetch_ol] = self._nol_rows
-        out = torch.empty_like(rows)
-        out[b.order] = rows
+            b.out.index_copy_(0, b.at_ol, ol_rows)
         self._current, self._next, self._stage = b, None, 0
         self._backward_done = False
-        self._nol_rows = self._flags_in = self._counts_in = None
+        self._flags_in = self._counts_in = None
+        out, b.out = b.out, None
         return out
 
     def flush(self) -> None:
-        """Applies every gradient sent so far (waits for them): the shard is then what synchronous
-        training would hold. Call it before reading or saving `weight` directly."""
-        self._apply(self._ol_updates, self._update, block=True)
-        self._apply(self._deferred_updates, self._update, block=True)
+        """Sends what backward() held back and applies every gradient sent so far (waits for
+        them): the shard then holds what synchronous training would. Call it before reading or
+        saving `weight` directly."""
+        self._send_deferred_grads()
+        self._apply(self._ol_updates, block=True)
+        self._apply(self._deferred_updates, block=True)
 
     def close(self) -> None:
         """Stops the module's communicator (pending ops fail)."""

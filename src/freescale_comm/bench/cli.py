@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import platform
 import sys
-from typing import Optional, Sequence
+from typing import Any, Optional, Sequence
 
 from freescale_comm.bench import trace
 
@@ -55,8 +55,10 @@ def _parser() -> argparse.ArgumentParser:
     pl.add_argument("--repeats", type=int, default=20, help="plans timed per method; the median is reported")
     pl.add_argument("--bytes-per-item", type=int, default=512, help="bytes of one embedded item (default 128 float32)")
     _outputs(pl)
-    e = sub.add_parser("e2e", help="HSTU-like training step on N local ranks: vanilla vs balance vs overlap vs freescale")
+    e = sub.add_parser("e2e", help="HSTU-like training step on N local ranks: vanilla vs balance, overlap, PEC and their mixes")
     _e2e_args(e)
+    ps = sub.add_parser("pec-sweep", help="exposed embedding comm vs collision rate: vanilla vs PEC (e2e step)")
+    _pec_sweep_args(ps)
     si = sub.add_parser("simulate", help="the e2e step at scale (up to 4096 ranks) on a cost + network model")
     si.add_argument("--ranks", type=int, default=256, help="ranks (default 256, at most 4096)")
     si.add_argument("--samples", type=int, default=64, help="samples per rank and step (default 64)")
@@ -85,15 +87,64 @@ def _modes(simulated: bool = False) -> tuple[str, ...]:
     return tuple(MODES)
 
 
-def _e2e_args(e: argparse.ArgumentParser) -> None:
+def _step_args(e: argparse.ArgumentParser, dim: int = 64, layers: int = 2) -> None:
+    """The training step's shape, shared by e2e and pec-sweep."""
     e.add_argument("--ranks", type=int, default=4, help="processes on this host (default 4)")
     e.add_argument("--steps", type=int, default=3, help="measured steps per mode (default 3)")
     e.add_argument("--warmup", type=int, default=1, help="unmeasured steps before them (default 1)")
     e.add_argument("--samples", type=int, default=8, help="samples per rank and step (default 8)")
     e.add_argument("--workload", default="kuairand", help="kuairand | ml20m | zipf (default kuairand)")
     e.add_argument("--length-scale", type=float, default=1 / 12, help="history lengths scaled by this (default 1/12)")
-    e.add_argument("--dim", type=int, default=64, help="embedding / model dim (default 64)")
-    e.add_argument("--groups", type=int, default=4, help="pipeline groups of the overlapped modes (default 4)")
+    e.add_argument("--dim", type=int, default=dim, help=f"embedding / model dim (default {dim})")
+    e.add_argument("--layers", type=int, default=layers, help=f"HSTU layers of the dense tower (default {layers})")
+    e.add_argument("--groups", type=int, default=4, help="compute groups of the overlapped modes (default 4)")
+
+
+def _step_config(args: argparse.Namespace, **more: object) -> "Any":
+    from freescale_comm.bench import e2e
+
+    return e2e.E2EConfig(ranks=args.ranks, steps=args.steps, warmup=args.warmup, samples=args.samples,
+                         workload=args.workload, length_scale=args.length_scale, dim=args.dim, layers=args.layers,
+                         groups=args.groups, seed=args.seed, **more)
+
+
+def _pec_sweep_args(ps: argparse.ArgumentParser) -> None:
+    _step_args(ps, dim=256, layers=1)
+    ps.add_argument("--rates", type=float, nargs="+", default=[0.0, 0.1, 0.2, 0.4, 0.6, 0.8, 1.0],
+                    help="collision rates in [0, 1] (default 0 0.1 0.2 0.4 0.6 0.8 1)")
+    ps.add_argument("--seed", type=int, default=0, help="data and weight seed")
+    ps.add_argument("--plot", metavar="PNG", default="pec-sweep.png", help="where to draw the sweep (default pec-sweep.png)")
+    _outputs(ps)
+
+
+def run_pec_sweep(args: argparse.Namespace) -> int:
+    import dataclasses
+
+    from freescale_comm.bench import pec_sweep
+    from freescale_comm.bench.report import write_json
+
+    try:
+        sweep = pec_sweep.SweepConfig(_step_config(args, modes=pec_sweep.SWEEP_MODES), tuple(args.rates))
+        sweep.check()
+    except ValueError as err:
+        print(f"freescale-bench pec-sweep: {err}", file=sys.stderr)
+        return 2
+    rows = pec_sweep.run(sweep, progress=not args.no_progress)
+    cfg = sweep.e2e
+    title = (f"pec-sweep, {cfg.ranks} ranks x {cfg.samples} samples, {cfg.workload} x {cfg.length_scale:.3g}, "
+             f"dim {cfg.dim}, {platform.node()}; ms per step, mean of {cfg.steps}")
+    print(pec_sweep.table(rows, title))
+    print(pec_sweep.summary(rows))
+    print("# wrote " + pec_sweep.plot(rows, args.plot, title))
+    if args.json:
+        write_json(args.json, "pec-sweep", rows, config=dataclasses.asdict(sweep))
+    return 0
+
+
+def _e2e_args(e: argparse.ArgumentParser) -> None:
+    _step_args(e)
+    e.add_argument("--collision-rate", type=float, default=None,
+                   help="ids with this share read at the step before (default: uniform random ids)")
     e.add_argument("--modes", nargs="+", default=list(_modes()), help="modes to run (default all)")
     e.add_argument("--seed", type=int, default=0, help="data and weight seed")
     e.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="where the dense tower computes")
@@ -106,10 +157,8 @@ def run_e2e(args: argparse.Namespace) -> int:
     from freescale_comm.bench import e2e
     from freescale_comm.bench.report import bubble_summary, step_table, write_json
 
-    cfg = e2e.E2EConfig(ranks=args.ranks, steps=args.steps, warmup=args.warmup, samples=args.samples,
-                        workload=args.workload, length_scale=args.length_scale, dim=args.dim, groups=args.groups,
-                        modes=tuple(args.modes), seed=args.seed, device=args.device)
     try:
+        cfg = _step_config(args, modes=tuple(args.modes), device=args.device, collision_rate=args.collision_rate)
         cfg.check()
     except ValueError as err:
         print(f"freescale-bench e2e: {err}", file=sys.stderr)
@@ -213,6 +262,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return run_e2e(args)
     elif args.bench == "simulate":
         return run_simulate(args)
+    elif args.bench == "pec-sweep":
+        return run_pec_sweep(args)
     return 0
 
 

@@ -5,10 +5,11 @@ Per step N, every rank:
   (balance N+1's samples) → prefetch(ids of N+1)            low priority, async
   forward/backward of N in `groups` chunks, pe.progress() between them: N+1's ids, the flags and
   its non-overlap rows move under this compute
-  dense all-reduce issued; pe.backward(grads of N)          overlap gradients first (high), the
-                                                             rest deferred (lowest)
+  pe.backward(grads of N)                                    overlap gradients first (high), the
+                                                             rest deferred (lowest, sent by the
+                                                             next progress())
   pe.fetch() → rows of N+1                                   overlap rows after N's overlap update
-  dense SGD once the all-reduce is done.
+  dense all-reduce, dense SGD.
 The row-wise sharded table is the same `ShardedTable` the other modes use: same rows, same math.
 """
 
@@ -92,14 +93,12 @@ class PECTrainer(_Trainer):
             params = list(self.dense.parameters())
             flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in params]
                              + [loss_sum.reshape(1)]).cpu()
-            t0 = rec.clock()
-            reduce_work = dist.all_reduce(flat, async_op=True)
-            reduce_key = rec.issue_at("dense_allreduce", t0, reduce_work)
             rec.blocking("pec_backward", lambda: self.pe.backward(grad))
             if has_next:
                 rows = rec.blocking("pec_fetch", self.pe.fetch)
                 ids, lengths = next_ids, next_lengths
-            rec.wait(reduce_key, reduce_work)
+            # After the overlap rows: on a CPU host the all-reduce would take the cores they need.
+            rec.blocking("dense_allreduce", lambda: dist.all_reduce(flat))
             with rec.compute("dense_sgd"):
                 self._dense_sgd(params, flat)
             self.losses.append(float(flat[-1]) / (cfg.ranks * cfg.samples))
