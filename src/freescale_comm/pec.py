@@ -108,6 +108,10 @@ class _Batch:
     any_grad_ol: bool = True
     fetch_ol_counts: list[int] = field(default_factory=list)  # [world] my OL ids per owner
     grad_ol_counts: list[int] = field(default_factory=list)  # [world] my first-sent gradients per owner
+    # Buffers of the high-priority path, allocated and touched under compute (no page faults then):
+    ol_rows_in: Optional[torch.Tensor] = None  # [my OL ids, dim]
+    ol_rows_out: Optional[torch.Tensor] = None  # [asked OL rows, dim]
+    ol_grads_out: Optional[torch.Tensor] = None  # [my first-sent gradients, dim]
 
 
 @dataclass
@@ -183,7 +187,12 @@ class PrioritizedEmbedding:
     def _rows_buffer(self, n: int) -> torch.Tensor:
         return torch.empty(n, self.dim, dtype=self.weight.dtype)
 
-    def _lookup(self, rows: torch.Tensor) -> torch.Tensor:
+    def _touched(self, n: int) -> torch.Tensor:
+        return torch.zeros(n, self.dim, dtype=self.weight.dtype)
+
+    def _lookup(self, rows: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+        if out is not None and self.weight.device == out.device:
+            return torch.index_select(self.weight, 0, rows, out=out)
         return self.weight.index_select(0, rows.to(self.weight.device)).cpu()
 
     def _apply(self, updates: list[_Update], block: bool) -> bool:
@@ -219,11 +228,16 @@ class PrioritizedEmbedding:
     def progress(self, block: bool = False) -> bool:
         """Advances the prefetch as far as arrived messages allow (waits for them if `block`);
         True once the next batch's NOL rows are in place. Call it between compute chunks."""
-        self._send_deferred_grads()  # off fetch()'s critical path: they overlap this compute
+        self._send_deferred_grads()  # off the critical path: they overlap this compute
+        return self._advance(block)
+
+    def _advance(self, block: bool, until: int = 5) -> bool:
+        """progress() without the deferred gradients, up to stage `until` (backward() and fetch()
+        wait in it)."""
         b = self._next
         if b is None:
             return True
-        while self._stage < 5:
+        while self._stage < until:
             work = self._works[("counts", "ids", "flags", "nol_rows")[self._stage - 1]]
             if not block and not work.is_completed():
                 return False
@@ -288,6 +302,10 @@ class PrioritizedEmbedding:
             cur.at_grad_ol, cur.at_grad_nol, cur.any_grad_ol = cur.order[gol], cur.order[~gol], any_grad
             cur.grad_ol_counts = _segment_counts(gol, cur.send)
         b.out = self._rows_buffer(b.size)
+        b.ol_rows_in = self._touched(b.at_ol.numel())
+        b.ol_rows_out = self._touched(int(b.asked_ol.sum()))
+        if split_grads:
+            cur.ol_grads_out = self._touched(cur.at_grad_ol.numel())
         self._nol_rows = self._rows_buffer(b.size - b.at_ol.numel())
         self._a2a("nol_rows", self._nol_rows, self._lookup(b.asked[~b.asked_ol]), _minus(b.send, b.fetch_ol_counts),
                   _minus(b.recv, _segment_counts(b.asked_ol, b.recv)), self._low)
@@ -304,7 +322,7 @@ class PrioritizedEmbedding:
             raise ValueError(f"grads must be a tensor [{cur.size}, {self.dim}] (one row per id fetched), got "
                              f"{getattr(grads, 'shape', type(grads).__name__)}")
         grads = grads.detach().to(device="cpu", dtype=self.weight.dtype)
-        self.progress(block=True)  # the flags say which gradients go first
+        self._advance(block=True, until=4)  # the flags say which gradients go first
         if cur.at_grad_ol is None:  # nothing prefetched: every gradient is needed before the next read
             cur.at_grad_ol, cur.at_grad_nol, cur.any_grad_ol = cur.order, cur.order[:0], True
             cur.asked_grad_ol = torch.ones(cur.asked.numel(), dtype=torch.bool)
@@ -312,8 +330,9 @@ class PrioritizedEmbedding:
         recv = _segment_counts(cur.asked_grad_ol, cur.recv)
         update = _Update(cur.asked[cur.asked_grad_ol], self._rows_buffer(sum(recv)), None)
         if cur.any_grad_ol:
-            update.work = self._a2a("ol_grads", update.grads, grads.index_select(0, cur.at_grad_ol), recv,
-                                    cur.grad_ol_counts, self._high)
+            send = grads.index_select(0, cur.at_grad_ol) if cur.ol_grads_out is None else \
+                torch.index_select(grads, 0, cur.at_grad_ol, out=cur.ol_grads_out)
+            update.work = self._a2a("ol_grads", update.grads, send, recv, cur.grad_ol_counts, self._high)
         self._ol_updates.append(update)
         self._unsent_grads = (cur, grads)
         self._backward_done = True
@@ -337,13 +356,13 @@ class PrioritizedEmbedding:
         b = self._next
         if b is None:
             raise RuntimeError("fetch() needs a prefetched batch: call prefetch(ids) first")
-        self.progress(block=True)
+        self._advance(block=True)
         self._apply(self._ol_updates, block=True)
         if b.any_fetch_ol:
-            ol_rows = self._rows_buffer(b.at_ol.numel())
-            self._a2a("ol_rows", ol_rows, self._lookup(b.asked[b.asked_ol]), b.fetch_ol_counts,
+            self._a2a("ol_rows", b.ol_rows_in, self._lookup(b.asked[b.asked_ol], b.ol_rows_out), b.fetch_ol_counts,
                       _segment_counts(b.asked_ol, b.recv), self._high).wait()
-            b.out.index_copy_(0, b.at_ol, ol_rows)
+            b.out.index_copy_(0, b.at_ol, b.ol_rows_in)
+        b.ol_rows_in = b.ol_rows_out = None
         self._current, self._next, self._stage = b, None, 0
         self._backward_done = False
         self._flags_in = self._counts_in = None
