@@ -322,6 +322,7 @@ class PrioritizedEmbedding:
             raise ValueError(f"grads must be a tensor [{cur.size}, {self.dim}] (one row per id fetched), got "
                              f"{getattr(grads, 'shape', type(grads).__name__)}")
         grads = grads.detach().to(device="cpu", dtype=self.weight.dtype)
+        self._send_deferred_grads()  # an earlier batch's, if no progress() ran since (one slot)
         self._advance(block=True, until=4)  # the flags say which gradients go first
         if cur.at_grad_ol is None:  # nothing prefetched: every gradient is needed before the next read
             cur.at_grad_ol, cur.at_grad_nol, cur.any_grad_ol = cur.order, cur.order[:0], True

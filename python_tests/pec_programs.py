@@ -1,0 +1,127 @@
+"""Rank programs of test_pec.py (spawned: module level, importable)."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from freescale_comm import pec
+from freescale_comm.bench import workloads
+
+
+def _sharding(kind: str, world: int) -> pec.Sharding:
+    rows = [300, 97, 41]
+    return pec.RowWiseSharding(rows, world) if kind == "row" else pec.TableWiseSharding(rows, world)
+
+
+def _batches(sh: pec.Sharding, world: int, steps: int, rate: float, seed: int) -> list[list[list[torch.Tensor]]]:
+    """[step][rank][table] ids, each table at collision rate `rate` (a table's ids of every rank)."""
+    per_table = []
+    for t, n in enumerate(sh.num_rows):
+        counts = [[12 + 3 * r + t for r in range(world)] for _ in range(steps)]
+        per_table.append(workloads.overlapping_ids(counts, n, rate, seed=seed + t))
+    return [[[torch.from_numpy(per_table[t][s][r]) for t in range(sh.tables)] for r in range(world)]
+            for s in range(steps)]
+
+
+def train_against_sync(info, kind: str, rate: float, steps: int, pipelined: bool) -> dict:
+    """Trains with PEC and, beside it, a fully synchronous reference of the whole table (every
+    rank's batches are known here). Returns, per step, the largest difference between the rows
+    PEC returned and those the reference read, and that of the final shard."""
+    world, lr, dim = info.world_size, 0.5, 8
+    sh = _sharding(kind, world)
+    torch.manual_seed(0)
+    tables = [torch.randn(n, dim) for n in sh.num_rows]  # the reference: full tables
+    owner, row = sh.route([torch.arange(n) for n in sh.num_rows])
+    mine = owner == info.rank
+    weight = torch.empty(sh.shard_rows(info.rank), dim)
+    weight[row[mine]] = torch.cat(tables)[mine]
+    pe = pec.PrioritizedEmbedding(sh, weight, lr=lr)
+    batches = _batches(sh, world, steps, rate, seed=7)
+
+    def reference_rows(step: int, rank: int) -> torch.Tensor:
+        return torch.cat([tables[t][batches[step][rank][t]] for t in range(sh.tables)])
+
+    def grads_for(rows: torch.Tensor, step: int) -> torch.Tensor:
+        return torch.sin(rows * (step + 1)) + 0.1  # a gradient that depends on what was read
+
+    max_err = []
+    pe.prefetch(batches[0][info.rank])
+    rows = pe.fetch()
+    for step in range(steps):
+        want = reference_rows(step, info.rank)
+        max_err.append(float((rows - want).abs().max()))
+        if pipelined and step + 1 < steps:
+            pe.prefetch(batches[step + 1][info.rank])
+            pe.progress()
+        pe.backward(grads_for(rows, step))
+        if not pipelined and step + 1 < steps:
+            pe.prefetch(batches[step + 1][info.rank])
+        grads = [grads_for(reference_rows(step, r), step) for r in range(world)]  # all read before any update
+        for r in range(world):  # the synchronous update, every rank's gradients
+            g, at = grads[r], 0
+            for t in range(sh.tables):
+                n = batches[step][r][t].numel()
+                tables[t].index_add_(0, batches[step][r][t], g[at:at + n], alpha=-lr)
+                at += n
+        if step + 1 < steps:
+            rows = pe.fetch()
+    pe.flush()
+    final = float((weight - torch.cat(tables)[mine][torch.argsort(row[mine])]).abs().max())
+    pe.close()
+    return {"max_err": max_err, "final_err": final}
+
+
+def stale_gap(kind: str, rate: float, steps: int, world: int) -> float:
+    """Single process: the largest change, over the steps, of a row read at step s+1 between
+    before and after step s's synchronous update: what a stale read would be off by."""
+    lr, dim = 0.5, 8
+    sh = _sharding(kind, world)
+    torch.manual_seed(0)
+    tables = [torch.randn(n, dim) for n in sh.num_rows]
+    batches = _batches(sh, world, steps, rate, seed=7)
+    gap = 0.0
+    for step in range(steps - 1):
+        before = [t.clone() for t in tables]
+        grads = [torch.sin(torch.cat([before[t][batches[step][r][t]] for t in range(sh.tables)]) * (step + 1)) + 0.1
+                 for r in range(world)]
+        for r in range(world):
+            g, at = grads[r], 0
+            for t in range(sh.tables):
+                n = batches[step][r][t].numel()
+                tables[t].index_add_(0, batches[step][r][t], g[at:at + n], alpha=-lr)
+                at += n
+        for r in range(world):
+            for t in range(sh.tables):
+                ids = batches[step + 1][r][t]
+                gap = max(gap, float((tables[t][ids] - before[t][ids]).abs().max()) if ids.numel() else 0.0)
+    return gap
+
+
+def misuse(info) -> list[str]:
+    """Each out-of-order call raises RuntimeError naming the fix; returns the messages."""
+    sh = pec.RowWiseSharding([64], info.world_size)
+    pe = pec.PrioritizedEmbedding(sh, torch.zeros(sh.shard_rows(info.rank), 4), lr=0.1)
+    out = []
+    for call in (pe.fetch, lambda: pe.backward(torch.zeros(1, 4))):
+        try:
+            call()
+        except RuntimeError as err:
+            out.append(str(err))
+    pe.prefetch(torch.arange(3))
+    try:
+        pe.prefetch(torch.arange(3))
+    except RuntimeError as err:
+        out.append(str(err))
+    rows = pe.fetch()
+    try:
+        pe.backward(torch.zeros(rows.shape[0] + 1, 4))
+    except ValueError as err:
+        out.append(str(err))
+    pe.close()
+    return out
+
+
+def collision_of(batches: list[list[np.ndarray]]) -> float:
+    prev, cur = np.concatenate(batches[0]), np.concatenate(batches[1])
+    return float(np.isin(cur, prev).mean())
