@@ -31,7 +31,7 @@ import functools
 import math
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 import numpy as np
 import torch
@@ -215,8 +215,6 @@ class _Trainer:
         self.losses: list[float] = []
         self.sparsity: list[float] = []
         self.computed: list[int] = []  # samples this rank computed, per prepared step
-        # Test hook: on_rows(step, group, rows [items, dim]) sees every embedding row read, in sample order.
-        self.on_rows: Optional[Callable[[int, int, torch.Tensor], None]] = None
 
     # -- communication helpers: blocking, or async at a priority ----------------------------------
     def _alltoall(self, name: str, out: torch.Tensor, inp: torch.Tensor, out_splits: list[int],
@@ -295,8 +293,6 @@ class _Trainer:
                 with rec.compute("forward_backward"):
                     x = torch.empty_like(emb)
                     x[g.order] = emb  # back to sample order
-                    if self.on_rows is not None:
-                        self.on_rows(step, i, x)
                     x = x.to(self.device).requires_grad_()
                     logits = self.dense(x, g.lengths)
                     loss = F.binary_cross_entropy_with_logits(

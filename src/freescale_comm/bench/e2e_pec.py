@@ -53,8 +53,6 @@ class PECTrainer(_Trainer):
 
     def _compute(self, step: int, ids: torch.Tensor, lengths: list[int], rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Forward + backward of the batch in chunks; returns (loss sum, gradient of rows [items, dim])."""
-        if self.on_rows is not None:
-            self.on_rows(step, 0, rows)
         total_samples = self.cfg.ranks * self.cfg.samples
         x = rows.to(self.device).requires_grad_()
         starts = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)

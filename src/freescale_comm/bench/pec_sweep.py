@@ -12,6 +12,7 @@ flat, PEC rising with the collision rate from near zero (the overlap rows stay e
 from __future__ import annotations
 
 import dataclasses
+import textwrap
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -134,7 +135,7 @@ def plot(rows: list[dict[str, Any]], path: str, title: str) -> str:
         ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=mode)
     ax.set_xlabel("collision rate (% of a step's ids read at the step before)")
     ax.set_ylabel("exposed embedding comm (ms / step)")
-    ax.set_title(title, fontsize=9)
+    ax.set_title(textwrap.fill(title, 80), fontsize=8)
     ax.set_ylim(bottom=0)
     ax.grid(alpha=0.3)
     ax.legend()
