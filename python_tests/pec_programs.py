@@ -24,6 +24,22 @@ def _batches(sh: pec.Sharding, world: int, steps: int, rate: float, seed: int) -
             for s in range(steps)]
 
 
+def _grads_for(rows: torch.Tensor, step: int) -> torch.Tensor:
+    """A gradient that depends on the rows read (so a stale read changes it)."""
+    return torch.sin(rows * (step + 1)) + 0.1
+
+
+def _synchronous_step(tables: list[torch.Tensor], batch: list[list[torch.Tensor]], step: int, lr: float) -> None:
+    """Fully synchronous SGD of one step on the full tables: every rank's rows (batch[rank][table])
+    are read before any is updated."""
+    reads = [torch.cat([tables[t][ids] for t, ids in enumerate(per_rank)]) for per_rank in batch]
+    for per_rank, rows in zip(batch, reads):
+        g, at = _grads_for(rows, step), 0
+        for t, ids in enumerate(per_rank):
+            tables[t].index_add_(0, ids, g[at:at + ids.numel()], alpha=-lr)
+            at += ids.numel()
+
+
 def train_against_sync(info, kind: str, rate: float, steps: int, pipelined: bool) -> dict:
     """Trains with PEC and, beside it, a fully synchronous reference of the whole table (every
     rank's batches are known here). Returns, per step, the largest difference between the rows
@@ -42,9 +58,6 @@ def train_against_sync(info, kind: str, rate: float, steps: int, pipelined: bool
     def reference_rows(step: int, rank: int) -> torch.Tensor:
         return torch.cat([tables[t][batches[step][rank][t]] for t in range(sh.tables)])
 
-    def grads_for(rows: torch.Tensor, step: int) -> torch.Tensor:
-        return torch.sin(rows * (step + 1)) + 0.1  # a gradient that depends on what was read
-
     max_err = []
     pe.prefetch(batches[0][info.rank])
     rows = pe.fetch()
@@ -54,16 +67,10 @@ def train_against_sync(info, kind: str, rate: float, steps: int, pipelined: bool
         if pipelined and step + 1 < steps:
             pe.prefetch(batches[step + 1][info.rank])
             pe.progress()
-        pe.backward(grads_for(rows, step))
+        pe.backward(_grads_for(rows, step))
         if not pipelined and step + 1 < steps:
             pe.prefetch(batches[step + 1][info.rank])
-        grads = [grads_for(reference_rows(step, r), step) for r in range(world)]  # all read before any update
-        for r in range(world):  # the synchronous update, every rank's gradients
-            g, at = grads[r], 0
-            for t in range(sh.tables):
-                n = batches[step][r][t].numel()
-                tables[t].index_add_(0, batches[step][r][t], g[at:at + n], alpha=-lr)
-                at += n
+        _synchronous_step(tables, batches[step], step, lr)
         if step + 1 < steps:
             rows = pe.fetch()
     pe.flush()
@@ -83,14 +90,7 @@ def stale_gap(kind: str, rate: float, steps: int, world: int) -> float:
     gap = 0.0
     for step in range(steps - 1):
         before = [t.clone() for t in tables]
-        grads = [torch.sin(torch.cat([before[t][batches[step][r][t]] for t in range(sh.tables)]) * (step + 1)) + 0.1
-                 for r in range(world)]
-        for r in range(world):
-            g, at = grads[r], 0
-            for t in range(sh.tables):
-                n = batches[step][r][t].numel()
-                tables[t].index_add_(0, batches[step][r][t], g[at:at + n], alpha=-lr)
-                at += n
+        _synchronous_step(tables, batches[step], step, lr)
         for r in range(world):
             for t in range(sh.tables):
                 ids = batches[step + 1][r][t]

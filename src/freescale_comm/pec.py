@@ -107,6 +107,7 @@ class _Batch:
     at_grad_nol: Optional[torch.Tensor] = None  # int64: the deferred ones
     any_grad_ol: bool = True
     fetch_ol_counts: list[int] = field(default_factory=list)  # [world] my OL ids per owner
+    asked_ol_counts: list[int] = field(default_factory=list)  # [world] OL rows each peer asks of me
     grad_ol_counts: list[int] = field(default_factory=list)  # [world] my first-sent gradients per owner
     # Buffers of the high-priority path, allocated and touched under compute (no page faults then):
     ol_rows_in: Optional[torch.Tensor] = None  # [my OL ids, dim]
@@ -307,8 +308,9 @@ class PrioritizedEmbedding:
         if split_grads:
             cur.ol_grads_out = self._touched(cur.at_grad_ol.numel())
         self._nol_rows = self._rows_buffer(b.size - b.at_ol.numel())
+        b.asked_ol_counts = _segment_counts(b.asked_ol, b.recv)
         self._a2a("nol_rows", self._nol_rows, self._lookup(b.asked[~b.asked_ol]), _minus(b.send, b.fetch_ol_counts),
-                  _minus(b.recv, _segment_counts(b.asked_ol, b.recv)), self._low)
+                  _minus(b.recv, b.asked_ol_counts), self._low)
 
     def backward(self, grads: torch.Tensor) -> None:
         """Sends the gradients of the rows fetch() last returned ([ids, dim], the caller's order) to
@@ -361,7 +363,7 @@ class PrioritizedEmbedding:
         self._apply(self._ol_updates, block=True)
         if b.any_fetch_ol:
             self._a2a("ol_rows", b.ol_rows_in, self._lookup(b.asked[b.asked_ol], b.ol_rows_out), b.fetch_ol_counts,
-                      _segment_counts(b.asked_ol, b.recv), self._high).wait()
+                      b.asked_ol_counts, self._high).wait()
             b.out.index_copy_(0, b.at_ol, b.ol_rows_in)
         b.ol_rows_in = b.ol_rows_out = None
         self._current, self._next, self._stage = b, None, 0

@@ -233,8 +233,9 @@ class _Trainer:
         return priority if self.mode.overlap else None
 
     # -- the step's stages ---------------------------------------------------------------------------
-    def prepare(self, step: int) -> list[_Group]:
-        """Balance (if on), split into groups, exchange counts, issue the id AllToAlls."""
+    def samples(self, step: int) -> tuple[torch.Tensor, list[int]]:
+        """This rank's samples at `step`, balanced if on (blocking): ids [items], lengths. Records
+        how many it computes and their sparsity."""
         ids, lengths = home_batch(self.cfg, step, self.rank)
         if self.balancer is not None:
             batch = self.rec.blocking("balance", lambda: self.balancer.dispatch(ids, lengths))
@@ -243,6 +244,11 @@ class _Trainer:
         self.computed.append(len(lengths_list))
         if lengths_list:
             self.sparsity.append(1.0 - sum(lengths_list) / (len(lengths_list) * max(lengths_list)))
+        return ids, lengths_list
+
+    def prepare(self, step: int) -> list[_Group]:
+        """Balance (if on), split into groups, exchange counts, issue the id AllToAlls."""
+        ids, lengths_list = self.samples(step)
         starts = np.concatenate([[0], np.cumsum(lengths_list)]).astype(np.int64)
         groups = []
         for part in np.array_split(np.arange(len(lengths_list)), self.groups):

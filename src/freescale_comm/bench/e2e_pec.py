@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from freescale_comm.bench.e2e import E2EConfig, Mode, _Trainer, home_batch
+from freescale_comm.bench.e2e import E2EConfig, Mode, _Trainer
 from freescale_comm.bench.hstu_model import sample_labels
 from freescale_comm.pec import PrioritizedEmbedding, RowWiseSharding
 from freescale_comm.planner import CostModel
@@ -38,18 +38,6 @@ class PECTrainer(_Trainer):
         self.groups = cfg.groups  # compute chunks: pe.progress() runs between them
         sharding = RowWiseSharding([cfg.rows_per_rank * cfg.ranks], cfg.ranks)
         self.pe = PrioritizedEmbedding(sharding, self.table.weight, lr=cfg.lr)
-
-    def _batch(self, step: int) -> tuple[torch.Tensor, list[int]]:
-        """This rank's samples at `step` (balanced if on): ids [items], lengths."""
-        ids, lengths = home_batch(self.cfg, step, self.rank)
-        if self.balancer is not None:
-            batch = self.rec.blocking("balance", lambda: self.balancer.dispatch(ids, lengths))
-            ids, lengths = batch.values, batch.lengths
-        lengths_list = lengths.tolist()
-        self.computed.append(len(lengths_list))
-        if lengths_list:
-            self.sparsity.append(1.0 - sum(lengths_list) / (len(lengths_list) * max(lengths_list)))
-        return ids, lengths_list
 
     def _compute(self, step: int, ids: torch.Tensor, lengths: list[int], rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Forward + backward of the batch in chunks; returns (loss sum, gradient of rows [items, dim])."""
@@ -77,7 +65,7 @@ class PECTrainer(_Trainer):
         total_steps = cfg.warmup + cfg.steps
         dist.barrier()
         rec.begin_step(-1)  # the first fetch, before the first step
-        ids, lengths = self._batch(0)
+        ids, lengths = self.samples(0)
         self.pe.prefetch([ids])
         rows = rec.blocking("pec_fetch", self.pe.fetch)
         for step in range(total_steps):
@@ -85,7 +73,7 @@ class PECTrainer(_Trainer):
             rec.begin_step(step)
             has_next = step + 1 < total_steps
             if has_next:
-                next_ids, next_lengths = self._batch(step + 1)
+                next_ids, next_lengths = self.samples(step + 1)
                 self.pe.prefetch([next_ids])
             loss_sum, grad = self._compute(step, ids, lengths, rows)
             params = list(self.dense.parameters())
