@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import torch
 
@@ -120,6 +122,54 @@ def misuse(info) -> list[str]:
         out.append(str(err))
     pe.close()
     return out
+
+
+def _colliding_pair(world: int) -> tuple[pec.RowWiseSharding, list[torch.Tensor]]:
+    """A 64-row table and, per rank, ids that two consecutive batches both read (all collide)."""
+    sh = pec.RowWiseSharding([64], world)
+    return sh, [torch.tensor([r, r + 1, 32 + r, 63 - r]) for r in range(world)]
+
+
+def overlap_update_without_a_call(info) -> bool:
+    """After backward(), the owner applies the overlap gradients while the caller makes no call
+    (the runtime's thread does it). True if this rank's shard changed within 60 s of polling."""
+    sh, ids = _colliding_pair(info.world_size)
+    weight = torch.zeros(sh.shard_rows(info.rank), 4)
+    pe = pec.PrioritizedEmbedding(sh, weight, lr=1.0)
+    pe.prefetch(ids[info.rank])
+    rows = pe.fetch()
+    pe.prefetch(ids[info.rank])
+    before = weight.clone()
+    pe.backward(torch.ones_like(rows))
+    deadline = time.monotonic() + 60.0  # a hang guard, not a timing check
+    while torch.equal(weight, before) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    changed = not torch.equal(weight, before)
+    rows = pe.fetch()
+    pe.flush()
+    pe.close()
+    return changed and bool((rows != 0).all())
+
+
+def failing_update_raises_in_fetch(info) -> str:
+    """An update that raises on the runtime's thread: fetch() raises it."""
+    sh, ids = _colliding_pair(info.world_size)
+
+    def update(rows: torch.Tensor, grads: torch.Tensor) -> None:
+        raise ValueError("optimizer state is missing")
+
+    pe = pec.PrioritizedEmbedding(sh, torch.zeros(sh.shard_rows(info.rank), 4), update=update)
+    pe.prefetch(ids[info.rank])
+    rows = pe.fetch()
+    pe.prefetch(ids[info.rank])
+    pe.backward(torch.ones_like(rows))
+    try:
+        pe.fetch()
+        return "no error"
+    except ValueError as err:
+        return str(err)
+    finally:
+        pe.close()
 
 
 def collision_of(batches: list[list[np.ndarray]]) -> float:

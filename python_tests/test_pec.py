@@ -89,6 +89,14 @@ def test_pec_without_pipelining_is_synchronous_too():
         assert max(res["max_err"]) <= 1e-6 and res["final_err"] <= 1e-6
 
 
+def test_owner_applies_overlap_gradients_while_the_caller_is_elsewhere():
+    assert spawn(pec_programs.overlap_update_without_a_call, 2, backend="gloo") == [True, True]
+
+
+def test_an_update_failing_on_the_runtime_thread_raises_in_fetch():
+    assert spawn(pec_programs.failing_update_raises_in_fetch, 2, backend="gloo") == ["optimizer state is missing"] * 2
+
+
 def test_out_of_order_calls_raise_and_name_the_fix():
     messages = spawn(pec_programs.misuse, 2, backend="gloo")[0]
     assert "call prefetch(ids) first" in messages[0]

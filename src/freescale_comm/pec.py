@@ -19,6 +19,7 @@ One training step with a `PrioritizedEmbedding` `pe` (every rank, same order):
             pe.prefetch(ids[step + 1])               # ids of N+1: low priority, async
         ... forward / backward of N on `rows`, calling pe.progress() now and then ...
         pe.backward(grad_of_rows)                    # OL grads high priority, NOL grads deferred
+        ... dense all-reduce: the OL update and OL rows move under it (runtime thread) ...
         if step + 1 < steps:
             rows = pe.fetch()                        # OL rows of N+1 after N's OL update
     pe.flush()                                       # applies the deferred updates
@@ -113,6 +114,7 @@ class _Batch:
     ol_rows_in: Optional[torch.Tensor] = None  # [my OL ids, dim]
     ol_rows_out: Optional[torch.Tensor] = None  # [asked OL rows, dim]
     ol_grads_out: Optional[torch.Tensor] = None  # [my first-sent gradients, dim]
+    ol_rows_work: Optional[Work] = None  # the OL rows' AllToAll, once sent
 
 
 @dataclass
@@ -122,6 +124,14 @@ class _Update:
     rows: torch.Tensor  # int64 [n]
     grads: torch.Tensor  # [n, dim], filled by `work`
     work: Optional[Work]  # None: nothing was sent (empty everywhere)
+
+    def apply(self, update: Callable[[torch.Tensor, torch.Tensor], None]) -> None:
+        """Applies the arrived gradients (work completed); raises the exchange's error if it failed."""
+        error = self.work.exception() if self.work is not None else None
+        if error is not None:
+            raise error
+        if self.rows.numel():
+            update(self.rows, self.grads)
 
 
 class PrioritizedEmbedding:
@@ -164,7 +174,10 @@ class PrioritizedEmbedding:
         self._flags_in: Optional[torch.Tensor] = None
         self._flags_splits: tuple[list[int], bool] = ([], False)
         self._nol_rows: Optional[torch.Tensor] = None
-        self._ol_updates: list[_Update] = []  # applied before the next OL lookup
+        # The OL gradients' exchange, whose done-callback (_serve_ol) applies them and sends the
+        # next batch's OL rows; every other op is posted after it ran (program order).
+        self._serving: Optional[Work] = None
+        self._serve_error: Optional[BaseException] = None
         self._deferred_updates: list[_Update] = []  # applied before the next NOL lookup
         self._unsent_grads: Optional[tuple[_Batch, torch.Tensor]] = None  # NOL gradients, sent by progress()
         self._backward_done = True
@@ -204,8 +217,7 @@ class PrioritizedEmbedding:
                 if not block and not u.work.is_completed():
                     return False
                 u.work.wait()
-            if u.rows.numel():
-                self._update(u.rows, u.grads)
+            u.apply(self._update)
             updates.pop(0)
         return True
 
@@ -217,6 +229,7 @@ class PrioritizedEmbedding:
         if self._next is not None:
             raise RuntimeError("prefetch() called twice: fetch() the prefetched batch first")
         checked = self.sharding.check_ids(ids)
+        self._finish_serving()
         owner, rows = self.sharding.route(checked)
         order = torch.argsort(owner, stable=True)
         send = torch.bincount(owner, minlength=self.world).tolist()
@@ -229,7 +242,8 @@ class PrioritizedEmbedding:
     def progress(self, block: bool = False) -> bool:
         """Advances the prefetch as far as arrived messages allow (waits for them if `block`);
         True once the next batch's NOL rows are in place. Call it between compute chunks."""
-        self._send_deferred_grads()  # off the critical path: they overlap this compute
+        if self._serving is None:  # else after the OL rows were sent (program order)
+            self._send_deferred_grads()  # off the critical path: they overlap this compute
         return self._advance(block)
 
     def _advance(self, block: bool, until: int = 5) -> bool:
@@ -314,9 +328,12 @@ class PrioritizedEmbedding:
 
     def backward(self, grads: torch.Tensor) -> None:
         """Sends the gradients of the rows fetch() last returned ([ids, dim], the caller's order) to
-        their owners: those the prefetched batch reads again now, at high priority; the others once
-        the next progress() or flush(), at the lowest (deferred). Without a prefetched batch, all now.
-        `grads` is not copied: leave it unchanged until the next progress() or flush() returns."""
+        their owners: those the prefetched batch reads again now, at high priority; the others by
+        the first progress() after the next fetch() (or flush()), at the lowest (deferred). Without
+        a prefetched batch, all now. Once the high-priority ones arrived, the runtime's thread
+        applies them and sends the prefetched batch's OL rows: work done between backward() and
+        fetch() (the dense all-reduce) hides that round trip. `update` may thus run on that thread.
+        `grads` is not copied: leave it unchanged until that progress() or flush() returns."""
         cur = self._current
         if cur is None or self._backward_done:
             raise RuntimeError("backward() needs a fetched batch whose gradients were not sent yet: call fetch() first")
@@ -336,9 +353,39 @@ class PrioritizedEmbedding:
             send = grads.index_select(0, cur.at_grad_ol) if cur.ol_grads_out is None else \
                 torch.index_select(grads, 0, cur.at_grad_ol, out=cur.ol_grads_out)
             update.work = self._a2a("ol_grads", update.grads, send, recv, cur.grad_ol_counts, self._high)
-        self._ol_updates.append(update)
         self._unsent_grads = (cur, grads)
         self._backward_done = True
+        if update.work is None:
+            self._serve_ol(update)
+        else:  # the OL round trip goes on without the caller (e.g. under its dense all-reduce)
+            self._serving = update.work
+            update.work.get_future().add_done_callback(lambda _: self._serve_ol(update))
+
+    def _serve_ol(self, update: _Update) -> None:
+        """Once the OL gradients arrived: applies them, then sends the prefetched batch's OL rows
+        (high priority). Runs on the thread that completes the exchange (the progress thread, or
+        one blocked in a wait), so the round trip needs no call of the caller: never waits on an op."""
+        try:
+            update.apply(self._update)
+            b = self._next
+            if b is not None and b.any_fetch_ol:
+                self._send_ol_rows(b)
+        except BaseException as e:  # noqa: BLE001 - raised again by the caller's next call
+            self._serve_error = e
+
+    def _finish_serving(self) -> None:
+        """Waits until _serve_ol ran (the OL update is applied, its sends posted); raises its error."""
+        if self._serving is not None:
+            self._serving.wait()  # returns once the op's callbacks ran
+            self._serving = None
+        if self._serve_error is not None:
+            error, self._serve_error = self._serve_error, None
+            raise error
+
+    def _send_ol_rows(self, b: _Batch) -> None:
+        """As owner: b's OL rows, looked up after every update they wait for (high priority)."""
+        b.ol_rows_work = self._a2a("ol_rows", b.ol_rows_in, self._lookup(b.asked[b.asked_ol], b.ol_rows_out),
+                                   b.fetch_ol_counts, b.asked_ol_counts, self._high)
 
     def _send_deferred_grads(self) -> None:
         """The NOL gradients backward() held back, at the lowest priority."""
@@ -359,13 +406,14 @@ class PrioritizedEmbedding:
         b = self._next
         if b is None:
             raise RuntimeError("fetch() needs a prefetched batch: call prefetch(ids) first")
+        self._finish_serving()
         self._advance(block=True)
-        self._apply(self._ol_updates, block=True)
         if b.any_fetch_ol:
-            self._a2a("ol_rows", b.ol_rows_in, self._lookup(b.asked[b.asked_ol], b.ol_rows_out), b.fetch_ol_counts,
-                      b.asked_ol_counts, self._high).wait()
+            if b.ol_rows_work is None:  # no backward() since the prefetch: nothing to wait for
+                self._send_ol_rows(b)
+            b.ol_rows_work.wait()
             b.out.index_copy_(0, b.at_ol, b.ol_rows_in)
-        b.ol_rows_in = b.ol_rows_out = None
+        b.ol_rows_in = b.ol_rows_out = b.ol_rows_work = None
         self._current, self._next, self._stage = b, None, 0
         self._backward_done = False
         self._flags_in = self._counts_in = None
@@ -376,8 +424,8 @@ class PrioritizedEmbedding:
         """Sends what backward() held back and applies every gradient sent so far (waits for
         them): the shard then holds what synchronous training would. Call it before reading or
         saving `weight` directly."""
+        self._finish_serving()
         self._send_deferred_grads()
-        self._apply(self._ol_updates, block=True)
         self._apply(self._deferred_updates, block=True)
 
     def close(self) -> None:

@@ -8,8 +8,10 @@ Per step N, every rank:
   pe.backward(grads of N)                                    overlap gradients first (high), the
                                                              rest deferred (lowest, sent by the
                                                              next progress())
-  pe.fetch() → rows of N+1                                   overlap rows after N's overlap update
-  dense all-reduce, dense SGD.
+  dense all-reduce, dense SGD                                meanwhile the runtime's thread applies
+                                                             the overlap gradients and sends the
+                                                             overlap rows (high)
+  pe.fetch() → rows of N+1                                   waits for what is left of them
 The row-wise sharded table is the same `ShardedTable` the other modes use: same rows, same math.
 """
 
@@ -80,13 +82,14 @@ class PECTrainer(_Trainer):
             flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in params]
                              + [loss_sum.reshape(1)]).cpu()
             rec.blocking("pec_backward", lambda: self.pe.backward(grad))
-            if has_next:
-                rows = rec.blocking("pec_fetch", self.pe.fetch)
-                ids, lengths = next_ids, next_lengths
-            # After the overlap rows: on a CPU host the all-reduce would take the cores they need.
+            # The OL gradients' round trip (owner update, OL rows back) runs on the runtime's thread
+            # under the dense all-reduce; fetch() then mostly finds the rows there.
             rec.blocking("dense_allreduce", lambda: dist.all_reduce(flat))
             with rec.compute("dense_sgd"):
                 self._dense_sgd(params, flat)
+            if has_next:
+                rows = rec.blocking("pec_fetch", self.pe.fetch)
+                ids, lengths = next_ids, next_lengths
             self.losses.append(float(flat[-1]) / (cfg.ranks * cfg.samples))
             rec.end_step()
             if self.progress is not None:
