@@ -18,6 +18,7 @@ BuildInfo build_info() {
   info.transports = {"host"};
 #ifdef FREESCALE_WITH_CUDA
   info.cuda = true;
+  info.transports.push_back("ce");
   std::istringstream archs(FREESCALE_CUDA_ARCHS);
   std::string arch;
   while (std::getline(archs, arch, ';')) {

@@ -5,6 +5,10 @@
 #include <utility>
 
 #include "cpp/host_transport.h"
+#include "cpp/transport_select.h"
+#ifdef FREESCALE_WITH_CUDA
+#include "cuda/ce_transport.h"
+#endif
 
 namespace freescale {
 namespace {
@@ -15,11 +19,25 @@ constexpr int kChunksPerRound = 8;                      // sends between two rec
 constexpr uint64_t kDefaultTimeoutMs = 30ull * 60 * 1000;
 
 std::unique_ptr<Transport> make_transport(Bootstrap& bootstrap, const Config& config) {
-  if (config.transport == "auto" || config.transport == "host") {
-    return std::make_unique<HostTransport>(bootstrap, config);
+  TransportNeeds needs;
+  needs.requested = config.transport;
+  needs.cuda_tensors = config.cuda_device >= 0;
+  needs.same_host = true;  // the transports' setup finds out otherwise (kUnsupported)
+#ifdef FREESCALE_WITH_CUDA
+  needs.ce_built = true;
+#endif
+  TransportChoice choice = select_transport(needs);
+  switch (choice.kind) {
+    case TransportKind::kHost:
+      return std::make_unique<HostTransport>(bootstrap, config);
+#ifdef FREESCALE_WITH_CUDA
+    case TransportKind::kCe:
+      return make_ce_transport(bootstrap, config);
+#endif
+    default:
+      throw Error(ErrorCode::kUnsupported, std::string("no transport of this build serves these tensors (") +
+                                               transport_kind_name(choice.kind) + "): " + choice.warning);
   }
-  throw Error(ErrorCode::kUnsupported, "FREESCALE_TRANSPORT=" + config.transport +
-                                           " is not built into this core yet; use auto or host");
 }
 
 Config with_default_timeout(Config c) {
@@ -48,7 +66,7 @@ Communicator::~Communicator() {
 }
 
 std::shared_ptr<OpState> Communicator::all_to_all(const uint8_t* send, uint8_t* recv, AllToAllLayout layout,
-                                                  int priority, bool caller_waits) {
+                                                  int priority, bool caller_waits, uintptr_t stream) {
   validate_alltoallv(layout, world_);
   std::shared_ptr<OpState> op;
   {
@@ -58,7 +76,10 @@ std::shared_ptr<OpState> Communicator::all_to_all(const uint8_t* send, uint8_t* 
       throw CommError(broken_code_, "the communicator failed earlier and cannot run more ops: " + broken_message_);
     }
     auto deadline = Clock::now() + std::chrono::milliseconds(config_.timeout_ms);
-    op = std::make_shared<OpState>(next_seq_++, priority, send, recv, std::move(layout), deadline);
+    op = std::make_shared<OpState>(next_seq_, priority, send, recv, std::move(layout), deadline);
+    op->stream = stream;
+    transport_->on_submit(*op);  // throws before the seq is taken: program order stays matched
+    ++next_seq_;
     unfinished_.fetch_add(1);
     op->add_done_callback([this] { unfinished_.fetch_sub(1); });  // close() completes every op
     submissions_.push_back(op);

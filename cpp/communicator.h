@@ -45,8 +45,12 @@ class Communicator {
   // must stay valid until the op completes. Validates the layout (InvalidArgument) and throws
   // CommError if the communicator is broken, before queuing anything. Never blocks on peers.
   // caller_waits: the caller calls wait() on it next, so the progress thread is not woken for it.
+  // stream: for CUDA buffers, the caller's stream: the transfer starts after what it holds now.
   std::shared_ptr<OpState> all_to_all(const uint8_t* send, uint8_t* recv, AllToAllLayout layout, int priority,
-                                      bool caller_waits = false);
+                                      bool caller_waits = false, uintptr_t stream = 0);
+  // Makes CUDA `stream` wait for `op` without blocking the CPU (transports with stream
+  // completion: ce, nvshmem); Unsupported otherwise.
+  void stream_wait(const std::shared_ptr<OpState>& op, uintptr_t stream) { transport_->stream_wait(*op, stream); }
 
   // Blocks until `op` (from this communicator) is done, driving progress on the calling thread;
   // false if `timeout` (negative = no limit) passed first. Throws the op's CommError if it failed.

@@ -22,6 +22,9 @@ struct Config {
   uint64_t aging_us = 5000;
   // FREESCALE_TRANSPORT: auto | host | ce | nvshmem.
   std::string transport = "auto";
+  // Not from the environment: the CUDA device whose tensors this communicator moves; -1 = CPU
+  // tensors. Set by the Python layer (torch's current device).
+  int cuda_device = -1;
 
   // Reads the environment; a malformed value throws InvalidArgument naming the variable.
   static Config from_env();

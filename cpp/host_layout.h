@@ -59,10 +59,13 @@ struct HostSegmentLayout {
   int owner = 0;                // rank that owns (sends from) this segment
   uint64_t slots_per_ring = 0;  // chunks in flight per (owner -> peer) ring
   uint64_t slot_payload = 0;    // payload bytes per slot (= the owner's chunk_bytes)
+  bool inline_payload = true;   // false: slots hold headers only, payloads live elsewhere (GPU arena)
 
-  uint64_t slot_stride() const { return sizeof(SlotHeader) + round_up(slot_payload); }
+  uint64_t slot_stride() const { return sizeof(SlotHeader) + (inline_payload ? round_up(slot_payload) : 0); }
+  // Whole pages, so the segment can be registered with CUDA as it is.
   size_t num_bytes() const {
-    return rings_offset() + sizeof(RingControl) * world + slot_stride() * slots_per_ring * (world - 1);
+    size_t used = rings_offset() + sizeof(RingControl) * world + slot_stride() * slots_per_ring * (world - 1);
+    return (used + 4095) / 4096 * 4096;
   }
   RankControl* control(void* base) const { return static_cast<RankControl*>(base); }
   ReceivedWindow* received(void* base) const {

@@ -44,13 +44,17 @@ struct Announcement {
 
 }  // namespace
 
-HostTransport::HostTransport(Bootstrap& bootstrap, const Config& config)
-    : rank_(bootstrap.rank()), world_(bootstrap.size()), peers_(static_cast<size_t>(bootstrap.size())) {
+HostTransport::HostTransport(Bootstrap& bootstrap, const Config& config, bool inline_payload)
+    : rank_(bootstrap.rank()),
+      world_(bootstrap.size()),
+      peers_(static_cast<size_t>(bootstrap.size())),
+      filled_(static_cast<size_t>(bootstrap.size()), 0),
+      taken_(static_cast<size_t>(bootstrap.size()), 0) {
   Announcement mine;
   mine.identity = host_identity();
   mine.pid = static_cast<int>(getpid());
   mine.slot_payload = config.chunk_bytes;
-  HostSegmentLayout layout{world_, rank_, 0, config.chunk_bytes};
+  HostSegmentLayout layout{world_, rank_, 0, config.chunk_bytes, inline_payload};
   if (world_ > 1) {
     layout.slots_per_ring = std::max<uint64_t>(2, config.arena_bytes / (layout.slot_stride() * (world_ - 1)));
   }
@@ -87,7 +91,7 @@ HostTransport::HostTransport(Bootstrap& bootstrap, const Config& config)
   for (int p = 0; p < world_; ++p) {
     peers_[p].pid = all[p].pid;
     if (p == rank_) continue;
-    peers_[p].layout = HostSegmentLayout{world_, p, all[p].slots_per_ring, all[p].slot_payload};
+    peers_[p].layout = HostSegmentLayout{world_, p, all[p].slots_per_ring, all[p].slot_payload, inline_payload};
     try {
       peers_[p].segment = ShmSegment::attach(all[p].segment, peers_[p].layout.num_bytes());
       if (peers_[p].control()->magic != kHostSegmentMagic) throw Error(ErrorCode::kSystem, "bad magic in " + all[p].segment);
@@ -121,8 +125,7 @@ bool HostTransport::can_send(const Transfer& t) const {
   if (t.peer == rank_) return true;
   const Peer& self = peers_[rank_];
   RingControl* ring = self.layout.ring(self.segment.data(), t.peer);
-  uint64_t head = ring->head.load(std::memory_order_relaxed);  // we are its only writer
-  if (head - ring->tail.load(std::memory_order_acquire) >= self.layout.slots_per_ring) return false;
+  if (filled_[t.peer] - ring->tail.load(std::memory_order_acquire) >= self.layout.slots_per_ring) return false;
   if (peers_[t.peer].control()->posted_ops.load(std::memory_order_acquire) > t.op->seq) return true;
   // The peer has not posted this op yet. Sending anyway saves a round trip, and is safe when
   // every earlier op's bytes for that peer are out: then the ring's first unposted chunk belongs
@@ -159,13 +162,45 @@ void HostTransport::send_chunk(const Transfer& t, const Chunk& c) {
   }
   const Peer& self = peers_[rank_];
   if (c.bytes > self.layout.slot_payload) throw Error(ErrorCode::kInternal, "chunk larger than a ring slot");
-  RingControl* ring = self.layout.ring(self.segment.data(), t.peer);
-  uint64_t head = ring->head.load(std::memory_order_relaxed);
-  SlotHeader* slot = self.layout.slot(self.segment.data(), t.peer, head);
+  uint64_t index = filled_[t.peer]++;
+  SlotHeader* slot = self.layout.slot(self.segment.data(), t.peer, index);
   *slot = header;
-  read_block(op.send, block_start, op.layout.send_segments, t.peer, c.offset, c.bytes, HostSegmentLayout::payload(slot));
-  ring->head.store(head + 1, std::memory_order_release);
-  ring_peer(t.peer);
+  fill_slot(t.peer, index, slot, op, c.offset, c.bytes);
+}
+
+void HostTransport::fill_slot(int peer, uint64_t index, SlotHeader* slot, const OpState& op, uint64_t offset,
+                              uint64_t bytes) {
+  read_block(op.send, op.layout.send_offsets[peer], op.layout.send_segments, peer, offset, bytes,
+             HostSegmentLayout::payload(slot));
+  const Peer& self = peers_[rank_];
+  self.layout.ring(self.segment.data(), peer)->head.store(index + 1, std::memory_order_release);
+  ring_peer(peer);
+}
+
+const uint8_t* HostTransport::slot_payload(int, uint64_t, SlotHeader* slot) const {
+  return HostSegmentLayout::payload(slot);
+}
+
+void HostTransport::release_slot(int src, uint64_t index) {
+  const Peer& peer = peers_[src];
+  peer.layout.ring(peer.segment.data(), rank_)->tail.store(index + 1, std::memory_order_release);
+  ring_peer(src);  // room for the sender
+}
+
+void HostTransport::land(int src, OpState& op, const SlotHeader& h, const uint8_t* payload, bool last) {
+  write_block(op.recv, op.layout.recv_offsets[src], op.layout.recv_segments, src, h.offset, payload, h.bytes);
+  if (last) finish_recv(op, src);
+}
+
+void HostTransport::finish_recv(OpState& op, int src) {
+  op.recv_finished[src] = 1;
+  op.part_done();
+  if (--op.recv_parts_left == 0) {
+    // Everything for this op arrived and matched: tell every rank.
+    peers_[rank_].layout.received(peers_[rank_].segment.data())->received[op.seq % kOpWindow].store(
+        op.seq + 1, std::memory_order_release);
+    ring_all();
+  }
 }
 
 void HostTransport::deliver(int src, const SlotHeader& h, const uint8_t* payload) {
@@ -183,21 +218,13 @@ void HostTransport::deliver(int src, const SlotHeader& h, const uint8_t* payload
                         std::to_string(expected) + " bytes from rank " + std::to_string(src) + ", which sends " +
                         std::to_string(h.total) + " bytes: the ranks' split sizes disagree");
   }
-  if (h.offset != op.recv_done[src] || h.bytes > expected - h.offset || op.recv_finished[src]) {
+  // recv_done counts accepted bytes (landing may lag: recv_finished says when all landed).
+  if (h.offset != op.recv_done[src] || h.bytes > expected - h.offset || op.recv_finished[src] ||
+      (expected > 0 && op.recv_done[src] == expected)) {
     throw Error(ErrorCode::kInternal, "out-of-order chunk from rank " + std::to_string(src));
   }
-  write_block(op.recv, op.layout.recv_offsets[src], op.layout.recv_segments, src, h.offset, payload, h.bytes);
   op.recv_done[src] += h.bytes;
-  if (op.recv_done[src] == expected) {
-    op.recv_finished[src] = 1;
-    op.part_done();
-    if (--op.recv_parts_left == 0) {
-      // Everything for this op arrived and matched: tell every rank.
-      peers_[rank_].layout.received(peers_[rank_].segment.data())->received[op.seq % kOpWindow].store(
-          op.seq + 1, std::memory_order_release);
-      ring_all();
-    }
-  }
+  land(src, op, h, payload, op.recv_done[src] == expected);
 }
 
 bool HostTransport::confirm_received() {
@@ -217,16 +244,15 @@ bool HostTransport::confirm_received() {
 bool HostTransport::drain_from(int src) {
   const Peer& peer = peers_[src];
   RingControl* ring = peer.layout.ring(peer.segment.data(), rank_);
-  uint64_t tail = ring->tail.load(std::memory_order_relaxed);  // we are its only writer
+  uint64_t& tail = taken_[src];
   uint64_t head = ring->head.load(std::memory_order_acquire);
   uint64_t posted = peers_[rank_].control()->posted_ops.load(std::memory_order_relaxed);
   uint64_t first = tail;
   for (; tail < head; ++tail) {
     SlotHeader* slot = peer.layout.slot(peer.segment.data(), rank_, tail);
     if (slot->seq >= posted) break;  // sent ahead of our post: it waits for our program order
-    deliver(src, *slot, HostSegmentLayout::payload(slot));
-    ring->tail.store(tail + 1, std::memory_order_release);
-    ring_peer(src);  // room for the sender
+    deliver(src, *slot, slot_payload(src, tail, slot));
+    release_slot(src, tail);
   }
   return tail != first;
 }

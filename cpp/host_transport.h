@@ -19,10 +19,14 @@
 
 namespace freescale {
 
+//
+// The control plane (rings of slot headers, counters, doorbells, liveness) is shared with the
+// copy-engine transport, which derives from this class and moves payloads through GPU memory
+// instead: the data-path hooks below are where the two differ.
 class HostTransport : public Transport {
  public:
   // Collective over `bootstrap`. Throws kUnsupported if the ranks are not on one host.
-  HostTransport(Bootstrap& bootstrap, const Config& config);
+  HostTransport(Bootstrap& bootstrap, const Config& config) : HostTransport(bootstrap, config, true) {}
   ~HostTransport() override;
 
   const char* name() const override { return "host"; }
@@ -38,6 +42,39 @@ class HostTransport : public Transport {
   void abort(ErrorCode code) override;
   void close() override;
 
+ protected:
+  // inline_payload false: slots carry headers only; the derived class moves payloads.
+  HostTransport(Bootstrap& bootstrap, const Config& config, bool inline_payload);
+
+  // --- data-path hooks (host: synchronous memcpy through the shared segment) ---
+  // Copies `bytes` of op's block for `peer`, from `offset`, into ring slot `index` (whose header
+  // is written), then makes head = index + 1 visible to the peer (now or once the copy landed).
+  virtual void fill_slot(int peer, uint64_t index, SlotHeader* slot, const OpState& op, uint64_t offset, uint64_t bytes);
+  // Where the payload of slot `index` of src's ring to this rank is (readable by land()).
+  virtual const uint8_t* slot_payload(int src, uint64_t index, SlotHeader* slot) const;
+  // Frees that slot for the sender: tail = index + 1 (now or once land() finished reading it).
+  virtual void release_slot(int src, uint64_t index);
+  // Copies one accepted chunk (h.bytes at h.offset of src's block) from `payload` into op's
+  // receive buffer; `last`: the block's last chunk, after which the receive part from src is
+  // finished (call finish_recv now, or once the copy landed).
+  virtual void land(int src, OpState& op, const SlotHeader& h, const uint8_t* payload, bool last);
+  // The receive part of op from src landed entirely.
+  void finish_recv(OpState& op, int src);
+  // The posted, not yet completed op `seq` (null if none).
+  std::shared_ptr<OpState> posted_op(uint64_t seq) const {
+    auto it = posted_.find(seq);
+    return it == posted_.end() ? nullptr : it->second;
+  }
+  bool ops_pending() const { return !posted_.empty(); }
+  // The control segments (ours: p == rank_), for registering them with a device.
+  void* segment_base(int p) const { return peers_[p].segment.data(); }
+  size_t segment_bytes(int p) const { return peers_[p].layout.num_bytes(); }
+  // The ring `owner` writes towards `peer` (head: owner's slots written; tail: peer's consumed).
+  RingControl* ring_of(int owner, int peer) const { return peers_[owner].layout.ring(peers_[owner].segment.data(), peer); }
+
+  int rank_;
+  int world_;
+
  private:
   struct Peer {
     ShmSegment segment;        // the peer's segment (ours for self)
@@ -48,7 +85,7 @@ class HostTransport : public Transport {
       return layout.received(segment.data())->received[seq % kOpWindow].load(std::memory_order_acquire) >= seq + 1;
     }
   };
-  // Copies one arrived chunk from `src` into its op; finishes the receive part when complete.
+  // Checks one arrived chunk from `src` against its op and lands it.
   void deliver(int src, const SlotHeader& header, const uint8_t* payload);
   bool drain_from(int src);
   void ring_peer(int peer) { peers_[peer].control()->doorbell.ring(); }
@@ -57,9 +94,9 @@ class HostTransport : public Transport {
   // Confirms posted ops that every rank has received (the op's last part). True if any.
   bool confirm_received();
 
-  int rank_;
-  int world_;
   std::vector<Peer> peers_;                             // [world]; peers_[rank_] is our own
+  std::vector<uint64_t> filled_;                        // [world] slots written towards peer p
+  std::vector<uint64_t> taken_;                         // [world] slots of src's ring handed to land()
   std::map<uint64_t, std::shared_ptr<OpState>> posted_; // seq -> posted, not yet complete
 };
 

@@ -34,6 +34,8 @@ class OpState {
   const Clock::time_point submitted;
   const Clock::time_point deadline;  // past it, the op fails with kTimeout on every rank
 
+  uintptr_t stream = 0;  // the submitter's CUDA stream (0: CPU tensors or the default stream)
+
   // --- progress-thread bookkeeping ---
   std::vector<uint64_t> recv_done;     // [world] bytes received from peer p
   std::vector<uint8_t> recv_finished;  // [world] 1 once every byte from p arrived (empty: header)

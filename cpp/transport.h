@@ -6,6 +6,7 @@
 #include <chrono>
 #include <cstdint>
 #include <memory>
+#include <string>
 
 #include "cpp/errors.h"
 #include "cpp/layout.h"
@@ -19,6 +20,14 @@ class Transport {
   virtual ~Transport() = default;
   virtual const char* name() const = 0;
 
+  // On the submitting thread, as `op` gets its seq (under the communicator's lock: be quick):
+  // e.g. mark the point of op->stream the transfer must wait for. Throws to refuse the op.
+  virtual void on_submit(OpState& /*op*/) {}
+  // On any thread: makes CUDA `stream` wait until `op` completed, without blocking the CPU.
+  // Transports whose ops complete on the host only (host) refuse with kUnsupported.
+  virtual void stream_wait(const OpState& /*op*/, uintptr_t /*stream*/) {
+    throw Error(ErrorCode::kUnsupported, std::string("the ") + name() + " transport has no stream completion: call wait()");
+  }
   // Registers op's receive side and lets peers send to it. Called once per op, in seq order.
   virtual void post(const std::shared_ptr<OpState>& op) = 0;
   // True if one chunk of `t` can be handed over now without blocking (peer posted the op and

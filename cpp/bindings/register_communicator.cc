@@ -67,6 +67,7 @@ void register_communicator(py::module_& m) {
       .def_readwrite("timeout_ms", &Config::timeout_ms)
       .def_readwrite("aging_us", &Config::aging_us)
       .def_readwrite("transport", &Config::transport)
+      .def_readwrite("cuda_device", &Config::cuda_device)
       .def("validate", &Config::validate);
 
   py::class_<AllToAllLayout>(m, "AllToAllLayout")
@@ -142,14 +143,20 @@ void register_communicator(py::module_& m) {
       .def(
           "all_to_all",
           [](Communicator& c, uintptr_t send_ptr, uintptr_t recv_ptr, AllToAllLayout layout, int priority,
-             bool caller_waits) {
+             bool caller_waits, uintptr_t stream) {
             return c.all_to_all(reinterpret_cast<const uint8_t*>(send_ptr), reinterpret_cast<uint8_t*>(recv_ptr),
-                                std::move(layout), priority, caller_waits);
+                                std::move(layout), priority, caller_waits, stream);
           },
           py::arg("send_ptr"), py::arg("recv_ptr"), py::arg("layout"), py::arg("priority"),
-          py::arg("caller_waits") = false,
+          py::arg("caller_waits") = false, py::arg("stream") = 0,
           "Queues an AllToAllv of bytes; the buffers must outlive the returned Work. caller_waits: "
-          "the caller calls wait() next, which drives it (the progress thread is not woken).")
+          "the caller calls wait() next, which drives it (the progress thread is not woken). stream: "
+          "CUDA buffers' stream (cudaStream_t as int): the transfer starts after its current work.")
+      .def(
+          "stream_wait",
+          [](Communicator& c, const std::shared_ptr<OpState>& op, uintptr_t stream) { c.stream_wait(op, stream); },
+          py::arg("work"), py::arg("stream"),
+          "Makes CUDA `stream` wait for the op without blocking the CPU (ce / nvshmem transports).")
       .def(
           "wait",
           [](Communicator& c, const std::shared_ptr<OpState>& op, std::optional<double> timeout_s) {

@@ -1,0 +1,47 @@
+#include "cuda/driver_api.h"
+
+#include <mutex>
+#include <string>
+
+#include "cpp/errors.h"
+
+namespace freescale {
+namespace {
+
+template <class Fn>
+void resolve(const char* symbol, Fn*& out) {
+  void* fn = nullptr;
+  cudaDriverEntryPointQueryResult status = cudaDriverEntryPointSymbolNotFound;
+  cudaError_t err = cudaGetDriverEntryPointByVersion(symbol, &fn, 12000, cudaEnableDefault, &status);
+  if (err != cudaSuccess || status != cudaDriverEntryPointSuccess || fn == nullptr) {
+    throw Error(ErrorCode::kUnsupported, std::string("the CUDA driver has no ") + symbol +
+                                             " (stream memory operations need a CUDA 12+ driver): " +
+                                             cudaGetErrorString(err));
+  }
+  out = reinterpret_cast<Fn*>(fn);
+}
+
+}  // namespace
+
+const DriverApi& DriverApi::get() {
+  static DriverApi api;
+  static std::once_flag once;
+  std::call_once(once, [] {
+    resolve("cuStreamWriteValue64", api.stream_write_value64);
+    resolve("cuStreamWaitValue64", api.stream_wait_value64);
+  });
+  return api;
+}
+
+void check_cuda(cudaError_t err, const char* what) {
+  if (err == cudaSuccess) return;
+  cudaGetLastError();  // not sticky: later calls start clean
+  throw Error(ErrorCode::kSystem, std::string(what) + ": " + cudaGetErrorName(err) + " (" + cudaGetErrorString(err) + ")");
+}
+
+void check_cu(CUresult res, const char* what) {
+  if (res == CUDA_SUCCESS) return;
+  throw Error(ErrorCode::kSystem, std::string(what) + ": CUresult " + std::to_string(static_cast<int>(res)));
+}
+
+}  // namespace freescale

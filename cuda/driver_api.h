@@ -1,0 +1,24 @@
+// The few CUDA driver entry points the transports need, found at run time through
+// cudaGetDriverEntryPointByVersion: there is no libcuda stub to link against on build machines,
+// and the driver is only present where a GPU is. Include from .cu / CUDA-aware sources only.
+#pragma once
+
+#include <cuda.h>
+#include <cuda_runtime.h>
+
+namespace freescale {
+
+struct DriverApi {
+  CUresult (*stream_write_value64)(CUstream, CUdeviceptr, cuuint64_t, unsigned int) = nullptr;
+  CUresult (*stream_wait_value64)(CUstream, CUdeviceptr, cuuint64_t, unsigned int) = nullptr;
+
+  // Resolved once per process; throws Error(kUnsupported) naming the missing symbol when the
+  // driver lacks it (64-bit stream memory operations need CUDA 12.0+ drivers).
+  static const DriverApi& get();
+};
+
+// Throws Error(kSystem) with `what` and CUDA's error string unless err == cudaSuccess.
+void check_cuda(cudaError_t err, const char* what);
+void check_cu(CUresult res, const char* what);
+
+}  // namespace freescale
