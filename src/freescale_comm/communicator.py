@@ -120,6 +120,10 @@ class Communicator:
         config = _core.Config.from_env()  # ValueError naming a malformed FREESCALE_* variable
         if config.timeout_ms == 0:
             config.timeout_ms = max(1, int(timeout.total_seconds() * 1000))
+        self._bootstrap, self._timeout_ms = bootstrap, config.timeout_ms
+        self._cuda_cores: dict[int, Any] = {}  # device index -> core moving that GPU's tensors
+        if config.transport in ("ce", "nvshmem"):
+            config.transport = "host"  # the knob picks the GPU transport; CPU tensors take host
         self._core = _core.Communicator(bootstrap, config)
         self._inflight: list[Work] = []  # async ops whose tensors must outlive the caller's refs
         with _live_lock:
@@ -167,11 +171,8 @@ class Communicator:
             )
         if output.device != input.device:
             raise ValueError(f"output is on {output.device} but input is on {input.device}; put both on one device")
-        if input.device.type != "cpu":
-            raise ValueError(
-                f"input and output are on {input.device}: this build moves CPU tensors only "
-                f"(transports: {_core.build_info()['transports']}); use .cpu() or an NCCL group"
-            )
+        if input.device.type not in ("cpu", "cuda"):
+            raise ValueError(f"input and output are on {input.device}: freescale moves CPU and CUDA tensors only")
         check_priority(priority)
         if not output.is_contiguous():
             raise ValueError("output must be contiguous: receive into a contiguous tensor and copy it where needed")
@@ -190,20 +191,43 @@ class Communicator:
         layout = _core.AllToAllLayout.packed([s * row_bytes for s in in_splits], [s * row_bytes for s in out_splits])
         return self._submit(output, source, layout, priority, async_op)
 
+    def _core_for(self, device: torch.device) -> Any:
+        """The core moving tensors of `device`: the host one, or (built at the first op on that
+        GPU, collectively: every rank's first op on CUDA tensors is the same op) a CUDA one."""
+        if device.type == "cpu":
+            return self._core
+        if "ce" not in _core.build_info()["transports"]:
+            raise ValueError(f"tensors are on {device}, but this build moves CPU tensors only (built without nvcc: "
+                             f"transports {_core.build_info()['transports']}); use .cpu() or an NCCL group")
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        core = self._cuda_cores.get(index)
+        if core is None:
+            config = _core.Config.from_env()
+            config.timeout_ms, config.cuda_device = self._timeout_ms, index
+            core = self._cuda_cores[index] = _core.Communicator(self._bootstrap, config)
+        return core
+
     def _submit(self, output: torch.Tensor, input: torch.Tensor, layout: Any, priority: int, async_op: bool) -> Work:
-        """Queues an AllToAllv of the contiguous CPU tensors' bytes as `layout` (a checked
-        _core.AllToAllLayout) says; waits for it unless async_op."""
-        handle = self._core.all_to_all(input.data_ptr(), output.data_ptr(), layout, priority, not async_op)
-        work = Work(self._core, handle, [output], keepalive=(input, output))
-        if async_op:
+        """Queues an AllToAllv of the contiguous tensors' bytes as `layout` (a checked
+        _core.AllToAllLayout) says. CPU: waits for it unless async_op. CUDA: the transfer starts
+        after the current stream's work so far; unless async_op, the current stream then waits
+        for it (the CPU does not)."""
+        cuda = input.device.type == "cuda"
+        core = self._core_for(input.device)
+        stream = torch.cuda.current_stream(input.device).cuda_stream if cuda else 0
+        handle = core.all_to_all(input.data_ptr(), output.data_ptr(), layout, priority, not async_op and not cuda, stream)
+        work = Work(core, handle, [output], keepalive=(input, output), device=input.device if cuda else None)
+        if async_op or cuda:  # tensors stay referenced until the op completed on the host
             self._inflight = [w for w in self._inflight if not w.is_completed()]
             self._inflight.append(work)
-        else:
+        if not async_op:
             work.wait()
         return work
 
     def close(self) -> None:
-        """Stops the progress thread; pending ops fail with CommError. Idempotent."""
+        """Stops the progress threads; pending ops fail with CommError. Idempotent."""
+        for core in self._cuda_cores.values():
+            core.close()
         self._core.close()
         self._inflight.clear()
 

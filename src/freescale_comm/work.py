@@ -27,9 +27,11 @@ class Work:
     """Returned by every collective. Keeps the tensors it reads and writes alive until done."""
 
     def __init__(
-        self, comm: _core.Communicator, handle: _core.Work, result: list[torch.Tensor], keepalive: tuple[Any, ...]
+        self, comm: _core.Communicator, handle: _core.Work, result: list[torch.Tensor], keepalive: tuple[Any, ...],
+        device: Optional[torch.device] = None,
     ) -> None:
         self._comm = comm  # waiting drives its progress on the waiting thread
+        self._device = device  # CUDA ops: wait() orders the current stream, not the CPU
         self._handle = handle
         self._result = result
         self._keepalive: Optional[tuple[Any, ...]] = keepalive
@@ -42,9 +44,16 @@ class Work:
         return self._handle.seq
 
     def wait(self, timeout: Timeout = None) -> bool:
-        """Blocks (GIL released) until the op completed on this rank and every peer received its
-        part. Raises CommError if the op failed, or if `timeout` (seconds or timedelta) passed
-        first (the op itself goes on). Returns True."""
+        """CPU tensors: blocks (GIL released) until the op completed on this rank and every peer
+        received its part. Raises CommError if the op failed, or if `timeout` (seconds or
+        timedelta) passed first (the op itself goes on). CUDA tensors (as NCCL): makes the current
+        stream wait for the op and returns at once; a failure raises here if already known, else
+        on a later call (the stream is released either way). Returns True."""
+        if self._device is not None:
+            _timeout_seconds(timeout)  # checked, but the CPU does not wait
+            self._handle.rethrow_if_failed()
+            self._comm.stream_wait(self._handle, torch.cuda.current_stream(self._device).cuda_stream)
+            return True
         if not self._comm.wait(self._handle, _timeout_seconds(timeout)):
             err = _core.CommError(f"all_to_all op #{self.seq} did not complete within {timeout} (the op is still pending)")
             err.code = "TIMEOUT"

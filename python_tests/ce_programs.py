@@ -1,0 +1,77 @@
+"""Rank programs of test_ce_gpu.py: several processes share GPU 0 (CUDA IPC works within a device)."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+import freescale_comm as fc
+
+
+def _splits(gen: torch.Generator, world: int, total_rows: int) -> list[int]:
+    """Random non-negative splits of `total_rows` into `world` parts (zeros included)."""
+    cuts = sorted(torch.randint(0, total_rows + 1, (world - 1,), generator=gen).tolist())
+    return [b - a for a, b in zip([0] + cuts, cuts + [total_rows])]
+
+
+def alltoallv_matches_reference(info, cases: list[tuple[str, int]]) -> list[str]:
+    """For each (dtype name, bytes per rank): random splits, CE AllToAllv vs a pure-torch reference
+    built from every rank's input (regenerated here from the shared seed). Returns mismatches."""
+    torch.cuda.set_device(0)
+    comm = fc.Communicator()
+    world, wrong = info.world_size, []
+    for case, (dtype_name, nbytes) in enumerate(cases):
+        dtype = getattr(torch, dtype_name)
+        rows = max(0, nbytes // (4 * torch.tensor([], dtype=dtype).element_size()))
+        gen = torch.Generator().manual_seed(1000 + case)
+        splits = [_splits(gen, world, rows) for _ in range(world)]  # splits[src][dst]
+        inputs = [(torch.randn(rows, 4, generator=gen) * 100).to(dtype) for _ in range(world)]
+        mine = inputs[info.rank].cuda()
+        out_splits = [splits[src][info.rank] for src in range(world)]
+        out = torch.empty(sum(out_splits), 4, dtype=dtype, device="cuda")
+        comm.all_to_all_single(out, mine, out_splits, splits[info.rank])
+        want = torch.cat([inputs[src].split(splits[src])[info.rank] for src in range(world)])
+        if not torch.equal(out.cpu(), want):
+            wrong.append(f"{dtype_name} {nbytes} B")
+    comm.close()
+    return wrong
+
+
+def kernels_during_alltoall(info, nbytes: int) -> list[str]:
+    """Names of the GPU kernels the profiler saw while CE AllToAlls ran (memcpys are not kernels)."""
+    torch.cuda.set_device(0)
+    comm = fc.Communicator()
+    x = torch.ones(nbytes // 4, device="cuda")
+    out = torch.empty_like(x)
+    comm.all_to_all_single(out, x)  # warm-up: arena and handles set up outside the trace
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(3):
+            comm.all_to_all_single(out, x)
+        torch.cuda.synchronize()
+    comm.close()
+    return sorted({e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
+                   and "memcpy" not in e.name.lower() and "memset" not in e.name.lower()})
+
+
+def urgent_overtakes_bulk(info, bulk_bytes: int) -> bool:
+    """A small priority-100 AllToAll submitted after a bulk priority-0 one completes first."""
+    torch.cuda.set_device(0)
+    comm = fc.Communicator()
+    bulk_in = torch.ones(bulk_bytes // 4, device="cuda")
+    bulk_out = torch.empty_like(bulk_in)
+    small_in = torch.ones(1024 * info.world_size, device="cuda")
+    small_out = torch.empty_like(small_in)
+    torch.cuda.synchronize()
+    bulk = comm.all_to_all_single(bulk_out, bulk_in, priority=0, async_op=True)
+    small = comm.all_to_all_single(small_out, small_in, priority=100, async_op=True)
+    deadline = time.monotonic() + 120  # a hang guard, not a timing check
+    while not small.is_completed() and time.monotonic() < deadline:
+        time.sleep(0.0005)
+    overtook = small.is_completed() and not bulk.is_completed()
+    bulk.wait()
+    torch.cuda.synchronize()
+    comm.close()
+    return overtook
+

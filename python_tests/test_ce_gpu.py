@@ -1,0 +1,28 @@
+"""The copy-engine transport on a GPU (skipped without CUDA): several ranks share GPU 0."""
+
+import pytest
+
+from freescale_comm.testing import spawn
+import ce_programs
+
+pytestmark = pytest.mark.gpu
+
+MiB = 1 << 20
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_ce_alltoallv_matches_a_pure_torch_reference(world):
+    cases = [("float32", 0), ("float32", 4096), ("bfloat16", 300_000), ("int64", 3 * MiB), ("uint8", 7 * MiB + 5),
+             ("float16", 64 * MiB), ("float32", 256 * MiB)]
+    for wrong in spawn(ce_programs.alltoallv_matches_reference, world, cases, timeout_s=600):
+        assert wrong == []
+
+
+def test_ce_path_launches_no_kernels():
+    for kernels in spawn(ce_programs.kernels_during_alltoall, 2, 64 * MiB, timeout_s=300):
+        assert kernels == []
+
+
+def test_a_later_urgent_transfer_overtakes_a_bulk_one():
+    assert spawn(ce_programs.urgent_overtakes_bulk, 2, 256 * MiB, timeout_s=300) == [True, True]
+
