@@ -82,8 +82,8 @@ class CeTransport final : public HostTransport {
   // The comm stream waits (once per op) for what op.stream held at submission.
   void after_submitter(const OpState& op);
   void copy(std::vector<void*>& dsts, std::vector<const void*>& srcs, std::vector<size_t>& sizes);
-  void write_value(void* host_mapped, uint64_t value);
-  CUdeviceptr device_address(const void* host_mapped) const;
+  // Writes `value` to `counter` (in rank p's control segment) once the stream's copies so far landed.
+  void write_value(int p, const std::atomic<uint64_t>* counter, uint64_t value);
   cudaEvent_t take_event();
 
   int device_;
@@ -92,6 +92,7 @@ class CeTransport final : public HostTransport {
   std::vector<CeArenaLayout> arenas_;  // [world] each rank's arena layout
   std::vector<uint8_t*> arena_ptr_;    // [world] mapped base of each rank's arena (ours: own)
   std::vector<void*> registered_;      // host segments registered with CUDA
+  std::vector<CUdeviceptr> segment_device_;  // [world] device address of each control segment
   uint64_t* done_ = nullptr;           // pinned, mapped: [kOpWindow] completion flags
   CUdeviceptr done_device_ = 0;
   bool batch_api_ = true;              // cudaMemcpyBatchAsync works here (else per-copy)
@@ -128,6 +129,9 @@ CeTransport::CeTransport(Bootstrap& bootstrap, const Config& config)
       check_cuda(cudaHostRegister(segment_base(p), segment_bytes(p), cudaHostRegisterMapped | cudaHostRegisterPortable),
                  "cudaHostRegister (control segment)");
       registered_.push_back(segment_base(p));
+      void* device = nullptr;
+      check_cuda(cudaHostGetDevicePointer(&device, segment_base(p), 0), "cudaHostGetDevicePointer (control segment)");
+      segment_device_.push_back(reinterpret_cast<CUdeviceptr>(device));
     }
   } catch (const std::exception& e) {
     error = e.what();
@@ -258,15 +262,10 @@ void CeTransport::copy(std::vector<void*>& dsts, std::vector<const void*>& srcs,
   }
 }
 
-CUdeviceptr CeTransport::device_address(const void* host_mapped) const {
-  void* device = nullptr;
-  check_cuda(cudaHostGetDevicePointer(&device, const_cast<void*>(host_mapped), 0), "cudaHostGetDevicePointer (counter)");
-  return reinterpret_cast<CUdeviceptr>(device);
-}
-
-void CeTransport::write_value(void* host_mapped, uint64_t value) {
+void CeTransport::write_value(int p, const std::atomic<uint64_t>* counter, uint64_t value) {
+  auto offset = reinterpret_cast<const char*>(counter) - static_cast<const char*>(segment_base(p));
   // The default flags order the write after the stream's earlier copies (memory barrier).
-  check_cu(driver_.stream_write_value64(reinterpret_cast<CUstream>(stream_), device_address(host_mapped), value,
+  check_cu(driver_.stream_write_value64(reinterpret_cast<CUstream>(stream_), segment_device_[p] + offset, value,
                                         CU_STREAM_WRITE_VALUE_DEFAULT),
            "cuStreamWriteValue64");
 }
@@ -288,7 +287,7 @@ void CeTransport::fill_slot(int peer, uint64_t index, SlotHeader*, const OpState
                    at += n;
                  });
   copy(dsts, srcs, sizes);
-  write_value(&ring_of(rank_, peer)->head, index + 1);
+  write_value(rank_, &ring_of(rank_, peer)->head, index + 1);
 }
 
 const uint8_t* CeTransport::slot_payload(int src, uint64_t index, SlotHeader*) const {
@@ -296,7 +295,7 @@ const uint8_t* CeTransport::slot_payload(int src, uint64_t index, SlotHeader*) c
 }
 
 void CeTransport::release_slot(int src, uint64_t index) {
-  write_value(&ring_of(src, rank_)->tail, index + 1);  // after land()'s copies, in stream order
+  write_value(src, &ring_of(src, rank_)->tail, index + 1);  // after land()'s copies, in stream order
 }
 
 void CeTransport::land(int src, OpState& op, const SlotHeader& h, const uint8_t* payload, bool last) {
