@@ -124,8 +124,9 @@ void HostTransport::post(const std::shared_ptr<OpState>& op) {
 bool HostTransport::can_send(const Transfer& t) const {
   if (t.peer == rank_) return true;
   const Peer& self = peers_[rank_];
-  RingControl* ring = self.layout.ring(self.segment.data(), t.peer);
-  if (filled_[t.peer] - ring->tail.load(std::memory_order_acquire) >= self.layout.slots_per_ring) return false;
+  if (filled_[t.peer] - ring_of(rank_, t.peer)->tail.load(std::memory_order_acquire) >= self.layout.slots_per_ring) {
+    return false;
+  }
   if (peers_[t.peer].control()->posted_ops.load(std::memory_order_acquire) > t.op->seq) return true;
   // The peer has not posted this op yet. Sending anyway saves a round trip, and is safe when
   // every earlier op's bytes for that peer are out: then the ring's first unposted chunk belongs
@@ -172,8 +173,7 @@ void HostTransport::fill_slot(int peer, uint64_t index, SlotHeader* slot, const 
                               uint64_t bytes) {
   read_block(op.send, op.layout.send_offsets[peer], op.layout.send_segments, peer, offset, bytes,
              HostSegmentLayout::payload(slot));
-  const Peer& self = peers_[rank_];
-  self.layout.ring(self.segment.data(), peer)->head.store(index + 1, std::memory_order_release);
+  ring_of(rank_, peer)->head.store(index + 1, std::memory_order_release);
   ring_peer(peer);
 }
 
@@ -182,8 +182,7 @@ const uint8_t* HostTransport::slot_payload(int, uint64_t, SlotHeader* slot) cons
 }
 
 void HostTransport::release_slot(int src, uint64_t index) {
-  const Peer& peer = peers_[src];
-  peer.layout.ring(peer.segment.data(), rank_)->tail.store(index + 1, std::memory_order_release);
+  ring_of(src, rank_)->tail.store(index + 1, std::memory_order_release);
   ring_peer(src);  // room for the sender
 }
 
@@ -243,9 +242,8 @@ bool HostTransport::confirm_received() {
 
 bool HostTransport::drain_from(int src) {
   const Peer& peer = peers_[src];
-  RingControl* ring = peer.layout.ring(peer.segment.data(), rank_);
   uint64_t& tail = taken_[src];
-  uint64_t head = ring->head.load(std::memory_order_acquire);
+  uint64_t head = ring_of(src, rank_)->head.load(std::memory_order_acquire);
   uint64_t posted = peers_[rank_].control()->posted_ops.load(std::memory_order_relaxed);
   uint64_t first = tail;
   for (; tail < head; ++tail) {

@@ -19,7 +19,6 @@
 
 namespace freescale {
 
-//
 // The control plane (rings of slot headers, counters, doorbells, liveness) is shared with the
 // copy-engine transport, which derives from this class and moves payloads through GPU memory
 // instead: the data-path hooks below are where the two differ.

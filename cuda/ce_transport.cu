@@ -79,7 +79,8 @@ class CeTransport final : public HostTransport {
     cudaEvent_t event;  // recorded after that copy
   };
   void use_device() const;
-  // The comm stream waits (once per op) for what op.stream held at submission.
+  // The comm stream waits for what op.stream held at submission: its input is written and its
+  // output free. Called by post(), which precedes every copy of the op.
   void after_submitter(const OpState& op);
   void copy(std::vector<void*>& dsts, std::vector<const void*>& srcs, std::vector<size_t>& sizes);
   // Writes `value` to `counter` (in rank p's control segment) once the stream's copies so far landed.
@@ -218,7 +219,7 @@ void CeTransport::after_submitter(const OpState& op) {
   {
     std::lock_guard<std::mutex> lock(submit_mu_);
     auto it = submitted_.find(&op);
-    if (it == submitted_.end()) return;  // already waited for
+    if (it == submitted_.end()) return;  // on_submit did not run for it (cannot happen: defensive)
     ev = it->second;
     submitted_.erase(it);
     spare_events_.push_back(ev);  // the wait below captures its state: reusable at once
@@ -272,7 +273,6 @@ void CeTransport::write_value(int p, const std::atomic<uint64_t>* counter, uint6
 
 void CeTransport::fill_slot(int peer, uint64_t index, SlotHeader*, const OpState& op, uint64_t offset, uint64_t bytes) {
   use_device();
-  after_submitter(op);
   if (bytes > arenas_[rank_].slot_bytes) throw Error(ErrorCode::kInternal, "chunk larger than a ce arena slot");
   uint8_t* slot = arena_ptr_[rank_] + arenas_[rank_].slot_offset(peer, index);
   std::vector<void*> dsts;
@@ -300,7 +300,6 @@ void CeTransport::release_slot(int src, uint64_t index) {
 
 void CeTransport::land(int src, OpState& op, const SlotHeader& h, const uint8_t* payload, bool last) {
   use_device();
-  after_submitter(op);  // the output may still be in use by the submitter's earlier work
   std::vector<void*> dsts;
   std::vector<const void*> srcs;
   std::vector<size_t> sizes;

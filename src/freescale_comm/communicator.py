@@ -196,12 +196,13 @@ class Communicator:
         GPU, collectively: every rank's first op on CUDA tensors is the same op) a CUDA one."""
         if device.type == "cpu":
             return self._core
-        if "ce" not in _core.build_info()["transports"]:
-            raise ValueError(f"tensors are on {device}, but this build moves CPU tensors only (built without nvcc: "
-                             f"transports {_core.build_info()['transports']}); use .cpu() or an NCCL group")
         index = device.index if device.index is not None else torch.cuda.current_device()
         core = self._cuda_cores.get(index)
         if core is None:
+            transports = _core.build_info()["transports"]
+            if "ce" not in transports:
+                raise ValueError(f"tensors are on {device}, but this build moves CPU tensors only (built without nvcc: "
+                                 f"transports {transports}); use .cpu() or an NCCL group")
             config = _core.Config.from_env()
             config.timeout_ms, config.cuda_device = self._timeout_ms, index
             core = self._cuda_cores[index] = _core.Communicator(self._bootstrap, config)
