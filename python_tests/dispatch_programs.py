@@ -45,27 +45,38 @@ def _expected(all_inputs, rank: int):
     return values, torch.tensor(lengths, dtype=torch.int64), torch.tensor(sources, dtype=torch.int64)
 
 
-def roundtrip_is_identity(info, seed: int) -> int:
-    """dispatch delivers exactly the expected samples; combine brings every row home unchanged.
-    Returns the number of cases checked."""
+def _on(device: str, *tensors: torch.Tensor) -> list[torch.Tensor]:
+    if device == "cuda":
+        torch.cuda.set_device(0)  # every rank shares GPU 0 in the GPU tests
+    return [t.to(device) for t in tensors]
+
+
+# Row shapes cover every word width of the CUDA copy kernel: 12 B (4), 16 B (16), 8 B (8), 5 B (1).
+ROW_CASES = (((3,), torch.float32), ((2, 4), torch.bfloat16), ((), torch.int64), ((5,), torch.uint8))
+
+
+def roundtrip_is_identity(info, seed: int, device: str = "cpu") -> int:
+    """dispatch delivers exactly the expected samples (on `device`); combine brings every row
+    home unchanged. Returns the number of cases checked."""
     rank, world = info.rank, info.world_size
     cases = 0
     for k, pattern in enumerate(PATTERNS):
-        for row_shape, dtype in (((3,), torch.float32), ((2, 4), torch.bfloat16), ((), torch.int64)):
+        for row_shape, dtype in ROW_CASES:
             all_inputs = [_inputs(pattern, seed + k, p, world, row_shape, dtype) for p in range(world)]
-            values, lengths, dest = all_inputs[rank]
+            values, lengths, dest = _on(device, *all_inputs[rank])
             res = fc.dispatch(values, lengths, dest, priority=k % 3)
             exp_values, exp_lengths, exp_sources = _expected(all_inputs, rank)
-            assert torch.equal(res.values, exp_values), (pattern, row_shape)
-            assert torch.equal(res.lengths, exp_lengths), (pattern, res.lengths, exp_lengths)
-            assert torch.equal(res.source_ranks, exp_sources), (pattern, res.source_ranks, exp_sources)
+            assert res.values.device == values.device and res.lengths.device == values.device
+            assert torch.equal(res.values.cpu(), exp_values), (pattern, row_shape)
+            assert torch.equal(res.lengths.cpu(), exp_lengths), (pattern, res.lengths, exp_lengths)
+            assert torch.equal(res.source_ranks.cpu(), exp_sources), (pattern, res.source_ranks, exp_sources)
             back = fc.combine(res.values, res.handle)
             assert torch.equal(back, values), (pattern, row_shape)
             cases += 1
     return cases
 
 
-def gradients_match_single_process(info, seed: int) -> float:
+def gradients_match_single_process(info, seed: int, device: str = "cpu") -> float:
     """loss = Σ_r <combine(dispatch(x).values * (r + 1) + r), g>  +  Σ_r <dispatch(x).values, w_r>:
     the gradient of x on every rank equals the one autograd computes over all ranks' data in one
     process. Returns the largest absolute difference."""
@@ -77,11 +88,11 @@ def gradients_match_single_process(info, seed: int) -> float:
                                 generator=torch.Generator().manual_seed(seed + 11 * p)) for p in range(world)]
 
     # Distributed.
-    values, lengths, dest = all_inputs[rank]
+    values, lengths, dest, home_weight, weight = _on(device, *all_inputs[rank], home_weights[rank], weights[rank])
     x = values.clone().requires_grad_(True)
     res = fc.dispatch(x, lengths, dest)
     z = fc.combine(res.values * (rank + 1) + rank, res.handle)
-    loss = (z * home_weights[rank]).sum() + (res.values * weights[rank]).sum()
+    loss = (z * home_weight).sum() + (res.values * weight).sum()
     loss.backward()
 
     # Single process: the same function over every rank's data.
@@ -94,17 +105,18 @@ def gradients_match_single_process(info, seed: int) -> float:
         received, _, _ = _expected([(xs[p], lens, d) for p, (_, lens, d) in enumerate(all_inputs)], r)
         total = total + (received * weights[r]).sum()
     total.backward()
-    return float((x.grad - xs[rank].grad).abs().max()) if x.numel() else 0.0
+    return float((x.grad.cpu() - xs[rank].grad).abs().max()) if x.numel() else 0.0
 
 
-def bad_inputs_raise_before_communicating(info) -> list[str]:
+def bad_inputs_raise_before_communicating(info, device: str = "cpu") -> list[str]:
     """Each bad call raises ValueError/TypeError on every rank, before any collective (ranks
     that raised would otherwise desynchronize the next good call). Returns the messages."""
     rank, world = info.rank, info.world_size
-    values = torch.randn(6, 2)
-    lengths = torch.tensor([2, 3, 1])
-    dest = torch.tensor([0, world - 1, 0])
+    values, lengths, dest = _on(device, torch.randn(6, 2), torch.tensor([2, 3, 1]), torch.tensor([0, world - 1, 0]))
     messages = []
+
+    def t(*data):
+        return torch.tensor(*data, device=device)
 
     def expect(exc, fn):
         try:
@@ -114,18 +126,21 @@ def bad_inputs_raise_before_communicating(info) -> list[str]:
             return
         raise AssertionError(f"expected {exc.__name__}")
 
-    expect(ValueError, lambda: fc.dispatch(values, torch.tensor([2, 3, 2]), dest))          # sum != rows
-    expect(ValueError, lambda: fc.dispatch(values, lengths, torch.tensor([0, world, 0])))  # rank out of range
-    expect(ValueError, lambda: fc.dispatch(values, lengths, torch.tensor([0, -1, 0])))
-    expect(ValueError, lambda: fc.dispatch(values, torch.tensor([2, -1, 5]), dest))       # negative length
-    expect(TypeError, lambda: fc.dispatch(values, lengths.int(), dest))                   # not int64
-    expect(ValueError, lambda: fc.dispatch(values, lengths, torch.tensor([0, 0])))        # one dest per sample
+    expect(ValueError, lambda: fc.dispatch(values, t([2, 3, 2]), dest))          # sum != rows
+    expect(ValueError, lambda: fc.dispatch(values, lengths, t([0, world, 0])))  # rank out of range
+    expect(ValueError, lambda: fc.dispatch(values, lengths, t([0, -1, 0])))
+    expect(ValueError, lambda: fc.dispatch(values, t([2, -1, 5]), dest))        # negative length
+    expect(TypeError, lambda: fc.dispatch(values, lengths.int(), dest))         # not int64
+    expect(ValueError, lambda: fc.dispatch(values, lengths, t([0, 0])))         # one dest per sample
+    expect(ValueError, lambda: fc.dispatch(values, lengths.to("meta"), dest))   # not on values' device
+    expect(ValueError, lambda: fc.dispatch(values.to("meta"), lengths, dest))   # neither CPU nor CUDA
     expect(TypeError, lambda: fc.dispatch(values, lengths, dest, priority=1.5))
     res = fc.dispatch(values, lengths, dest)  # a good call still works after all that
-    other = fc.dispatch(torch.randn(7, 2), torch.tensor([7]), torch.tensor([rank]))
-    expect(ValueError, lambda: fc.combine(res.values[:-1] if res.values.shape[0] else torch.randn(1, 2), res.handle))
+    other = fc.dispatch(*_on(device, torch.randn(7, 2), torch.tensor([7]), torch.tensor([rank])))
+    expect(ValueError, lambda: fc.combine(res.values[:-1] if res.values.shape[0] else values[:1], res.handle))
     expect(ValueError, lambda: fc.combine(res.values, other.handle) if res.values.shape[0] != 7
-           else fc.combine(torch.randn(8, 2), other.handle))                              # handle of another call
+           else fc.combine(values.new_zeros(8, 2), other.handle))                 # handle of another call
+    expect(ValueError, lambda: fc.combine(res.values.to("meta"), res.handle))  # another device
     expect(TypeError, lambda: fc.combine(res.values, {"not": "a handle"}))
     back = fc.combine(res.values, res.handle)
     assert torch.equal(back, values)

@@ -3,12 +3,12 @@
 import pytest
 
 from freescale_comm.testing import spawn
-from dispatch_programs import PATTERNS, bad_inputs_raise_before_communicating, gradients_match_single_process, roundtrip_is_identity
+from dispatch_programs import PATTERNS, ROW_CASES, bad_inputs_raise_before_communicating, gradients_match_single_process, roundtrip_is_identity
 
 
 @pytest.mark.parametrize("world", [1, 2, 3, 4])
 def test_dispatch_then_combine_is_the_identity(world):
-    assert spawn(roundtrip_is_identity, world, 40 + world) == [3 * len(PATTERNS)] * world
+    assert spawn(roundtrip_is_identity, world, 40 + world) == [len(ROW_CASES) * len(PATTERNS)] * world
 
 
 @pytest.mark.parametrize("backend", ["gloo", "freescale"])
@@ -19,8 +19,11 @@ def test_gradients_equal_a_single_process_reference(backend):
 
 def test_bad_input_raises_before_communication():
     messages = spawn(bad_inputs_raise_before_communicating, 2)
-    assert len(messages[0]) == 10
+    assert len(messages[0]) == 13
     assert "lengths sum to 7" in messages[0][0]
     assert "dest_ranks[1] = 2" in messages[0][1]
     assert "lengths[1] = -1" in messages[0][3]
-    assert "another dispatch" in messages[0][8]
+    assert "lengths is on meta" in messages[0][6]
+    assert "CPU and CUDA" in messages[0][7]
+    assert "another dispatch" in messages[0][9]
+    assert "meta" in messages[0][11]

@@ -90,6 +90,7 @@ class ProcessGroupFreescale(dist.ProcessGroup):
         self._cuda: Optional[dist.ProcessGroup] = None  # NCCL, built on first use
         self._cuda_lock = threading.Lock()
         self._comm: Optional[Communicator] = None
+        self._cuda_native = "ce" in _core.build_info()["transports"]  # CUDA tensors on copy engines
         try:
             self._comm = Communicator._over(StoreBootstrap(dist.PrefixStore("freescale/", store), rank, size), timeout)
         except _core.UnsupportedError as e:
@@ -135,8 +136,18 @@ class ProcessGroupFreescale(dist.ProcessGroup):
             return self._cuda
 
     def _native(self, tensors: Sequence[torch.Tensor]) -> bool:
-        """True if freescale's own transports move these tensors (CPU, same host)."""
-        return self._comm is not None and all(t.device.type == "cpu" for t in tensors)
+        """True if freescale's own transports move these tensors: CPU ones (host transport), CUDA
+        ones in CUDA builds (copy engines) unless their setup found it cannot serve this group."""
+        if self._comm is None:
+            return False
+        devices = {t.device.type for t in tensors}
+        return devices == {"cpu"} or (devices == {"cuda"} and self._cuda_native)
+
+    def _native_cuda_failed(self, error: Exception) -> None:
+        """The copy-engine setup (collective: it fails on every rank alike) could not serve this
+        group, e.g. ranks on several nodes: NCCL moves CUDA tensors from now on."""
+        self._cuda_native = False
+        logger.warning("freescale group %r: CUDA all_to_all falls back to NCCL (%s)", self._group_name_, error)
 
     # --- native ---------------------------------------------------------------------------------
     def all_to_all_single(self, output: torch.Tensor, input: torch.Tensor, output_split_sizes: Sequence[int],
@@ -145,8 +156,14 @@ class ProcessGroupFreescale(dist.ProcessGroup):
             opts = opts if opts is not None else dist.AllToAllOptions()
             return self._inner([input]).alltoall_base(output, input, list(output_split_sizes), list(input_split_sizes), opts)
         assert self._comm is not None
-        work = self._comm.all_to_all_single(output, input, output_split_sizes, input_split_sizes,
-                                            priority=current_priority(), async_op=True)
+        try:
+            work = self._comm.all_to_all_single(output, input, output_split_sizes, input_split_sizes,
+                                                priority=current_priority(), async_op=True)
+        except _core.UnsupportedError as e:
+            if input.device.type != "cuda":
+                raise
+            self._native_cuda_failed(e)
+            return self.all_to_all_single(output, input, output_split_sizes, input_split_sizes, opts)
         return _NativeWork(work, [output])
 
     def alltoall_base(self, output: torch.Tensor, input: torch.Tensor, output_split_sizes: Sequence[int],
@@ -165,7 +182,7 @@ class ProcessGroupFreescale(dist.ProcessGroup):
             raise TypeError(f"all_to_all tensors must share one dtype, got {sorted(map(str, dtypes))}")
         # One byte-level AllToAllv over packed copies: rows = elements, so shapes may differ per rank.
         send = torch.cat([t.reshape(-1) for t in input_tensors]) if input_tensors else torch.empty(0)
-        recv = torch.empty(sum(t.numel() for t in output_tensors), dtype=send.dtype)
+        recv = torch.empty(sum(t.numel() for t in output_tensors), dtype=send.dtype, device=send.device)
         assert self._comm is not None
         work = self._comm.all_to_all_single(recv, send, [t.numel() for t in output_tensors],
                                             [t.numel() for t in input_tensors], priority=current_priority(), async_op=True)

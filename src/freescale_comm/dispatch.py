@@ -1,6 +1,7 @@
 """fc.dispatch / fc.combine: move jagged samples (runs of rows) to other ranks and back, with
 autograd (the backward of one is the other). The layout work (counting, putting samples in
-destination order and back) runs in C++; the bytes move on freescale's transports."""
+destination order and back) runs in C++ for CPU tensors and in CUDA kernels for CUDA tensors; the
+bytes move on freescale's transports (host shared memory, copy engines)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
-from freescale_comm import _core
+from freescale_comm import _core, _device_dispatch
 from freescale_comm._output_cache import output_cache
 from freescale_comm.communicator import Communicator, check_priority
 
@@ -40,7 +41,7 @@ class DispatchHandle:
     received from every rank. Opaque to users; valid with the communicator that made it."""
 
     comm: Communicator
-    plan: Any  # _core.JaggedPlan
+    plan: Any  # _core.JaggedPlan (CPU tensors) or _device_dispatch.DevicePlan (CUDA tensors)
     send_rows: list[int]  # [world] rows this rank sent to each rank
     recv_rows: list[int]  # [world] rows this rank received from each rank
     recv_lengths: torch.Tensor  # int64 [received samples]
@@ -62,15 +63,15 @@ class DispatchResult:
     handle: DispatchHandle
 
 
-def _check_index_tensor(t: object, name: str, samples: Optional[int]) -> torch.Tensor:
+def _check_index_tensor(t: object, name: str, samples: Optional[int], device: torch.device) -> torch.Tensor:
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor of int64, got {type(t).__name__}")
     if t.dtype != torch.int64:
         raise TypeError(f"{name} must be int64, got {t.dtype}; convert it with .long()")
     if t.dim() != 1:
         raise ValueError(f"{name} must be 1-D (one entry per sample), got shape {tuple(t.shape)}")
-    if t.device.type != "cpu":
-        raise ValueError(f"{name} is on {t.device}: this build dispatches CPU tensors only; use .cpu()")
+    if t.device != device:
+        raise ValueError(f"{name} is on {t.device} but values is on {device}; put them on one device with .to()")
     if samples is not None and t.numel() != samples:
         raise ValueError(f"{name} has {t.numel()} entries but lengths has {samples}; give one per sample")
     return t.contiguous()
@@ -81,8 +82,8 @@ def _check_values(values: object, name: str = "values") -> torch.Tensor:
         raise TypeError(f"{name} must be a torch.Tensor, got {type(values).__name__}")
     if values.dim() == 0:
         raise ValueError(f"{name} must have at least one dimension (rows along dim 0)")
-    if values.device.type != "cpu":
-        raise ValueError(f"{name} is on {values.device}: this build dispatches CPU tensors only; use .cpu()")
+    if values.device.type not in ("cpu", "cuda"):
+        raise ValueError(f"{name} is on {values.device}: freescale dispatches CPU and CUDA tensors; use .to()")
     if values.is_sparse or values.layout != torch.strided:
         raise ValueError(f"{name} must be a dense (strided) tensor, got layout {values.layout}")
     return values
@@ -92,7 +93,9 @@ def check_jagged_batch(values: object, lengths: object) -> tuple[torch.Tensor, t
     """Local checks of a batch of jagged samples (rows of `values`, `lengths` rows per sample):
     TypeError/ValueError naming the argument. Returns them (lengths contiguous)."""
     values = _check_values(values)
-    lengths = _check_index_tensor(lengths, "lengths", None)
+    lengths = _check_index_tensor(lengths, "lengths", None, values.device)
+    if values.device.type == "cuda":
+        return values, lengths  # the plan kernel checks the sum with the counts it reads back
     total = int(lengths.sum()) if lengths.numel() else 0
     if total != values.shape[0]:
         raise ValueError(f"lengths sum to {total}, but values has {values.shape[0]} rows; they must be equal")
@@ -108,12 +111,30 @@ def _move_rows(values: torch.Tensor, handle: DispatchHandle, priority: int, forw
     straight from their rows in `values`. Else the reverse (combine's movement): rows received →
     their home rows, landing there straight. No staging copy either way."""
     values = values.contiguous()
+    if isinstance(handle.plan, _device_dispatch.DevicePlan):
+        return _move_rows_cuda(values, handle, priority, forward)
     rows = handle.rows_received if forward else handle.rows_sent
     out = output_cache().empty((rows, *values.shape[1:]), values.dtype)
     make_layout = _core.dispatch_layout if forward else _core.combine_layout
     handle.comm._submit(out, values, make_layout(handle.plan, _row_bytes(values), handle.recv_rows), priority,
                         async_op=False)
     return out
+
+
+def _move_rows_cuda(values: torch.Tensor, handle: DispatchHandle, priority: int, forward: bool) -> torch.Tensor:
+    """_move_rows for CUDA tensors: the layout kernels put rows in send order (forward) or back
+    home (reverse) on the current stream; the copy engines move them packed between."""
+    row_bytes = _row_bytes(values)
+    sent = [r * row_bytes for r in handle.send_rows]
+    received = [r * row_bytes for r in handle.recv_rows]
+    if forward:
+        packed = _device_dispatch.gather(values, handle.plan)
+        out = torch.empty((handle.rows_received, *values.shape[1:]), dtype=values.dtype, device=values.device)
+        handle.comm._submit(out, packed, _core.AllToAllLayout.packed(sent, received), priority, async_op=False)
+        return out
+    packed = torch.empty((handle.rows_sent, *values.shape[1:]), dtype=values.dtype, device=values.device)
+    handle.comm._submit(packed, values, _core.AllToAllLayout.packed(received, sent), priority, async_op=False)
+    return _device_dispatch.scatter(packed, handle.plan)
 
 
 class _Dispatch(torch.autograd.Function):
@@ -145,11 +166,13 @@ def dispatch(values: torch.Tensor, lengths: torch.Tensor, dest_ranks: torch.Tens
     source rank, then by their original order there; their lengths and source ranks; and the
     handle combine needs to send rows back. Autograd flows back through combine's movement."""
     values, lengths = check_jagged_batch(values, lengths)
-    dest_ranks = _check_index_tensor(dest_ranks, "dest_ranks", lengths.numel())
+    dest_ranks = _check_index_tensor(dest_ranks, "dest_ranks", lengths.numel(), values.device)
     priority = check_priority(priority)
     if not dist.is_initialized():
         raise RuntimeError("fc.dispatch needs torch.distributed: call dist.init_process_group(...) first")
     world = dist.get_world_size(group)
+    if values.device.type == "cuda":
+        return _dispatch_cuda(values, lengths, dest_ranks, world, group, priority)
     # Local checks (ValueError naming a bad length or rank) before anything collective.
     plan = _core.plan_jagged_dispatch(lengths.data_ptr(), dest_ranks.data_ptr(), lengths.numel(), world)
     comm = communicator_for(group)
@@ -168,6 +191,28 @@ def dispatch(values: torch.Tensor, lengths: torch.Tensor, dest_ranks: torch.Tens
     return DispatchResult(out, recv_lengths, source_ranks, handle)
 
 
+def _dispatch_cuda(values: torch.Tensor, lengths: torch.Tensor, dest_ranks: torch.Tensor, world: int,
+                   group: Optional[dist.ProcessGroup], priority: int) -> DispatchResult:
+    """dispatch of CUDA tensors: the plan kernel, one host sync for its counts, the counts over
+    the host transport, the lengths and rows over the copy engines."""
+    _device_dispatch.check_device_support(world)
+    plan = _device_dispatch.plan(lengths, dest_ranks.contiguous(), world)
+    if plan.rows != values.shape[0]:
+        raise ValueError(f"lengths sum to {plan.rows}, but values has {values.shape[0]} rows; they must be equal")
+    comm = communicator_for(group)
+    send_counts = torch.tensor([plan.sample_counts, plan.row_counts], dtype=torch.int64).T.contiguous()
+    recv_counts = torch.empty(world, 2, dtype=torch.int64)
+    comm.all_to_all_single(recv_counts, send_counts, priority=priority)  # [world, (samples, rows)]
+    recv_samples, recv_rows = recv_counts[:, 0].tolist(), recv_counts[:, 1].tolist()
+    recv_lengths = torch.empty(sum(recv_samples), dtype=torch.int64, device=values.device)
+    comm.all_to_all_single(recv_lengths, plan.sent_lengths, recv_samples, plan.sample_counts, priority=priority)
+    source_ranks = torch.repeat_interleave(torch.arange(world, dtype=torch.int64, device=values.device),
+                                           recv_counts[:, 0].to(values.device), output_size=sum(recv_samples))
+    handle = DispatchHandle(comm, plan, plan.row_counts, recv_rows, recv_lengths)
+    out = _Dispatch.apply(values, handle, priority)
+    return DispatchResult(out, recv_lengths, source_ranks, handle)
+
+
 def combine(values: torch.Tensor, handle: DispatchHandle, *, priority: int = 0) -> torch.Tensor:
     """Returns rows of the samples a dispatch delivered here to their home ranks, in their
     original order: `values` holds one row-block per received sample (the dispatch's lengths;
@@ -177,6 +222,10 @@ def combine(values: torch.Tensor, handle: DispatchHandle, *, priority: int = 0) 
         raise TypeError(f"handle must be the .handle of an fc.dispatch result, got {type(handle).__name__}")
     values = _check_values(values)
     priority = check_priority(priority)
+    plan_device = handle.recv_lengths.device
+    if values.device != plan_device:
+        raise ValueError(f"values is on {values.device}, but the dispatch behind this handle moved tensors of "
+                         f"{plan_device}; combine them there (.to({str(plan_device)!r}))")
     if handle.comm.closed:
         raise ValueError("handle belongs to a communicator that was closed (its group was destroyed); dispatch again")
     if values.shape[0] != handle.rows_received:
