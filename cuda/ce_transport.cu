@@ -23,6 +23,8 @@
 #include <cstring>
 #include <deque>
 #include <mutex>
+#include <new>
+#include <optional>
 #include <string>
 #include <unordered_map>
 #include <vector>
@@ -54,6 +56,34 @@ void from_hex(const std::string& hex, void* data, size_t n) {
   for (size_t i = 0; i < n; ++i) p[i] = static_cast<unsigned char>(std::stoi(hex.substr(2 * i, 2), nullptr, 16));
 }
 
+// Makes `device` current for a scope on a caller's thread, then restores the caller's device.
+class DeviceGuard {
+ public:
+  explicit DeviceGuard(int device) {
+    check_cuda(cudaGetDevice(&previous_), "cudaGetDevice");
+    if (previous_ == device) {
+      previous_ = -1;
+    } else {
+      check_cuda(cudaSetDevice(device), "cudaSetDevice");
+    }
+  }
+  // Best effort, for destructors: never throws.
+  DeviceGuard(int device, std::nothrow_t) {
+    if (cudaGetDevice(&previous_) != cudaSuccess || previous_ == device || cudaSetDevice(device) != cudaSuccess) {
+      previous_ = -1;
+    }
+    cudaGetLastError();
+  }
+  ~DeviceGuard() {
+    if (previous_ >= 0) cudaSetDevice(previous_);
+  }
+  DeviceGuard(const DeviceGuard&) = delete;
+  DeviceGuard& operator=(const DeviceGuard&) = delete;
+
+ private:
+  int previous_ = -1;
+};
+
 class CeTransport final : public HostTransport {
  public:
   CeTransport(Bootstrap& bootstrap, const Config& config);
@@ -78,6 +108,7 @@ class CeTransport final : public HostTransport {
     int src;
     cudaEvent_t event;  // recorded after that copy
   };
+  // The progress thread's device (set once per thread). Callers' threads use DeviceGuard.
   void use_device() const;
   // The comm stream waits for what op.stream held at submission: its input is written and its
   // output free. Called by post(), which precedes every copy of the op.
@@ -113,8 +144,9 @@ CeTransport::CeTransport(Bootstrap& bootstrap, const Config& config)
   // Local setup; a failure is announced so that every rank fails together instead of hanging.
   std::string error, handle_hex;
   CeArenaLayout mine = CeArenaLayout::plan(world_, rank_, config.chunk_bytes, config.arena_bytes);
+  std::optional<DeviceGuard> guard;  // the caller's device comes back when setup ends
   try {
-    use_device();
+    guard.emplace(device_);
     check_cuda(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking), "cudaStreamCreateWithFlags");
     check_cuda(cudaHostAlloc(reinterpret_cast<void**>(&done_), sizeof(uint64_t) * kOpWindow, cudaHostAllocMapped),
                "cudaHostAlloc (completion flags)");
@@ -170,7 +202,7 @@ CeTransport::CeTransport(Bootstrap& bootstrap, const Config& config)
 
 CeTransport::~CeTransport() {
   // Best effort, never throws: the stream may hold work of failed ops.
-  cudaSetDevice(device_);
+  DeviceGuard guard(device_, std::nothrow);
   if (stream_ != nullptr) cudaStreamSynchronize(stream_);
   for (const Landing& l : landing_) cudaEventDestroy(l.event);
   for (auto& [op, ev] : submitted_) cudaEventDestroy(ev);
@@ -189,6 +221,12 @@ void CeTransport::use_device() const {
   static thread_local int current = -1;
   if (current == device_) return;
   check_cuda(cudaSetDevice(device_), "cudaSetDevice");
+  if (current == -1) {
+    // This thread's own calls (event queries, copies on the comm stream) must stay legal while a
+    // user's thread captures a CUDA graph in global mode (torch.cuda.graph's default).
+    cudaStreamCaptureMode relaxed = cudaStreamCaptureModeRelaxed;
+    check_cuda(cudaThreadExchangeStreamCaptureMode(&relaxed), "cudaThreadExchangeStreamCaptureMode");
+  }
   current = device_;
 }
 
@@ -207,7 +245,7 @@ cudaEvent_t CeTransport::take_event() {
 }
 
 void CeTransport::on_submit(OpState& op) {
-  use_device();
+  DeviceGuard guard(device_);
   cudaEvent_t ev = take_event();
   check_cuda(cudaEventRecord(ev, reinterpret_cast<cudaStream_t>(op.stream)), "cudaEventRecord (submitter's stream)");
   std::lock_guard<std::mutex> lock(submit_mu_);
@@ -222,13 +260,15 @@ void CeTransport::after_submitter(const OpState& op) {
     if (it == submitted_.end()) return;  // on_submit did not run for it (cannot happen: defensive)
     ev = it->second;
     submitted_.erase(it);
-    spare_events_.push_back(ev);  // the wait below captures its state: reusable at once
   }
-  check_cuda(cudaStreamWaitEvent(stream_, ev, 0), "cudaStreamWaitEvent");
+  cudaError_t err = cudaStreamWaitEvent(stream_, ev, 0);
+  std::lock_guard<std::mutex> lock(submit_mu_);
+  spare_events_.push_back(ev);  // the wait captured its recording: reusable now, not before
+  check_cuda(err, "cudaStreamWaitEvent");
 }
 
 void CeTransport::stream_wait(const OpState& op, uintptr_t stream) {
-  use_device();
+  DeviceGuard guard(device_);
   check_cu(driver_.stream_wait_value64(reinterpret_cast<CUstream>(stream), done_device_ + sizeof(uint64_t) * (op.seq % kOpWindow),
                                        op.seq + 1, CU_STREAM_WAIT_VALUE_GEQ),
            "cuStreamWaitValue64 (op completion)");

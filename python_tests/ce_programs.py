@@ -75,3 +75,46 @@ def urgent_overtakes_bulk(info, bulk_bytes: int) -> bool:
     comm.close()
     return overtook
 
+
+
+def capture_is_refused_and_the_communicator_goes_on(info) -> str:
+    """all_to_all inside torch.cuda.graph raises InvalidUsageError before queuing anything; the
+    next op (outside the capture) still moves the right bytes. Returns the message."""
+    torch.cuda.set_device(0)
+    comm = fc.Communicator()
+    world, rank = info.world_size, info.rank
+    x = torch.arange(4 * world, device="cuda", dtype=torch.int32) + 100 * rank
+    out = torch.empty_like(x)
+    comm.all_to_all_single(out, x)  # the CUDA core exists before the capture
+    message = ""
+    try:
+        with torch.cuda.graph(torch.cuda.CUDAGraph()):
+            comm.all_to_all_single(out, x)
+    except fc.InvalidUsageError as e:
+        message = str(e)
+    out.fill_(-1)
+    comm.all_to_all_single(out, x)
+    want = torch.cat([torch.arange(4 * rank, 4 * rank + 4, dtype=torch.int32) + 100 * p for p in range(world)])
+    assert torch.equal(out.cpu(), want)
+    comm.close()
+    return message
+
+
+def backend_moves_cuda_alltoall_on_copy_engines(info) -> list[int]:
+    """With the freescale backend, dist.all_to_all_single / all_to_all on CUDA tensors run on the
+    copy-engine transport (a per-GPU core appears) and match the expected blocks. Returns the
+    GPUs that have a core."""
+    import torch.distributed as dist
+
+    torch.cuda.set_device(0)
+    world, rank = info.world_size, info.rank
+    pg = dist.group.WORLD
+    x = torch.arange(3 * world, device="cuda", dtype=torch.float32) + 100 * rank
+    out = torch.empty_like(x)
+    dist.all_to_all_single(out, x)
+    want = torch.cat([torch.arange(3 * rank, 3 * rank + 3, dtype=torch.float32) + 100 * p for p in range(world)])
+    assert torch.equal(out.cpu(), want)
+    outs = [torch.empty(2, device="cuda") for _ in range(world)]
+    dist.all_to_all(outs, [torch.full((2,), float(10 * rank + p), device="cuda") for p in range(world)])
+    assert [o.tolist() for o in outs] == [[float(10 * p + rank)] * 2 for p in range(world)]
+    return sorted(pg._comm._cuda_cores)

@@ -26,3 +26,13 @@ def test_ce_path_launches_no_kernels():
 def test_a_later_urgent_transfer_overtakes_a_bulk_one():
     assert spawn(ce_programs.urgent_overtakes_bulk, 2, 256 * MiB, timeout_s=300) == [True, True]
 
+
+
+def test_capture_into_a_cuda_graph_is_refused_clearly():
+    for message in spawn(ce_programs.capture_is_refused_and_the_communicator_goes_on, 2, timeout_s=300):
+        assert "CUDA graph" in message
+
+
+def test_the_freescale_backend_moves_cuda_alltoall_on_copy_engines():
+    assert spawn(ce_programs.backend_moves_cuda_alltoall_on_copy_engines, 2, backend="freescale",
+                 timeout_s=300) == [[0], [0]]

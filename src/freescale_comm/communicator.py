@@ -214,6 +214,13 @@ class Communicator:
         after the current stream's work so far; unless async_op, the current stream then waits
         for it (the CPU does not)."""
         cuda = input.device.type == "cuda"
+        if cuda and torch.cuda.is_current_stream_capturing():
+            # The copy-engine transport is driven by the host per op: a graph replay would not
+            # move the bytes again. Refused before anything is queued (peers are not affected).
+            raise _core.InvalidUsageError(
+                "all_to_all on CUDA tensors cannot be captured into a CUDA graph: freescale's copy-engine transport "
+                "is driven by the host for every op; run the AllToAll outside the captured region"
+            )
         core = self._core_for(input.device)
         stream = torch.cuda.current_stream(input.device).cuda_stream if cuda else 0
         handle = core.all_to_all(input.data_ptr(), output.data_ptr(), layout, priority, not async_op and not cuda, stream)

@@ -76,7 +76,66 @@ def _parser() -> argparse.ArgumentParser:
                          "default: HSTU FLOPs (4 layers, 4 heads x 128) at 300 TFLOP/s")
     si.add_argument("--modes", nargs="+", default=list(_modes(simulated=True)), help="modes to simulate (default all)")
     _outputs(si, trace=True, progress=False)
+    _overlap_args(sub.add_parser("overlap", help="CUDA: a bf16 GEMM alone vs overlapped with an SM-copy or a copy-engine "
+                                                 "AllToAll; busbw vs size; layout kernels vs PyTorch"))
     return p
+
+
+def _overlap_args(o: argparse.ArgumentParser) -> None:
+    from freescale_comm.bench import overlap
+
+    o.add_argument("--ranks", type=int, default=2, help="processes sharing GPU 0 (default 2)")
+    o.add_argument("--sizes", type=_size, nargs="+", default=overlap.DEFAULT_SIZES,
+                   help="bytes per rank of the overlapped AllToAll (default 64M 128M 256M)")
+    o.add_argument("--busbw-sizes", type=_size, nargs="+", default=overlap.DEFAULT_BUSBW_SIZES,
+                   help="bytes per rank of the bandwidth sweep (default 1M ... 256M)")
+    o.add_argument("--reps", type=int, default=10, help="measured repetitions per case; medians (default 10)")
+    o.add_argument("--warmup", type=int, default=3, help="unmeasured repetitions per case (default 3)")
+    o.add_argument("--layout-worlds", type=int, nargs="+", default=[32, 128, 512],
+                   help="group sizes of the layout-kernel comparison (default 32 128 512)")
+    o.add_argument("--layout-samples", type=int, default=256, help="samples of the dispatched batch (default 256)")
+    o.add_argument("--layout-dim", type=int, default=128, help="bf16 values per row (default 128)")
+    o.add_argument("--layout-scale", type=float, default=1 / 16,
+                   help="kuairand lengths scaled by this (default 1/16: about 740 rows per sample)")
+    _outputs(o)
+
+
+def run_overlap(args: argparse.Namespace) -> int:
+    import dataclasses
+    import datetime
+
+    import torch
+
+    import freescale_comm as fc
+    from freescale_comm.bench import layout, overlap
+    from freescale_comm.bench.report import bandwidth_table, write_json
+
+    cfg = overlap.OverlapConfig(ranks=args.ranks, sizes=tuple(args.sizes), busbw_sizes=tuple(args.busbw_sizes),
+                                reps=args.reps, warmup=args.warmup)
+    try:
+        cfg.check()
+        if args.layout_samples < 1 or args.layout_dim < 1 or min(args.layout_worlds) < 1:
+            raise ValueError("--layout-samples, --layout-dim and --layout-worlds must be >= 1")
+        if not torch.cuda.is_available():
+            raise ValueError("this benchmark needs a CUDA GPU, and torch sees none here")
+        if "ce" not in fc.build_info()["transports"]:
+            raise ValueError("this build has no copy-engine transport (built without nvcc); reinstall where nvcc is")
+    except ValueError as err:
+        print(f"freescale-bench overlap: {err}", file=sys.stderr)
+        return 2
+    res = overlap.run(cfg, progress=not args.no_progress)
+    where = f"{cfg.ranks} ranks on one {res['device']}, {datetime.date.today()}"
+    print(overlap.table(res["rows"], f"overlap, {where}; bf16 GEMM n={res['gemm_n']}, medians of {cfg.reps}"))
+    print(overlap.summary(res["rows"]))
+    print(bandwidth_table(res["busbw_rows"], f"alltoall on CUDA tensors, {where} (sm_copy: one index_select of the same bytes)"))
+    layout_rows = layout.run(args.layout_worlds, args.layout_samples, args.layout_dim, args.layout_scale,
+                             args.warmup, args.reps)
+    print(layout.table(layout_rows, f"dispatch layout (counts + gather) of {args.layout_samples} samples, "
+                                    f"{layout_rows[0]['rows']} rows x {args.layout_dim} bf16, one {res['device']}"))
+    if args.json:
+        write_json(args.json, "overlap", res["rows"], busbw_rows=res["busbw_rows"], layout_rows=layout_rows,
+                   device=res["device"], date=str(datetime.date.today()), config=dataclasses.asdict(cfg))
+    return 0
 
 
 def _modes(simulated: bool = False) -> tuple[str, ...]:
@@ -244,6 +303,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(dispatch.summary(rows))
         if args.json:
             write_json(args.json, "dispatch", rows, ranks=args.ranks, rows_total=args.rows, dim=args.dim)
+    elif args.bench == "overlap":
+        return run_overlap(args)
     elif args.bench == "planner":
         from freescale_comm.bench import planner, workloads
         from freescale_comm.bench.report import write_json

@@ -1,0 +1,110 @@
+"""The layout work of a dispatch on one GPU: freescale's kernels vs PyTorch references.
+
+The work: given a rank's batch (values [rows, dim], lengths [samples], dest [samples]), count
+samples and rows per destination (on the host: the AllToAllv needs them) and gather the rows in
+send order (by destination, then original order). References, device-agnostic (tested on CPU):
+  torch_sort  vectorized: stable sort by destination, row indices by repeat_interleave, index_select;
+  torch_loop  the straightforward one: one mask, nonzero and index_select per destination rank.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from typing import Any, Callable
+
+import torch
+
+CASES = ("layout_kernels", "torch_sort", "torch_loop")
+
+
+def _row_index(starts: torch.Tensor, lengths: torch.Tensor, total: int) -> torch.Tensor:
+    """Rows [starts[j], starts[j] + lengths[j]) for every j, back to back ([total] int64)."""
+    first = torch.repeat_interleave(starts, lengths, output_size=total)
+    run_start = torch.repeat_interleave(torch.cumsum(lengths, 0) - lengths, lengths, output_size=total)
+    return first + torch.arange(total, device=starts.device) - run_start
+
+
+def torch_sort(values: torch.Tensor, lengths: torch.Tensor, dest: torch.Tensor, world: int):
+    """(packed rows, sample counts, row counts) with vectorized PyTorch ops."""
+    sample_counts = torch.bincount(dest, minlength=world)
+    row_counts = torch.zeros(world, dtype=torch.int64, device=dest.device).index_add_(0, dest, lengths)
+    counts = torch.cat([sample_counts, row_counts]).tolist()  # the host needs them, as for ours
+    order = torch.sort(dest, stable=True).indices
+    starts = torch.cumsum(lengths, 0) - lengths
+    rows = _row_index(starts[order], lengths[order], sum(counts[world:]))
+    return values.index_select(0, rows), counts[:world], counts[world:]
+
+
+def torch_loop(values: torch.Tensor, lengths: torch.Tensor, dest: torch.Tensor, world: int):
+    """(packed rows, sample counts, row counts), one destination rank at a time."""
+    starts = torch.cumsum(lengths, 0) - lengths
+    parts, sample_counts, row_counts = [], [], []
+    for r in range(world):
+        mine = (dest == r).nonzero().squeeze(1)
+        n_rows = int(lengths[mine].sum())
+        parts.append(values.index_select(0, _row_index(starts[mine], lengths[mine], n_rows)))
+        sample_counts.append(int(mine.numel()))
+        row_counts.append(n_rows)
+    return torch.cat(parts), sample_counts, row_counts
+
+
+def freescale_kernels(values: torch.Tensor, lengths: torch.Tensor, dest: torch.Tensor, world: int):
+    """(packed rows, sample counts, row counts) with freescale's plan and gather kernels."""
+    from freescale_comm import _device_dispatch
+
+    plan = _device_dispatch.plan(lengths, dest, world)
+    return _device_dispatch.gather(values, plan), plan.sample_counts, plan.row_counts
+
+
+def _time(fn: Callable[[], Any], warmup: int, iters: int) -> tuple[list[float], Any]:
+    """Wall seconds per call (every case ends in a host sync: its counts reach the host)."""
+    out = None
+    for _ in range(warmup):
+        out = fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        out = fn()
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    return times, out
+
+
+def run(worlds: Sequence[int], samples: int, dim: int, length_scale: float, warmup: int, iters: int,
+        seed: int = 0) -> list[dict[str, Any]]:
+    """One row per (world, case): time_us (median), speedup of the kernels over the case, wrong
+    (rows differing from the kernels' output, or -1 if the counts differ)."""
+    from freescale_comm.bench import workloads
+    from freescale_comm.bench.report import mean_std
+
+    device = torch.device("cuda", torch.cuda.current_device())
+    impls = {"layout_kernels": freescale_kernels, "torch_sort": torch_sort, "torch_loop": torch_loop}
+    gen = torch.Generator().manual_seed(seed)
+    lengths = torch.from_numpy(workloads.scale_lengths(workloads.kuairand(samples, seed=seed), length_scale)).to(device)
+    values = torch.randn(int(lengths.sum()), dim, generator=gen).to(torch.bfloat16).to(device)
+    rows = []
+    for world in worlds:
+        dest = torch.randint(0, world, (samples,), generator=gen).to(device)
+        results = {}
+        for case in CASES:
+            times, out = _time(lambda: impls[case](values, lengths, dest, world), warmup, iters)
+            results[case] = (sorted(times)[len(times) // 2], mean_std(times)[1], out)
+        kernel_s, _, (kernel_rows, kernel_samples, kernel_row_counts) = results["layout_kernels"]
+        for case, (median_s, std_s, (packed, sample_counts, row_counts)) in results.items():
+            same_counts = sample_counts == kernel_samples and row_counts == kernel_row_counts
+            wrong = int((packed != kernel_rows).any(dim=1).sum()) if same_counts else -1
+            rows.append({"case": case, "world": world, "samples": samples, "rows": int(values.shape[0]),
+                         "row_bytes": dim * values.element_size(), "time_us": median_s * 1e6, "time_std_us": std_s * 1e6,
+                         "kernels_speedup": median_s / kernel_s, "wrong": wrong})
+    return rows
+
+
+def table(rows: Sequence[dict[str, Any]], title: str) -> str:
+    header = f"{'world':>6}  {'case':<15} {'time_us':>10} {'± σ':>9} {'kernels x':>10} {'#wrong':>7}"
+    lines = [f"# {title}", header, "-" * len(header)]
+    for r in rows:
+        lines.append(f"{r['world']:>6}  {r['case']:<15} {r['time_us']:>10.1f} {r['time_std_us']:>9.1f} "
+                     f"{r['kernels_speedup']:>10.1f} {r['wrong']:>7d}")
+    return "\n".join(lines)
