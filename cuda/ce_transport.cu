@@ -9,9 +9,12 @@
 // Copies go through cudaMemcpyBatchAsync with cudaMemcpyFlagPreferOverlapWithCompute (copy
 // engines, also between processes on one GPU); head/tail are written by the GPU with
 // cuStreamWriteValue64 into the host segments (registered, device-mapped), so no copy waits for a
-// host round trip. A receive part finishes when an event after its last copy completed. Every op
-// sets its completion flag (pinned, device-mapped: done[seq % kOpWindow] = seq + 1, ever
-// increasing) when it completes or fails; stream_wait() is a cuStreamWaitValue64 (GEQ) on it.
+// host round trip. An op is posted (its first copy may start, peers may send to it) once the event
+// recorded on its submitter's stream at submission completed: the host checks, so the shared comm
+// stream never waits on a caller. A receive part finishes when an event after its last copy
+// completed. Every op sets its completion flag (pinned, device-mapped: done[seq % kOpWindow] =
+// seq + 1, ever increasing) when it completes or fails; stream_wait() is a cuStreamWaitValue64
+// (GEQ) on it.
 #include "cuda/ce_transport.h"
 
 #include <cuda.h>
@@ -93,6 +96,7 @@ class CeTransport final : public HostTransport {
   void on_submit(OpState& op) override;
   void stream_wait(const OpState& op, uintptr_t stream) override;
   void post(const std::shared_ptr<OpState>& op) override;
+  bool can_send(const Transfer& t) const override;
   bool poll() override;
   void wait_for_activity(uint32_t epoch, std::chrono::microseconds timeout) override;
 
@@ -110,9 +114,11 @@ class CeTransport final : public HostTransport {
   };
   // The progress thread's device (set once per thread). Callers' threads use DeviceGuard.
   void use_device() const;
-  // The comm stream waits for what op.stream held at submission: its input is written and its
-  // output free. Called by post(), which precedes every copy of the op.
-  void after_submitter(const OpState& op);
+  // Posts (in program order) the ops whose submitter's stream passed their submission: their
+  // input is written and their output free. The host waits, not the comm stream: a caller whose
+  // stream waits for op N before submitting op N+1 would otherwise block op N's later copies
+  // behind that wait on the shared comm stream (a deadlock).
+  bool post_ready_ops();
   void copy(std::vector<void*>& dsts, std::vector<const void*>& srcs, std::vector<size_t>& sizes);
   // Writes `value` to `counter` (in rank p's control segment) once the stream's copies so far landed.
   void write_value(int p, const std::atomic<uint64_t>* counter, uint64_t value);
@@ -133,6 +139,8 @@ class CeTransport final : public HostTransport {
   std::unordered_map<const OpState*, cudaEvent_t> submitted_;  // op -> event on op.stream
   std::vector<cudaEvent_t> spare_events_;
   std::vector<Landing> landing_;                         // progress thread only
+  std::deque<std::shared_ptr<OpState>> unready_;         // posted by the core, awaiting their event
+  uint64_t ready_below_ = 0;                             // ops with seq < this are posted here
 };
 
 CeTransport::CeTransport(Bootstrap& bootstrap, const Config& config)
@@ -252,19 +260,31 @@ void CeTransport::on_submit(OpState& op) {
   submitted_[&op] = ev;
 }
 
-void CeTransport::after_submitter(const OpState& op) {
-  cudaEvent_t ev;
-  {
-    std::lock_guard<std::mutex> lock(submit_mu_);
-    auto it = submitted_.find(&op);
-    if (it == submitted_.end()) return;  // on_submit did not run for it (cannot happen: defensive)
-    ev = it->second;
-    submitted_.erase(it);
+bool CeTransport::post_ready_ops() {
+  bool moved = false;
+  while (!unready_.empty()) {
+    std::shared_ptr<OpState> op = unready_.front();
+    {
+      std::lock_guard<std::mutex> lock(submit_mu_);
+      auto it = submitted_.find(op.get());
+      if (it != submitted_.end()) {  // else on_submit did not record one: nothing to wait for
+        cudaError_t err = cudaEventQuery(it->second);
+        if (err == cudaErrorNotReady) return moved;
+        check_cuda(err, "the submitter's stream failed before an all_to_all");
+        spare_events_.push_back(it->second);
+        submitted_.erase(it);
+      }
+    }
+    unready_.pop_front();
+    ready_below_ = op->seq + 1;
+    HostTransport::post(op);
+    moved = true;
   }
-  cudaError_t err = cudaStreamWaitEvent(stream_, ev, 0);
-  std::lock_guard<std::mutex> lock(submit_mu_);
-  spare_events_.push_back(ev);  // the wait captured its recording: reusable now, not before
-  check_cuda(err, "cudaStreamWaitEvent");
+  return moved;
+}
+
+bool CeTransport::can_send(const Transfer& t) const {
+  return t.op->seq < ready_below_ && HostTransport::can_send(t);
 }
 
 void CeTransport::stream_wait(const OpState& op, uintptr_t stream) {
@@ -276,13 +296,13 @@ void CeTransport::stream_wait(const OpState& op, uintptr_t stream) {
 
 void CeTransport::post(const std::shared_ptr<OpState>& op) {
   use_device();
-  after_submitter(*op);
   uint64_t* flag = done_ + op->seq % kOpWindow;
   uint64_t value = op->seq + 1;
   // Completed or failed, the flag moves: a stream waiting on a failed op must not hang (the
   // failure itself surfaces on the host).
   op->add_done_callback([flag, value] { reinterpret_cast<std::atomic<uint64_t>*>(flag)->store(value, std::memory_order_release); });
-  HostTransport::post(op);
+  unready_.push_back(op);
+  post_ready_ops();
 }
 
 void CeTransport::copy(std::vector<void*>& dsts, std::vector<const void*>& srcs, std::vector<size_t>& sizes) {
@@ -360,7 +380,8 @@ void CeTransport::land(int src, OpState& op, const SlotHeader& h, const uint8_t*
 
 bool CeTransport::poll() {
   use_device();
-  bool moved = HostTransport::poll();
+  bool moved = post_ready_ops();
+  moved = HostTransport::poll() || moved;
   for (auto it = landing_.begin(); it != landing_.end();) {
     cudaError_t err = cudaEventQuery(it->event);
     if (err == cudaErrorNotReady) {
@@ -381,7 +402,8 @@ bool CeTransport::poll() {
 
 void CeTransport::wait_for_activity(uint32_t epoch, std::chrono::microseconds timeout) {
   // Heads and tails written by GPUs ring no doorbell: while copies are in flight, look often.
-  HostTransport::wait_for_activity(epoch, ops_pending() ? std::min(timeout, kPollWhileBusy) : timeout);
+  bool busy = ops_pending() || !unready_.empty();
+  HostTransport::wait_for_activity(epoch, busy ? std::min(timeout, kPollWhileBusy) : timeout);
 }
 
 }  // namespace

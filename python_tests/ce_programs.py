@@ -118,3 +118,27 @@ def backend_moves_cuda_alltoall_on_copy_engines(info) -> list[int]:
     dist.all_to_all(outs, [torch.full((2,), float(10 * rank + p), device="cuda") for p in range(world)])
     assert [o.tolist() for o in outs] == [[float(10 * p + rank)] * 2 for p in range(world)]
     return sorted(pg._comm._cuda_cores)
+
+
+def back_to_back_ops_without_a_host_sync(info, nbytes: int, ops: int) -> list[int]:
+    """`ops` synchronous AllToAlls of `nbytes` (far more than the arena's rings hold) enqueued
+    back to back: each one's stream wait precedes the next one's submission, so a comm stream that
+    waited on the caller's stream would block the earlier op's later copies (a deadlock). Returns
+    the wrong elements of each op."""
+    torch.cuda.set_device(0)
+    comm = fc.Communicator()
+    world, rank = info.world_size, info.rank
+    n = nbytes // 4 // world * world
+    ins = [torch.arange(n, dtype=torch.int32, device="cuda") + (rank * ops + k) * n % (1 << 30) for k in range(ops)]
+    outs = [torch.empty_like(x) for x in ins]
+    for x, out in zip(ins, outs):
+        comm.all_to_all_single(out, x)  # the current stream waits for it; the CPU does not
+    torch.cuda.synchronize()
+    m = n // world
+    wrong = []
+    for k, out in enumerate(outs):
+        want = torch.cat([torch.arange(rank * m, (rank + 1) * m, dtype=torch.int32, device="cuda")
+                          + (p * ops + k) * n % (1 << 30) for p in range(world)])
+        wrong.append(int((out != want).sum()))
+    comm.close()
+    return wrong

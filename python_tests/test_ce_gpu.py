@@ -36,3 +36,8 @@ def test_capture_into_a_cuda_graph_is_refused_clearly():
 def test_the_freescale_backend_moves_cuda_alltoall_on_copy_engines():
     assert spawn(ce_programs.backend_moves_cuda_alltoall_on_copy_engines, 2, backend="freescale",
                  timeout_s=300) == [[0], [0]]
+
+
+def test_back_to_back_synchronous_ops_do_not_deadlock():
+    for wrong in spawn(ce_programs.back_to_back_ops_without_a_host_sync, 2, 64 * MiB, 4, timeout_s=300):
+        assert wrong == [0, 0, 0, 0]
