@@ -6,6 +6,10 @@
 #include "cuda/device_probe.h"
 #endif
 
+#ifndef FREESCALE_NVSHMEM_WHY
+#define FREESCALE_NVSHMEM_WHY "not configured by CMake"
+#endif
+
 #ifndef FREESCALE_VERSION
 #define FREESCALE_VERSION "0.0.0"
 #endif
@@ -27,7 +31,9 @@ BuildInfo build_info() {
 #endif
 #ifdef FREESCALE_WITH_NVSHMEM
   info.nvshmem = true;
+  info.transports.push_back("nvshmem");
 #endif
+  info.nvshmem_detail = FREESCALE_NVSHMEM_WHY;
   return info;
 }
 

@@ -5,9 +5,13 @@
 #include <utility>
 
 #include "cpp/host_transport.h"
+#include "cpp/peer_liveness.h"
 #include "cpp/transport_select.h"
 #ifdef FREESCALE_WITH_CUDA
 #include "cuda/ce_transport.h"
+#endif
+#ifdef FREESCALE_WITH_NVSHMEM
+#include "cuda/nvshmem_transport.h"
 #endif
 
 namespace freescale {
@@ -22,10 +26,18 @@ std::unique_ptr<Transport> make_transport(Bootstrap& bootstrap, const Config& co
   TransportNeeds needs;
   needs.requested = config.transport;
   needs.cuda_tensors = config.cuda_device >= 0;
-  needs.same_host = true;  // the transports' setup finds out otherwise (kUnsupported)
+  needs.same_host = true;  // CPU: the host transport's setup finds out otherwise (kUnsupported)
 #ifdef FREESCALE_WITH_CUDA
   needs.ce_built = true;
 #endif
+#ifdef FREESCALE_WITH_NVSHMEM
+  needs.nvshmem_built = true;
+#endif
+  if (needs.cuda_tensors) {
+    // Collective (every rank builds its CUDA core at the same op): auto picks by placement.
+    std::vector<std::string> hosts = bootstrap.allgather(host_identity());
+    needs.same_host = std::all_of(hosts.begin(), hosts.end(), [&](const std::string& h) { return h == hosts[0]; });
+  }
   TransportChoice choice = select_transport(needs);
   switch (choice.kind) {
     case TransportKind::kHost:
@@ -33,6 +45,10 @@ std::unique_ptr<Transport> make_transport(Bootstrap& bootstrap, const Config& co
 #ifdef FREESCALE_WITH_CUDA
     case TransportKind::kCe:
       return make_ce_transport(bootstrap, config);
+#endif
+#ifdef FREESCALE_WITH_NVSHMEM
+    case TransportKind::kNvshmem:
+      return make_nvshmem_transport(bootstrap, config);
 #endif
     default:
       throw Error(ErrorCode::kUnsupported, std::string("no transport of this build serves these tensors (") +

@@ -26,7 +26,6 @@
 #include <cstring>
 #include <deque>
 #include <mutex>
-#include <new>
 #include <optional>
 #include <string>
 #include <unordered_map>
@@ -35,57 +34,13 @@
 #include "cpp/ce_arena_layout.h"
 #include "cpp/host_transport.h"
 #include "cpp/segment_map.h"
+#include "cuda/cuda_util.h"
 #include "cuda/driver_api.h"
 
 namespace freescale {
 namespace {
 
 constexpr std::chrono::microseconds kPollWhileBusy{50};  // GPU writes ring no doorbell: poll
-
-std::string to_hex(const void* data, size_t n) {
-  static const char* digits = "0123456789abcdef";
-  std::string out;
-  const auto* p = static_cast<const unsigned char*>(data);
-  for (size_t i = 0; i < n; ++i) {
-    out += digits[p[i] >> 4];
-    out += digits[p[i] & 15];
-  }
-  return out;
-}
-
-void from_hex(const std::string& hex, void* data, size_t n) {
-  if (hex.size() != 2 * n) throw Error(ErrorCode::kCommError, "ce transport setup: malformed IPC handle from a peer");
-  auto* p = static_cast<unsigned char*>(data);
-  for (size_t i = 0; i < n; ++i) p[i] = static_cast<unsigned char>(std::stoi(hex.substr(2 * i, 2), nullptr, 16));
-}
-
-// Makes `device` current for a scope on a caller's thread, then restores the caller's device.
-class DeviceGuard {
- public:
-  explicit DeviceGuard(int device) {
-    check_cuda(cudaGetDevice(&previous_), "cudaGetDevice");
-    if (previous_ == device) {
-      previous_ = -1;
-    } else {
-      check_cuda(cudaSetDevice(device), "cudaSetDevice");
-    }
-  }
-  // Best effort, for destructors: never throws.
-  DeviceGuard(int device, std::nothrow_t) {
-    if (cudaGetDevice(&previous_) != cudaSuccess || previous_ == device || cudaSetDevice(device) != cudaSuccess) {
-      previous_ = -1;
-    }
-    cudaGetLastError();
-  }
-  ~DeviceGuard() {
-    if (previous_ >= 0) cudaSetDevice(previous_);
-  }
-  DeviceGuard(const DeviceGuard&) = delete;
-  DeviceGuard& operator=(const DeviceGuard&) = delete;
-
- private:
-  int previous_ = -1;
-};
 
 class CeTransport final : public HostTransport {
  public:
@@ -225,18 +180,7 @@ CeTransport::~CeTransport() {
   cudaGetLastError();
 }
 
-void CeTransport::use_device() const {
-  static thread_local int current = -1;
-  if (current == device_) return;
-  check_cuda(cudaSetDevice(device_), "cudaSetDevice");
-  if (current == -1) {
-    // This thread's own calls (event queries, copies on the comm stream) must stay legal while a
-    // user's thread captures a CUDA graph in global mode (torch.cuda.graph's default).
-    cudaStreamCaptureMode relaxed = cudaStreamCaptureModeRelaxed;
-    check_cuda(cudaThreadExchangeStreamCaptureMode(&relaxed), "cudaThreadExchangeStreamCaptureMode");
-  }
-  current = device_;
-}
+void CeTransport::use_device() const { use_device_on_progress_thread(device_); }
 
 cudaEvent_t CeTransport::take_event() {
   {
@@ -306,21 +250,7 @@ void CeTransport::post(const std::shared_ptr<OpState>& op) {
 }
 
 void CeTransport::copy(std::vector<void*>& dsts, std::vector<const void*>& srcs, std::vector<size_t>& sizes) {
-  if (dsts.empty()) return;
-  if (batch_api_) {
-    cudaMemcpyAttributes attr{};
-    attr.srcAccessOrder = cudaMemcpySrcAccessOrderStream;
-    attr.flags = cudaMemcpyFlagPreferOverlapWithCompute;  // copy engines, not SMs
-    size_t attr_index = 0;
-    cudaError_t err = cudaMemcpyBatchAsync(dsts.data(), srcs.data(), sizes.data(), dsts.size(), &attr, &attr_index, 1, stream_);
-    if (err == cudaSuccess) return;
-    if (err != cudaErrorNotSupported && err != cudaErrorStreamCaptureUnsupported) check_cuda(err, "cudaMemcpyBatchAsync");
-    cudaGetLastError();
-    batch_api_ = err != cudaErrorNotSupported;  // under graph capture only: keep trying later
-  }
-  for (size_t i = 0; i < dsts.size(); ++i) {
-    check_cuda(cudaMemcpyAsync(dsts[i], srcs[i], sizes[i], cudaMemcpyDeviceToDevice, stream_), "cudaMemcpyAsync");
-  }
+  copy_on_copy_engines(stream_, dsts, srcs, sizes, &batch_api_);
 }
 
 void CeTransport::write_value(int p, const std::atomic<uint64_t>* counter, uint64_t value) {

@@ -15,6 +15,7 @@ void register_build_info(py::module_& m) {
     d["version"] = info.version;
     d["cuda"] = info.cuda;
     d["nvshmem"] = info.nvshmem;
+    d["nvshmem_detail"] = info.nvshmem_detail;
     d["cuda_archs"] = info.cuda_archs;
     d["transports"] = info.transports;
     return d;

@@ -1,0 +1,83 @@
+// The symmetric-heap arena of the NVSHMEM transport and the rules both ends of a transfer follow
+// without talking: pure arithmetic, compiled and tested without CUDA or NVSHMEM.
+//
+// Traffic between two ranks runs in lanes picked by the op's priority (every rank passes the same
+// priority for an op); within a (peer, lane) pair chunks travel in op order (FIFO by seq), so
+// the receiver knows which op and offset the n-th chunk of a pair-lane carries with no header.
+// A later urgent op overtakes bulk ones by travelling in a higher lane.
+//
+// Every rank's arena (same size on every rank, as symmetric allocations must be):
+//   recv    [src][lane][slot] slot_bytes   chunks put here by rank src
+//   staging [dst][lane][slot] slot_bytes   chunks staged here before the put to rank dst
+//   ready   [src][lane]     uint64         chunks of src's pair-lane that landed here (SET n + 1)
+//   freed   [dst][lane]     uint64         chunks of ours dst has copied out (SET n + 1)
+//   audit   [src][window]   uint64         per op: ((seq + 1) << 32) | chunks src sent us so far
+//                                          in the op's lane (SET after its last chunk)
+//   recvd   [src][window]   uint64         seq + 1 once src received all of op seq from us
+#pragma once
+
+#include <cstdint>
+
+namespace freescale {
+
+constexpr int kNvshmemLanes = 4;
+constexpr uint64_t kNvshmemSlotsPerLane = 2;  // one landing while the next is in flight
+
+// Lane of an op: < 0 → 0 (below default), 0 → 1 (default), 1 ... 99 → 2, >= 100 → 3 (urgent).
+inline int nvshmem_lane(int32_t priority) {
+  if (priority < 0) return 0;
+  if (priority == 0) return 1;
+  return priority < 100 ? 2 : 3;
+}
+
+// The audit word a sender sets for op `seq` after its last chunk in that op's lane; `chunks` is
+// the pair-lane's chunk count after it (mod 2^32). Increases with seq for one (src, window) word.
+inline uint64_t nvshmem_audit_value(uint64_t seq, uint64_t chunks) {
+  return ((seq + 1) << 32) | (chunks & 0xffffffffull);
+}
+
+struct NvshmemArenaLayout {
+  static constexpr uint64_t kSlotAlign = 512;  // bytes: DMA-friendly slot starts
+
+  int world = 0;
+  uint64_t slot_bytes = 0;  // >= the chunk size, a multiple of kSlotAlign
+  uint64_t window = 0;      // op-window entries of audit / recvd (ops in flight at most)
+
+  static NvshmemArenaLayout plan(int world, uint64_t chunk_bytes, uint64_t op_window) {
+    NvshmemArenaLayout l;
+    l.world = world;
+    l.slot_bytes = (chunk_bytes + kSlotAlign - 1) / kSlotAlign * kSlotAlign;
+    l.window = op_window;
+    return l;
+  }
+
+  uint64_t slots_per_region() const {
+    return static_cast<uint64_t>(world) * kNvshmemLanes * kNvshmemSlotsPerLane;
+  }
+  uint64_t slot_index(int peer, int lane, uint64_t n) const {
+    return (static_cast<uint64_t>(peer) * kNvshmemLanes + static_cast<uint64_t>(lane)) * kNvshmemSlotsPerLane +
+           n % kNvshmemSlotsPerLane;
+  }
+  // Byte offsets from the arena base. n: the pair-lane's chunk counter (any value).
+  uint64_t recv_slot(int src, int lane, uint64_t n) const { return slot_bytes * slot_index(src, lane, n); }
+  uint64_t staging_slot(int dst, int lane, uint64_t n) const {
+    return slot_bytes * (slots_per_region() + slot_index(dst, lane, n));
+  }
+  uint64_t signals_offset() const { return 2 * slot_bytes * slots_per_region(); }
+  uint64_t ready(int src, int lane) const { return signals_offset() + 8 * lane_word(src, lane); }
+  uint64_t freed(int dst, int lane) const { return ready(0, 0) + 8 * (lane_words() + lane_word(dst, lane)); }
+  uint64_t audit(int src, uint64_t seq) const { return ready(0, 0) + 8 * (2 * lane_words() + window_word(src, seq)); }
+  uint64_t recvd(int src, uint64_t seq) const {
+    return ready(0, 0) + 8 * (2 * lane_words() + window_words() + window_word(src, seq));
+  }
+  uint64_t num_bytes() const { return signals_offset() + 8 * (2 * lane_words() + 2 * window_words()); }
+  uint64_t signal_bytes() const { return num_bytes() - signals_offset(); }
+
+ private:
+  uint64_t lane_words() const { return static_cast<uint64_t>(world) * kNvshmemLanes; }
+  uint64_t window_words() const { return static_cast<uint64_t>(world) * window; }
+  uint64_t lane_word(int peer, int lane) const { return static_cast<uint64_t>(peer) * kNvshmemLanes + lane; }
+  uint64_t window_word(int peer, uint64_t seq) const { return static_cast<uint64_t>(peer) * window + seq % window; }
+};
+
+}  // namespace freescale

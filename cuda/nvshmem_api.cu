@@ -1,0 +1,90 @@
+#include "cuda/nvshmem_api.h"
+
+#include <dlfcn.h>
+
+#include <cstdlib>
+#include <memory>
+#include <mutex>
+#include <vector>
+
+#include "cpp/errors.h"
+
+#ifndef FREESCALE_NVSHMEM_LIB
+#define FREESCALE_NVSHMEM_LIB ""
+#endif
+
+namespace freescale {
+namespace {
+
+// <site-packages>/nvidia/nvshmem/lib/libnvshmem_host.so.3, from where this module was loaded
+// (<site-packages>/freescale_comm/_core...so): the [nvshmem] extra installs it there.
+std::string beside_this_package() {
+  Dl_info info{};
+  if (dladdr(reinterpret_cast<void*>(&beside_this_package), &info) == 0 || info.dli_fname == nullptr) return "";
+  std::string self = info.dli_fname;
+  size_t pkg = self.rfind('/');
+  if (pkg == std::string::npos) return "";
+  size_t site = self.rfind('/', pkg - 1);
+  if (site == std::string::npos) return "";
+  return self.substr(0, site) + "/nvidia/nvshmem/lib/libnvshmem_host.so.3";
+}
+
+template <typename F>
+void resolve(void* lib, const char* name, F* out, std::string* missing) {
+  *out = reinterpret_cast<F>(dlsym(lib, name));
+  if (*out == nullptr) *missing += std::string(missing->empty() ? "" : ", ") + name;
+}
+
+NvshmemApi load() {
+  std::vector<std::string> candidates;
+  if (const char* env = std::getenv("FREESCALE_NVSHMEM_LIB"); env != nullptr && *env != '\0') candidates.push_back(env);
+  if (*FREESCALE_NVSHMEM_LIB != '\0') candidates.push_back(FREESCALE_NVSHMEM_LIB);
+  candidates.push_back(beside_this_package());
+  candidates.push_back("libnvshmem_host.so.3");
+  std::string tried;
+  void* lib = nullptr;
+  NvshmemApi api;
+  for (const std::string& path : candidates) {
+    if (path.empty()) continue;
+    // RTLD_GLOBAL: NVSHMEM's own plugins (bootstrap, transports) resolve symbols of the host library.
+    lib = dlopen(path.c_str(), RTLD_NOW | RTLD_GLOBAL);
+    if (lib != nullptr) {
+      api.path = path;
+      break;
+    }
+    const char* why = dlerror();
+    tried += "\n  " + path + ": " + (why != nullptr ? why : "not loadable");
+  }
+  if (lib == nullptr) {
+    throw Error(ErrorCode::kUnsupported, "the nvshmem transport could not load libnvshmem_host.so.3; tried:" + tried +
+                                             "\ninstall it with `pip install freescale_comm[nvshmem]` (nvidia-nvshmem-cu13) "
+                                             "or point FREESCALE_NVSHMEM_LIB at it");
+  }
+  std::string missing;
+  resolve(lib, "nvshmemx_hostlib_init_attr", &api.hostlib_init_attr, &missing);
+  resolve(lib, "nvshmemx_hostlib_finalize", &api.hostlib_finalize, &missing);
+  resolve(lib, "nvshmemx_get_uniqueid", &api.get_uniqueid, &missing);
+  resolve(lib, "nvshmemx_set_attr_uniqueid_args", &api.set_attr_uniqueid_args, &missing);
+  resolve(lib, "nvshmem_malloc", &api.malloc, &missing);
+  resolve(lib, "nvshmem_free", &api.free, &missing);
+  resolve(lib, "nvshmem_ptr", &api.ptr, &missing);
+  resolve(lib, "nvshmemx_putmem_signal_on_stream", &api.putmem_signal_on_stream, &missing);
+  resolve(lib, "nvshmemx_signal_op_on_stream", &api.signal_op_on_stream, &missing);
+  resolve(lib, "nvshmemx_signal_wait_until_on_stream", &api.signal_wait_until_on_stream, &missing);
+  if (!missing.empty()) {
+    throw Error(ErrorCode::kUnsupported, api.path + " lacks " + missing + ": it is not an NVSHMEM 3.x host library");
+  }
+  return api;  // the library stays loaded for the life of the process
+}
+
+}  // namespace
+
+const NvshmemApi& NvshmemApi::get() {
+  static std::mutex mu;
+  static std::unique_ptr<NvshmemApi> api;
+  std::lock_guard<std::mutex> lock(mu);
+  if (!api) api = std::make_unique<NvshmemApi>(load());  // a failure is retried by the next call
+  return *api;
+}
+
+}  // namespace freescale
