@@ -529,6 +529,8 @@ void NvshmemTransport::wake() {
 
 }  // namespace
 
+std::string nvshmem_library_path() { return NvshmemApi::get().path; }
+
 std::unique_ptr<Transport> make_nvshmem_transport(Bootstrap& bootstrap, const Config& config) {
   // nvshmem_init exits the process without a GPU: look first.
   int count = 0;

@@ -4,6 +4,7 @@
 #pragma once
 
 #include <memory>
+#include <string>
 
 #include "cpp/bootstrap.h"
 #include "cpp/config.h"
@@ -16,5 +17,9 @@ namespace freescale {
 // kUnsupported without a GPU, without libnvshmem_host or for a second communicator, kSystem
 // when NVSHMEM fails to start (on every rank alike).
 std::unique_ptr<Transport> make_nvshmem_transport(Bootstrap& bootstrap, const Config& config);
+
+// The NVSHMEM host library this process loads (dlopen at first use, no GPU needed): its path.
+// Throws Error(kUnsupported) naming what was tried and the fix when it cannot be loaded.
+std::string nvshmem_library_path();
 
 }  // namespace freescale

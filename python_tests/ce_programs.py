@@ -142,3 +142,15 @@ def back_to_back_ops_without_a_host_sync(info, nbytes: int, ops: int) -> list[in
         wrong.append(int((out != want).sum()))
     comm.close()
     return wrong
+
+
+def cuda_transport_name(info) -> str:
+    """The transport of this rank's CUDA core after one AllToAll of CUDA tensors."""
+    torch.cuda.set_device(0)
+    comm = fc.Communicator()
+    x = torch.ones(4 * info.world_size, device="cuda")
+    comm.all_to_all_single(torch.empty_like(x), x)
+    torch.cuda.synchronize()
+    name = comm._cuda_cores[0].transport
+    comm.close()
+    return name

@@ -33,24 +33,46 @@ def test_torch_references_match_the_planner(reference, world, samples):
     assert sample_counts == want_samples and row_counts == want_rows
 
 
-@pytest.mark.parametrize("argv", [["--ranks", "1"], ["--reps", "0"], ["--sizes", "4"], ["--layout-samples", "0"]])
+@pytest.mark.parametrize("argv", [["--ranks", "0"], ["--reps", "0"], ["--sizes", "4"], ["--layout-samples", "0"]])
 def test_overlap_refuses_bad_arguments(argv, capsys):
     assert cli.main(["overlap", *argv, "--no-progress"]) == 2
     assert "freescale-bench overlap:" in capsys.readouterr().err
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on machines without a GPU")
-def test_overlap_says_it_needs_a_gpu(capsys):
-    assert cli.main(["overlap", "--no-progress"]) == 2
+@pytest.mark.parametrize("argv", [["overlap"], ["overlap", "--transport", "nvshmem"], ["alltoall", "--transport", "ce"],
+                                  ["alltoall", "--transport", "nvshmem"]])
+def test_cuda_benchmarks_say_they_need_a_gpu(argv, capsys):
+    assert cli.main([*argv, "--no-progress"]) == 2
     assert "needs a CUDA GPU" in capsys.readouterr().err
 
 
+def _transports():
+    import freescale_comm as fc
+
+    return [t for t in ("ce", "nvshmem") if t in fc.build_info()["transports"]]
+
+
 @pytest.mark.gpu
-def test_overlap_bench_runs_and_writes_its_rows(tmp_path):
+@pytest.mark.parametrize("transport", _transports())
+def test_overlap_bench_runs_and_writes_its_rows(transport, tmp_path):
     out = tmp_path / "overlap.json"
-    assert cli.main(["overlap", "--sizes", "8M", "--busbw-sizes", "1M", "--reps", "2", "--warmup", "1",
-                     "--layout-worlds", "8", "--layout-samples", "32", "--no-progress", "--json", str(out)]) == 0
+    ranks = "1" if transport == "nvshmem" else "2"  # several NVSHMEM PEs on one GPU may need MPS
+    assert cli.main(["overlap", "--transport", transport, "--ranks", ranks, "--sizes", "8M", "--busbw-sizes", "1M",
+                     "--reps", "2", "--warmup", "1", "--layout-worlds", "8", "--layout-samples", "32", "--no-progress",
+                     "--json", str(out)]) == 0
     data = json.loads(out.read_text())
-    assert [r["case"] for r in data["rows"]] == ["gemm_alone", "sm_copy", "ce"]
+    assert [r["case"] for r in data["rows"]] == ["gemm_alone", "sm_copy", transport]
     assert {"case", "gemm_ms", "slowdown_pct", "comm_ms"} <= set(data["rows"][0])
     assert all(r["wrong"] == 0 for r in data["busbw_rows"] + data["layout_rows"])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("transport", _transports())
+def test_alltoall_bench_on_cuda_tensors_writes_its_rows(transport, tmp_path):
+    out = tmp_path / "alltoall.json"
+    ranks = "1" if transport == "nvshmem" else "2"
+    assert cli.main(["alltoall", "--transport", transport, "--ranks", ranks, "--sizes", "1M", "4M", "--iters", "3",
+                     "--warmup", "1", "--no-progress", "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["impl"] for r in rows] == ["sm_copy", transport] * 2 and all(r["wrong"] == 0 for r in rows)

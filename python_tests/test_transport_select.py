@@ -46,3 +46,28 @@ def test_a_forced_gpu_transport_leaves_cpu_tensors_on_host(monkeypatch):
     comm = Communicator._over(StoreBootstrap(dist.HashStore(), 0, 1), datetime.timedelta(seconds=30))
     assert comm.transport == "host"
     comm.close()
+
+
+def test_build_info_says_whether_nvshmem_is_compiled_in_and_why():
+    info = _core.build_info()
+    assert isinstance(info["nvshmem_detail"], str) and info["nvshmem_detail"]
+    assert ("nvshmem" in info["transports"]) == info["nvshmem"]
+    if not info["nvshmem"]:
+        assert "not" in info["nvshmem_detail"] or "OFF" in info["nvshmem_detail"]
+
+
+def test_nvshmem_host_library_loads_without_a_gpu():
+    if not _core.build_info()["nvshmem"]:
+        pytest.skip("built without NVSHMEM: " + _core.build_info()["nvshmem_detail"])
+    assert _core.nvshmem_library().endswith(("libnvshmem_host.so.3", "libnvshmem_host.so"))
+
+
+def test_nvshmem_forced_without_a_gpu_is_refused_clearly():
+    if not _core.build_info()["nvshmem"]:
+        pytest.skip("built without NVSHMEM")
+    if _core.cuda_device_count() > 0:
+        pytest.skip("a GPU is present: the gpu tests run the transport")
+    config = _core.Config()
+    config.transport, config.cuda_device = "nvshmem", 0
+    with pytest.raises(_core.UnsupportedError, match="needs a CUDA GPU"):
+        _core_over(config)

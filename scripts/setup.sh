@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Installs everything the tests and the demo need on a fresh machine (idempotent):
-# GoogleTest, torch 2.13.0 (CPU), this package with its test extras, and TorchRec (a real client
-# the tests run against the backend).
+# GoogleTest, torch 2.13.0 (CPU), NVSHMEM's wheel, this package with its test and nvshmem extras,
+# and TorchRec (a real client the tests run against the backend).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 SUDO=""
@@ -11,7 +11,12 @@ if [ ! -f /usr/include/gtest/gtest.h ]; then
   $SUDO apt-get install -y -qq libgtest-dev
 fi
 python3 -m pip install -q --disable-pip-version-check torch==2.13.0
-python3 -m pip install -q --disable-pip-version-check ".[test]"
+# NVSHMEM's wheel (headers + host library) first, so that the build compiles the nvshmem transport;
+# the package builds in an isolated environment, so tell CMake where the wheel is.
+python3 -m pip install -q --disable-pip-version-check "nvidia-nvshmem-cu13>=3.4"
+NVSHMEM_HOME="$(python3 -c 'import nvidia.nvshmem as m; print(list(m.__path__)[0])')"
+export NVSHMEM_HOME
+python3 -m pip install -q --disable-pip-version-check ".[test,nvshmem]"
 # torchrec declares a dependency on the CUDA fbgemm-gpu wheel, which does not load on a CPU torch
 # and shares its import name with fbgemm-gpu-cpu: install the CPU one and torchrec without deps.
 python3 -m pip install -q --disable-pip-version-check fbgemm-gpu-cpu==1.8.0 tensordict "torchmetrics==1.0.3" tqdm pyre-extensions

@@ -3,6 +3,9 @@
 
 #include "cpp/bindings/bindings.h"
 #include "cpp/build_info.h"
+#ifdef FREESCALE_WITH_NVSHMEM
+#include "cuda/nvshmem_transport.h"
+#endif
 
 namespace py = pybind11;
 
@@ -20,6 +23,10 @@ void register_build_info(py::module_& m) {
     d["transports"] = info.transports;
     return d;
   });
+#ifdef FREESCALE_WITH_NVSHMEM
+  m.def("nvshmem_library", &nvshmem_library_path, py::call_guard<py::gil_scoped_release>(),
+        "Loads NVSHMEM's host library (no GPU needed) and returns its path; UnsupportedError says why not.");
+#endif
   m.def("cuda_device_count", &cuda_device_count, py::call_guard<py::gil_scoped_release>(),
         "CUDA devices visible to this process (0 without CUDA support, driver or GPU).");
 }

@@ -34,8 +34,11 @@ def _outputs(p: argparse.ArgumentParser, *, trace: bool = False, progress: bool 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="freescale-bench", description="Benchmarks of freescale_comm.")
     sub = p.add_subparsers(dest="bench", required=True)
-    a = sub.add_parser("alltoall", help="all_to_all_single on CPU: host transport vs gloo vs the memcpy limit")
-    a.add_argument("--ranks", type=int, default=4, help="processes on this host (default 4)")
+    a = sub.add_parser("alltoall", help="all_to_all_single: on CPU, host transport vs gloo vs the memcpy limit; "
+                                        "with --transport ce|nvshmem, CUDA tensors vs an SM copy")
+    a.add_argument("--ranks", type=int, default=4, help="processes on this host (default 4; with CUDA: sharing GPU 0)")
+    a.add_argument("--transport", choices=("host", "ce", "nvshmem"), default="host",
+                   help="host: CPU tensors (default); ce / nvshmem: CUDA tensors on that transport")
     a.add_argument("--sizes", type=_size, nargs="+", help="bytes per rank (default 4K ... 64M)")
     a.add_argument("--iters", type=int, default=None, help="timed iterations per case (default: by size)")
     a.add_argument("--warmup", type=int, default=10, help="untimed iterations per case")
@@ -85,6 +88,7 @@ def _overlap_args(o: argparse.ArgumentParser) -> None:
     from freescale_comm.bench import overlap
 
     o.add_argument("--ranks", type=int, default=2, help="processes sharing GPU 0 (default 2)")
+    o.add_argument("--transport", choices=overlap.TRANSPORTS, default="ce", help="freescale's transport (default ce)")
     o.add_argument("--sizes", type=_size, nargs="+", default=overlap.DEFAULT_SIZES,
                    help="bytes per rank of the overlapped AllToAll (default 64M 128M 256M)")
     o.add_argument("--busbw-sizes", type=_size, nargs="+", default=overlap.DEFAULT_BUSBW_SIZES,
@@ -100,33 +104,65 @@ def _overlap_args(o: argparse.ArgumentParser) -> None:
     _outputs(o)
 
 
+def _check_cuda_transport(transport: str) -> None:
+    """ValueError unless a GPU is visible and this build has `transport`."""
+    import torch
+
+    import freescale_comm as fc
+
+    if not torch.cuda.is_available():
+        raise ValueError("this benchmark needs a CUDA GPU, and torch sees none here")
+    info = fc.build_info()
+    if transport not in info["transports"]:
+        why = info["nvshmem_detail"] if transport == "nvshmem" else "built without nvcc; reinstall where nvcc is"
+        raise ValueError(f"this build has no {transport} transport ({why})")
+
+
+def run_alltoall_cuda(args: argparse.Namespace) -> int:
+    """alltoall --transport ce|nvshmem: busbw of CUDA tensors vs an SM copy of the same bytes."""
+    import datetime
+
+    from freescale_comm.bench import overlap
+    from freescale_comm.bench.report import bandwidth_table, write_json
+
+    sizes = tuple(args.sizes or overlap.DEFAULT_BUSBW_SIZES)
+    cfg = overlap.OverlapConfig(ranks=args.ranks, busbw_sizes=sizes, reps=args.iters or 20, warmup=args.warmup,
+                                transport=args.transport)
+    try:
+        cfg.check()
+        _check_cuda_transport(cfg.transport)
+    except ValueError as err:
+        print(f"freescale-bench alltoall: {err}", file=sys.stderr)
+        return 2
+    res = overlap.run(cfg, progress=not args.no_progress, busbw_only=True)
+    print(bandwidth_table(res["busbw_rows"], f"alltoall, {cfg.ranks} ranks on one {res['device']}, CUDA tensors, "
+                                             f"{cfg.transport} vs sm_copy, {datetime.date.today()}"))
+    if args.json:
+        write_json(args.json, "alltoall", res["busbw_rows"], ranks=cfg.ranks, transport=cfg.transport, device=res["device"])
+    return 0
+
+
 def run_overlap(args: argparse.Namespace) -> int:
     import dataclasses
     import datetime
 
-    import torch
-
-    import freescale_comm as fc
     from freescale_comm.bench import layout, overlap
     from freescale_comm.bench.report import bandwidth_table, write_json
 
     cfg = overlap.OverlapConfig(ranks=args.ranks, sizes=tuple(args.sizes), busbw_sizes=tuple(args.busbw_sizes),
-                                reps=args.reps, warmup=args.warmup)
+                                reps=args.reps, warmup=args.warmup, transport=args.transport)
     try:
         cfg.check()
         if args.layout_samples < 1 or args.layout_dim < 1 or min(args.layout_worlds) < 1:
             raise ValueError("--layout-samples, --layout-dim and --layout-worlds must be >= 1")
-        if not torch.cuda.is_available():
-            raise ValueError("this benchmark needs a CUDA GPU, and torch sees none here")
-        if "ce" not in fc.build_info()["transports"]:
-            raise ValueError("this build has no copy-engine transport (built without nvcc); reinstall where nvcc is")
+        _check_cuda_transport(cfg.transport)
     except ValueError as err:
         print(f"freescale-bench overlap: {err}", file=sys.stderr)
         return 2
     res = overlap.run(cfg, progress=not args.no_progress)
     where = f"{cfg.ranks} ranks on one {res['device']}, {datetime.date.today()}"
     print(overlap.table(res["rows"], f"overlap, {where}; bf16 GEMM n={res['gemm_n']}, medians of {cfg.reps}"))
-    print(overlap.summary(res["rows"]))
+    print(overlap.summary(res["rows"], cfg.transport))
     print(bandwidth_table(res["busbw_rows"], f"alltoall on CUDA tensors, {where} (sm_copy: one index_select of the same bytes)"))
     layout_rows = layout.run(args.layout_worlds, args.layout_samples, args.layout_dim, args.layout_scale,
                              args.warmup, args.reps)
@@ -278,6 +314,8 @@ def run_simulate(args: argparse.Namespace) -> int:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = _parser().parse_args(argv)
+    if args.bench == "alltoall" and args.transport != "host":
+        return run_alltoall_cuda(args)
     if args.bench == "alltoall":
         from freescale_comm.bench import alltoall
         from freescale_comm.bench.report import bandwidth_table, write_json

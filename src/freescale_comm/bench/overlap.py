@@ -4,7 +4,8 @@ Ranks are processes sharing GPU 0 (CUDA IPC works within a device). Rank 0 runs 
 to last 5-10 ms alone; then the same GEMM while every rank runs one AllToAll of `size` bytes:
   sm_copy  the bytes moved by an SM kernel (torch index_select of the rank's input: what an
            SM-driven AllToAll such as NCCL's costs the SMs on this GPU);
-  ce       freescale's copy-engine transport (Communicator.all_to_all_single; no kernels).
+  ce       freescale's copy-engine transport (Communicator.all_to_all_single; no kernels), or
+  nvshmem  its NVSHMEM transport (--transport nvshmem).
 The GEMM's slowdown is against gemm_alone in the same run; comm_ms is the AllToAll's time from
 its submission to its completion (CUDA events on its stream). Plus the busbw of both vs size.
 """
@@ -15,7 +16,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
-CASES = ("gemm_alone", "sm_copy", "ce")
+TRANSPORTS = ("ce", "nvshmem")
 DEFAULT_SIZES = [64 << 20, 128 << 20, 256 << 20]
 DEFAULT_BUSBW_SIZES = [1 << 20, 4 << 20, 16 << 20, 64 << 20, 256 << 20]
 GEMM_TARGET_MS = (5.0, 10.0)
@@ -23,19 +24,26 @@ GEMM_TARGET_MS = (5.0, 10.0)
 
 @dataclass(frozen=True)
 class OverlapConfig:
-    ranks: int = 2
+    ranks: int = 2  # processes sharing GPU 0
     sizes: tuple[int, ...] = tuple(DEFAULT_SIZES)  # bytes per rank of the overlapped AllToAll
     busbw_sizes: tuple[int, ...] = tuple(DEFAULT_BUSBW_SIZES)
     reps: int = 10  # measured repetitions per case (medians reported)
     warmup: int = 3
+    transport: str = "ce"  # freescale's transport under test: ce | nvshmem
+
+    @property
+    def cases(self) -> tuple[str, ...]:
+        return ("gemm_alone", "sm_copy", self.transport)
 
     def check(self) -> None:
-        if self.ranks < 2:
-            raise ValueError("--ranks must be at least 2 (an AllToAll needs peers)")
+        if self.ranks < 1:
+            raise ValueError("--ranks must be at least 1 (one rank: an AllToAll to itself; busbw is then 0)")
         if self.reps < 1 or self.warmup < 0:
             raise ValueError("--reps must be >= 1 and --warmup >= 0")
         if any(s < 4 * self.ranks for s in (*self.sizes, *self.busbw_sizes)):
             raise ValueError(f"sizes must be at least {4 * self.ranks} bytes (one float per rank)")
+        if self.transport not in TRANSPORTS:
+            raise ValueError(f"--transport must be one of {TRANSPORTS}, got {self.transport!r}")
 
 
 def _median(xs: Sequence[float]) -> float:
@@ -87,7 +95,7 @@ class _CommCase:
     """`size` bytes of int32 per rank (input of rank p: p * n + arange(n)), moved by a case's call
     (enqueued on the current stream); wrong() counts elements off their expected value."""
 
-    def __init__(self, comm: Any, rank: int, world: int, size: int) -> None:
+    def __init__(self, comm: Any, rank: int, world: int, size: int, transport: str) -> None:
         import torch
 
         from freescale_comm.bench.alltoall import _expected
@@ -95,11 +103,11 @@ class _CommCase:
         self.n = n = max(world, size // 4 // world * world)
         self.x = torch.arange(n, dtype=torch.int32, device="cuda") + rank * n
         self.out = torch.empty_like(self.x)
-        self.expected = {"sm_copy": self.x, "ce": _expected(rank, world, n).cuda()}
+        self.expected = {"sm_copy": self.x, transport: _expected(rank, world, n).cuda()}
         blocks, idx = self.x.view(world, -1), torch.arange(world, device="cuda")
         self.runs: dict[str, Callable[[], Any]] = {
             "sm_copy": lambda: torch.index_select(blocks, 0, idx, out=self.out.view(world, -1)),
-            "ce": lambda: comm.all_to_all_single(self.out, self.x),
+            transport: lambda: comm.all_to_all_single(self.out, self.x),
         }
 
     def wrong(self, case: str) -> int:
@@ -111,27 +119,17 @@ class _CommCase:
         return wrong
 
 
-def _rank_bench(info: Any, cfg: OverlapConfig, progress: bool) -> Optional[dict[str, Any]]:
+def _busbw_rows(comm: Any, rank: int, world: int, cfg: OverlapConfig, side: Any, bar: Any) -> list[dict[str, Any]]:
+    """AllToAll busbw vs size: sm_copy (baseline) and the transport, checked then timed."""
     import torch
     import torch.distributed as dist
 
-    import freescale_comm as fc
     from freescale_comm.bench.report import bandwidth_row
-
-    torch.cuda.set_device(0)
-    rank, world = info.rank, info.world_size
-    comm = fc.Communicator()
-    side = torch.cuda.Stream()
-    bar = None
-    if progress and rank == 0:
-        from tqdm import tqdm
-
-        bar = tqdm(total=len(cfg.busbw_sizes) + len(cfg.sizes), desc="overlap", unit="size", leave=False)
 
     busbw_rows = []
     for size in cfg.busbw_sizes:
-        data = _CommCase(comm, rank, world, size)
-        for case in ("sm_copy", "ce"):
+        data = _CommCase(comm, rank, world, size, cfg.transport)
+        for case in ("sm_copy", cfg.transport):
             data.runs[case]()
             wrong = data.wrong(case)  # checked once, then timed
             for _ in range(cfg.warmup):
@@ -146,6 +144,31 @@ def _rank_bench(info: Any, cfg: OverlapConfig, progress: bool) -> Optional[dict[
             busbw_rows.append(bandwidth_row(case, data.n * 4, world, per_rep, sum(w for _, w in gathered)))
         if bar is not None:
             bar.update(1)
+    return busbw_rows
+
+
+def _rank_bench(info: Any, cfg: OverlapConfig, progress: bool, busbw_only: bool) -> Optional[dict[str, Any]]:
+    import torch
+    import torch.distributed as dist
+
+    import freescale_comm as fc
+
+    torch.cuda.set_device(0)
+    rank, world = info.rank, info.world_size
+    comm = fc.Communicator()
+    side = torch.cuda.Stream()
+    bar = None
+    if progress and rank == 0:
+        from tqdm import tqdm
+
+        total = len(cfg.busbw_sizes) + (0 if busbw_only else len(cfg.sizes))
+        bar = tqdm(total=total, desc="overlap", unit="size", leave=False)
+    busbw_rows = _busbw_rows(comm, rank, world, cfg, side, bar)
+    if busbw_only:
+        if bar is not None:
+            bar.close()
+        comm.close()
+        return {"busbw_rows": busbw_rows, "device": torch.cuda.get_device_name(0)} if rank == 0 else None
 
     gemm, gemm_n, gemm_ms = None, 0, 0.0
     if rank == 0:
@@ -154,8 +177,8 @@ def _rank_bench(info: Any, cfg: OverlapConfig, progress: bool) -> Optional[dict[
     compute = torch.cuda.current_stream()
     rows = []
     for size in cfg.sizes:
-        runs = _CommCase(comm, rank, world, size).runs
-        for case in CASES:
+        runs = _CommCase(comm, rank, world, size, cfg.transport).runs
+        for case in cfg.cases:
             gemm_times, comm_times = [], []
             for rep in range(cfg.warmup + cfg.reps):
                 torch.cuda.synchronize()
@@ -188,10 +211,13 @@ def _rank_bench(info: Any, cfg: OverlapConfig, progress: bool) -> Optional[dict[
             "device": torch.cuda.get_device_name(0)}
 
 
-def run(cfg: OverlapConfig, progress: bool) -> dict[str, Any]:
+def run(cfg: OverlapConfig, progress: bool, busbw_only: bool = False) -> dict[str, Any]:
+    """Spawns cfg.ranks processes on GPU 0 (FREESCALE_TRANSPORT=cfg.transport) and returns rank
+    0's result: rows, busbw_rows, device (busbw_rows and device only when busbw_only)."""
     from freescale_comm.testing import RankFailure, run_ranks
 
-    results = run_ranks(_rank_bench, cfg.ranks, cfg, progress, timeout_s=1800)
+    results = run_ranks(_rank_bench, cfg.ranks, cfg, progress, busbw_only, timeout_s=1800,
+                        env={"FREESCALE_TRANSPORT": cfg.transport})
     if not all(r.ok for r in results):
         raise RankFailure(results)
     return results[0].value
@@ -209,11 +235,12 @@ def table(rows: Sequence[dict[str, Any]], title: str) -> str:
     return "\n".join(lines)
 
 
-def summary(rows: Sequence[dict[str, Any]]) -> str:
-    """The goal line: CE slowdown (goal <= 2%) beside the SM copy's, per size."""
+def summary(rows: Sequence[dict[str, Any]], transport: str = "ce") -> str:
+    """The goal line: the transport's slowdown (goal <= 2%) beside the SM copy's, per size."""
     parts = []
     for size in sorted({r["size_bytes"] for r in rows}):
         by = {r["case"]: r for r in rows if r["size_bytes"] == size}
-        if "ce" in by and "sm_copy" in by:
-            parts.append(f"{size >> 20} MiB: ce {by['ce']['slowdown_pct']:+.2f}% vs sm_copy {by['sm_copy']['slowdown_pct']:+.2f}%")
-    return "# GEMM slowdown while overlapped (goal: ce <= 2%): " + "; ".join(parts)
+        if transport in by and "sm_copy" in by:
+            parts.append(f"{size >> 20} MiB: {transport} {by[transport]['slowdown_pct']:+.2f}% "
+                         f"vs sm_copy {by['sm_copy']['slowdown_pct']:+.2f}%")
+    return f"# GEMM slowdown while overlapped (goal: {transport} <= 2%): " + "; ".join(parts)

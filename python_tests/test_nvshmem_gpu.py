@@ -1,0 +1,45 @@
+"""The NVSHMEM transport on a GPU (skipped without CUDA or without NVSHMEM in the build). One
+PE puts to itself; several PEs on one GPU need NVSHMEM to allow it (without MPS it runs them in
+"limited MPG" mode, which refuses the signal waits this transport is made of)."""
+
+import pytest
+
+import freescale_comm as fc
+from freescale_comm.testing import spawn
+import ce_programs
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not fc.build_info()["nvshmem"], reason="built without NVSHMEM"),
+]
+
+MiB = 1 << 20
+NVSHMEM = {"FREESCALE_TRANSPORT": "nvshmem"}
+CASES = [("float32", 0), ("float32", 4096), ("bfloat16", 300_000), ("int64", 3 * MiB), ("uint8", 7 * MiB + 5),
+         ("float16", 64 * MiB)]
+
+
+def test_the_forced_transport_is_nvshmem():
+    assert spawn(ce_programs.cuda_transport_name, 1, env=NVSHMEM, timeout_s=300) == ["nvshmem"]
+
+
+def test_one_pe_put_to_self_matches_a_pure_torch_reference():
+    assert spawn(ce_programs.alltoallv_matches_reference, 1, CASES, env=NVSHMEM, timeout_s=600) == [[]]
+
+
+def test_two_pes_on_one_gpu_match_a_pure_torch_reference():
+    for wrong in spawn(ce_programs.alltoallv_matches_reference, 2, CASES, env=NVSHMEM, timeout_s=600):
+        assert wrong == []
+
+
+def test_the_data_path_launches_no_kernels():
+    assert spawn(ce_programs.kernels_during_alltoall, 1, 64 * MiB, env=NVSHMEM, timeout_s=300) == [[]]
+
+
+def test_a_later_urgent_transfer_overtakes_a_bulk_one():
+    assert spawn(ce_programs.urgent_overtakes_bulk, 1, 256 * MiB, env=NVSHMEM, timeout_s=300) == [True]
+
+
+def test_back_to_back_synchronous_ops_do_not_deadlock():
+    assert spawn(ce_programs.back_to_back_ops_without_a_host_sync, 1, 64 * MiB, 4, env=NVSHMEM,
+                 timeout_s=300) == [[0, 0, 0, 0]]
