@@ -39,6 +39,7 @@
 #include "cpp/layout.h"
 #include "cpp/nvshmem_layout.h"
 #include "cpp/op_state.h"
+#include "cpp/peer_liveness.h"
 #include "cpp/segment_map.h"
 #include "cpp/transfer.h"
 #include "cuda/cuda_util.h"
@@ -199,19 +200,31 @@ NvshmemTransport::NvshmemTransport(Bootstrap& bootstrap, const Config& config)
   }
   std::vector<std::string> got;
   try {
-    got = announce(code, error, std::to_string(chunk_bytes_) + "," + uid_hex);
+    got = announce(code, error, std::to_string(chunk_bytes_) + "\n" + host_identity() + "\n" + uid_hex);
   } catch (...) {
     if (took) g_nvshmem_taken.store(false);  // NVSHMEM was not started: a later try may have it
     throw;
   }
+  // Each payload: chunk bytes, host identity, rank 0's unique id (others: empty).
+  bool one_host = true;
+  std::string uid_of_rank0;
   for (int p = 0; p < world_; ++p) {
-    if (got[p].substr(0, got[p].find(',')) != std::to_string(chunk_bytes_)) {
+    size_t a = got[p].find('\n');
+    size_t b = a == std::string::npos ? a : got[p].find('\n', a + 1);
+    if (b == std::string::npos) throw CommError(ErrorCode::kCommError, "nvshmem transport setup: malformed announcement");
+    std::string chunk = got[p].substr(0, a);
+    if (chunk != std::to_string(chunk_bytes_)) {
       throw InvalidArgument("ranks use different chunk sizes (FREESCALE_CHUNK_BYTES): rank " + std::to_string(p) +
-                            " has " + got[p].substr(0, got[p].find(',')) + ", rank " + std::to_string(rank_) + " " +
-                            std::to_string(chunk_bytes_) + "; set one value everywhere");
+                            " has " + chunk + ", rank " + std::to_string(rank_) + " " + std::to_string(chunk_bytes_) +
+                            "; set one value everywhere");
     }
+    one_host = one_host && got[p].substr(a + 1, b - a - 1) == host_identity();
+    if (p == 0) uid_of_rank0 = got[p].substr(b + 1);
   }
-  from_hex(got[0].substr(got[0].find(',') + 1), &uid, sizeof(uid));
+  from_hex(uid_of_rank0, &uid, sizeof(uid));
+  if (one_host && std::getenv("NVSHMEM_REMOTE_TRANSPORT") == nullptr) {
+    setenv("NVSHMEM_REMOTE_TRANSPORT", "none", 0);  // one node: no network transport to probe for
+  }
 
   // NVSHMEM's collective init (host library only: we launch no NVSHMEM device code), then the
   // arena. The heap must hold it: NVSHMEM_SYMMETRIC_SIZE is raised when the user did not set it.
