@@ -37,22 +37,25 @@ class JaggedCausalMix(torch.nn.Module):
     def forward(self, values: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
         out = []
         for block in torch.split(values, lengths.tolist()):
-            steps = torch.arange(1, block.shape[0] + 1, dtype=block.dtype).unsqueeze(1)
+            steps = torch.arange(1, block.shape[0] + 1, dtype=block.dtype, device=block.device).unsqueeze(1)
             out.append(torch.cumsum(block, 0) / steps)
         mixed = torch.cat(out) if out else values[:0]
         return self.proj(mixed)
 
 
-def balanced_equals_unbalanced(info, seed: int, dim: int) -> dict:
+def balanced_equals_unbalanced(info, seed: int, dim: int, device: str = "cpu") -> dict:
+    """On `device` (CUDA: every rank on GPU 0); reductions and checks on the host."""
     rank, world = info.rank, info.world_size
-    values, lengths = _rank_batch(rank, seed, dim)
-    model = JaggedCausalMix(dim)
+    if device == "cuda":
+        torch.cuda.set_device(0)
+    values, lengths = (t.to(device) for t in _rank_batch(rank, seed, dim))
+    model = JaggedCausalMix(dim).to(device)
 
     x_ref = values.clone().requires_grad_()
     ref = model(x_ref, lengths)
     ref_loss = (ref * ref).sum()
     ref_loss.backward()
-    ref_weight_grad = model.proj.weight.grad.clone()
+    ref_weight_grad = model.proj.weight.grad.clone().cpu()
     model.zero_grad()
 
     lb = fc.LoadBalancer(CM)
@@ -62,13 +65,13 @@ def balanced_equals_unbalanced(info, seed: int, dim: int) -> dict:
     home = lb.combine(y, batch.handle)
     loss = (home * home).sum()
     loss.backward()
-    losses = torch.stack([loss.detach(), ref_loss.detach()])
+    losses = torch.stack([loss.detach(), ref_loss.detach()]).cpu()
     dist.all_reduce(losses)  # the step's loss over all ranks, balanced vs not
     assert torch.allclose(losses[0], losses[1], rtol=1e-5), losses
     assert torch.allclose(home, ref, atol=1e-5), "balanced forward differs"
     assert torch.allclose(x.grad, x_ref.grad, atol=1e-5), "balanced input gradient differs"
     # Weight gradients: each rank computed on other samples; their sum over ranks must agree.
-    total, total_ref = model.proj.weight.grad.clone(), ref_weight_grad
+    total, total_ref = model.proj.weight.grad.clone().cpu(), ref_weight_grad
     dist.all_reduce(total)
     dist.all_reduce(total_ref)
     assert torch.allclose(total, total_ref, atol=1e-4), "summed weight gradients differ"
@@ -77,7 +80,8 @@ def balanced_equals_unbalanced(info, seed: int, dim: int) -> dict:
     plans = [None] * world
     dist.all_gather_object(plans, [d.tolist() for d in plan.dest])
     assert all(p == plans[0] for p in plans), "ranks computed different plans"
-    received = CM.cost(batch.lengths.numpy()).sum()
+    assert batch.values.device == values.device and batch.lengths.device == values.device
+    received = CM.cost(batch.lengths.cpu().numpy()).sum()
     assert np.isclose(received, plan.loads_after[rank]), (received, plan.loads_after[rank])
     return {"before": plan.imbalance_before, "after": plan.imbalance_after, "moved": plan.moved_samples}
 

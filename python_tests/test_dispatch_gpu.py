@@ -7,6 +7,7 @@ import torch
 import freescale_comm as fc
 from freescale_comm import _core, _device_dispatch
 from freescale_comm.testing import spawn
+from balancer_programs import balanced_equals_unbalanced
 from dispatch_programs import PATTERNS, ROW_CASES, bad_inputs_raise_before_communicating, gradients_match_single_process, roundtrip_is_identity
 
 pytestmark = pytest.mark.gpu
@@ -70,6 +71,11 @@ def test_gradients_on_gpu_equal_a_single_process_reference():
 def test_bad_input_on_gpu_raises_before_communication():
     messages = spawn(bad_inputs_raise_before_communicating, 2, "cuda", timeout_s=300)
     assert len(messages[0]) == 13 and "dest_ranks[1] = 2" in messages[0][1]
+
+
+def test_load_balancer_on_gpu_equals_the_unbalanced_step():
+    stats = spawn(balanced_equals_unbalanced, 3, 21, 6, "cuda", backend="freescale", timeout_s=300)
+    assert stats[0]["moved"] > 0 and all(s == stats[0] for s in stats)
 
 
 def test_the_build_has_the_layout_kernels():

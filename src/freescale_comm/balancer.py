@@ -73,14 +73,18 @@ class LoadBalancer:
         # Local checks before the all-gather: fc.dispatch's own, plus negative lengths, which it
         # would only find after this collective.
         values, lengths = check_jagged_batch(values, lengths)
-        if lengths.numel() and int(lengths.min()) < 0:
-            raise ValueError(f"lengths has a negative entry ({int(lengths.min())}); lengths count rows")
+        host_lengths = lengths.cpu()  # the planner runs on the host (for CUDA tensors: one copy)
+        if host_lengths.numel() and int(host_lengths.min()) < 0:
+            raise ValueError(f"lengths has a negative entry ({int(host_lengths.min())}); lengths count rows")
+        total = int(host_lengths.sum()) if host_lengths.numel() else 0
+        if total != values.shape[0]:
+            raise ValueError(f"lengths sum to {total}, but values has {values.shape[0]} rows; they must be equal")
         item_bytes = self.bytes_per_item
         if item_bytes is None:
             item_bytes = math.prod(values.shape[1:]) * values.element_size()
-        plan = self.plan(lengths, item_bytes)
+        plan = self.plan(host_lengths, item_bytes)
         rank = dist.get_rank(self.group)
-        dest = torch.from_numpy(np.ascontiguousarray(plan.dest[rank]))
+        dest = torch.from_numpy(np.ascontiguousarray(plan.dest[rank])).to(values.device)
         res = dispatch(values, lengths, dest, group=self.group, priority=priority)
         return BalancedBatch(res.values, res.lengths, res.source_ranks, res.handle, plan)
 
