@@ -9,12 +9,9 @@
 // Copies go through cudaMemcpyBatchAsync with cudaMemcpyFlagPreferOverlapWithCompute (copy
 // engines, also between processes on one GPU); head/tail are written by the GPU with
 // cuStreamWriteValue64 into the host segments (registered, device-mapped), so no copy waits for a
-// host round trip. An op is posted (its first copy may start, peers may send to it) once the event
-// recorded on its submitter's stream at submission completed: the host checks, so the shared comm
-// stream never waits on a caller. A receive part finishes when an event after its last copy
-// completed. Every op sets its completion flag (pinned, device-mapped: done[seq % kOpWindow] =
-// seq + 1, ever increasing) when it completes or fails; stream_wait() is a cuStreamWaitValue64
-// (GEQ) on it.
+// host round trip. An op is posted (its first copy may start, peers may send to it) once its
+// submitter's stream passed its submission, and Work.wait() is a stream wait on its completion
+// flag (both: SubmitGate). A receive part finishes when an event after its last copy completed.
 #include "cuda/ce_transport.h"
 
 #include <cuda.h>
@@ -22,13 +19,8 @@
 
 #include <algorithm>
 #include <atomic>
-#include <cstdio>
-#include <cstring>
-#include <deque>
-#include <mutex>
 #include <optional>
 #include <string>
-#include <unordered_map>
 #include <vector>
 
 #include "cpp/ce_arena_layout.h"
@@ -36,6 +28,7 @@
 #include "cpp/segment_map.h"
 #include "cuda/cuda_util.h"
 #include "cuda/driver_api.h"
+#include "cuda/submit_gate.h"
 
 namespace freescale {
 namespace {
@@ -69,15 +62,11 @@ class CeTransport final : public HostTransport {
   };
   // The progress thread's device (set once per thread). Callers' threads use DeviceGuard.
   void use_device() const;
-  // Posts (in program order) the ops whose submitter's stream passed their submission: their
-  // input is written and their output free. The host waits, not the comm stream: a caller whose
-  // stream waits for op N before submitting op N+1 would otherwise block op N's later copies
-  // behind that wait on the shared comm stream (a deadlock).
+  // Posts to the host control plane (in program order) the ops whose submitter's stream passed
+  // their submission (SubmitGate).
   bool post_ready_ops();
-  void copy(std::vector<void*>& dsts, std::vector<const void*>& srcs, std::vector<size_t>& sizes);
   // Writes `value` to `counter` (in rank p's control segment) once the stream's copies so far landed.
   void write_value(int p, const std::atomic<uint64_t>* counter, uint64_t value);
-  cudaEvent_t take_event();
 
   int device_;
   const DriverApi& driver_;
@@ -86,16 +75,9 @@ class CeTransport final : public HostTransport {
   std::vector<uint8_t*> arena_ptr_;    // [world] mapped base of each rank's arena (ours: own)
   std::vector<void*> registered_;      // host segments registered with CUDA
   std::vector<CUdeviceptr> segment_device_;  // [world] device address of each control segment
-  uint64_t* done_ = nullptr;           // pinned, mapped: [kOpWindow] completion flags
-  CUdeviceptr done_device_ = 0;
   bool batch_api_ = true;              // cudaMemcpyBatchAsync works here (else per-copy)
-
-  std::mutex submit_mu_;                                 // guards submitted_ and spare_events_
-  std::unordered_map<const OpState*, cudaEvent_t> submitted_;  // op -> event on op.stream
-  std::vector<cudaEvent_t> spare_events_;
-  std::vector<Landing> landing_;                         // progress thread only
-  std::deque<std::shared_ptr<OpState>> unready_;         // posted by the core, awaiting their event
-  uint64_t ready_below_ = 0;                             // ops with seq < this are posted here
+  SubmitGate gate_;                    // callers' streams: start gate, events, completion flags
+  std::vector<Landing> landing_;       // progress thread only
 };
 
 CeTransport::CeTransport(Bootstrap& bootstrap, const Config& config)
@@ -103,7 +85,8 @@ CeTransport::CeTransport(Bootstrap& bootstrap, const Config& config)
       device_(config.cuda_device),
       driver_(DriverApi::get()),
       arenas_(static_cast<size_t>(world_)),
-      arena_ptr_(static_cast<size_t>(world_), nullptr) {
+      arena_ptr_(static_cast<size_t>(world_), nullptr),
+      gate_(device_) {
   // Local setup; a failure is announced so that every rank fails together instead of hanging.
   std::string error, handle_hex;
   CeArenaLayout mine = CeArenaLayout::plan(world_, rank_, config.chunk_bytes, config.arena_bytes);
@@ -111,10 +94,7 @@ CeTransport::CeTransport(Bootstrap& bootstrap, const Config& config)
   try {
     guard.emplace(device_);
     check_cuda(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking), "cudaStreamCreateWithFlags");
-    check_cuda(cudaHostAlloc(reinterpret_cast<void**>(&done_), sizeof(uint64_t) * kOpWindow, cudaHostAllocMapped),
-               "cudaHostAlloc (completion flags)");
-    std::memset(done_, 0, sizeof(uint64_t) * kOpWindow);
-    check_cuda(cudaHostGetDevicePointer(reinterpret_cast<void**>(&done_device_), done_, 0), "cudaHostGetDevicePointer");
+    gate_.allocate();
     if (mine.num_bytes() > 0) {
       check_cuda(cudaMalloc(reinterpret_cast<void**>(&arena_ptr_[rank_]), mine.num_bytes()), "cudaMalloc (ce arena)");
       cudaIpcMemHandle_t handle;
@@ -168,90 +148,32 @@ CeTransport::~CeTransport() {
   DeviceGuard guard(device_, std::nothrow);
   if (stream_ != nullptr) cudaStreamSynchronize(stream_);
   for (const Landing& l : landing_) cudaEventDestroy(l.event);
-  for (auto& [op, ev] : submitted_) cudaEventDestroy(ev);
-  for (cudaEvent_t ev : spare_events_) cudaEventDestroy(ev);
   for (int p = 0; p < world_; ++p) {
     if (p != rank_ && arena_ptr_[p] != nullptr) cudaIpcCloseMemHandle(arena_ptr_[p]);
   }
   if (arena_ptr_[rank_] != nullptr) cudaFree(arena_ptr_[rank_]);
   for (void* base : registered_) cudaHostUnregister(base);
-  if (done_ != nullptr) cudaFreeHost(done_);
   if (stream_ != nullptr) cudaStreamDestroy(stream_);
   cudaGetLastError();
 }
 
 void CeTransport::use_device() const { use_device_on_progress_thread(device_); }
 
-cudaEvent_t CeTransport::take_event() {
-  {
-    std::lock_guard<std::mutex> lock(submit_mu_);
-    if (!spare_events_.empty()) {
-      cudaEvent_t ev = spare_events_.back();
-      spare_events_.pop_back();
-      return ev;
-    }
-  }
-  cudaEvent_t ev;
-  check_cuda(cudaEventCreateWithFlags(&ev, cudaEventDisableTiming), "cudaEventCreate");
-  return ev;
-}
+void CeTransport::on_submit(OpState& op) { gate_.on_submit(op); }
 
-void CeTransport::on_submit(OpState& op) {
-  DeviceGuard guard(device_);
-  cudaEvent_t ev = take_event();
-  check_cuda(cudaEventRecord(ev, reinterpret_cast<cudaStream_t>(op.stream)), "cudaEventRecord (submitter's stream)");
-  std::lock_guard<std::mutex> lock(submit_mu_);
-  submitted_[&op] = ev;
-}
-
-bool CeTransport::post_ready_ops() {
-  bool moved = false;
-  while (!unready_.empty()) {
-    std::shared_ptr<OpState> op = unready_.front();
-    {
-      std::lock_guard<std::mutex> lock(submit_mu_);
-      auto it = submitted_.find(op.get());
-      if (it != submitted_.end()) {  // else on_submit did not record one: nothing to wait for
-        cudaError_t err = cudaEventQuery(it->second);
-        if (err == cudaErrorNotReady) return moved;
-        check_cuda(err, "the submitter's stream failed before an all_to_all");
-        spare_events_.push_back(it->second);
-        submitted_.erase(it);
-      }
-    }
-    unready_.pop_front();
-    ready_below_ = op->seq + 1;
-    HostTransport::post(op);
-    moved = true;
-  }
-  return moved;
-}
-
-bool CeTransport::can_send(const Transfer& t) const {
-  return t.op->seq < ready_below_ && HostTransport::can_send(t);
-}
-
-void CeTransport::stream_wait(const OpState& op, uintptr_t stream) {
-  DeviceGuard guard(device_);
-  check_cu(driver_.stream_wait_value64(reinterpret_cast<CUstream>(stream), done_device_ + sizeof(uint64_t) * (op.seq % kOpWindow),
-                                       op.seq + 1, CU_STREAM_WAIT_VALUE_GEQ),
-           "cuStreamWaitValue64 (op completion)");
-}
+void CeTransport::stream_wait(const OpState& op, uintptr_t stream) { gate_.stream_wait(op, stream); }
 
 void CeTransport::post(const std::shared_ptr<OpState>& op) {
   use_device();
-  uint64_t* flag = done_ + op->seq % kOpWindow;
-  uint64_t value = op->seq + 1;
-  // Completed or failed, the flag moves: a stream waiting on a failed op must not hang (the
-  // failure itself surfaces on the host).
-  op->add_done_callback([flag, value] { reinterpret_cast<std::atomic<uint64_t>*>(flag)->store(value, std::memory_order_release); });
-  unready_.push_back(op);
+  gate_.post(op);
   post_ready_ops();
 }
 
-void CeTransport::copy(std::vector<void*>& dsts, std::vector<const void*>& srcs, std::vector<size_t>& sizes) {
-  copy_on_copy_engines(stream_, dsts, srcs, sizes, &batch_api_);
+bool CeTransport::post_ready_ops() {
+  return gate_.start_ready([this](const std::shared_ptr<OpState>& op) { HostTransport::post(op); });
 }
+
+bool CeTransport::can_send(const Transfer& t) const { return gate_.started(*t.op) && HostTransport::can_send(t); }
 
 void CeTransport::write_value(int p, const std::atomic<uint64_t>* counter, uint64_t value) {
   auto offset = reinterpret_cast<const char*>(counter) - static_cast<const char*>(segment_base(p));
@@ -264,19 +186,9 @@ void CeTransport::write_value(int p, const std::atomic<uint64_t>* counter, uint6
 void CeTransport::fill_slot(int peer, uint64_t index, SlotHeader*, const OpState& op, uint64_t offset, uint64_t bytes) {
   use_device();
   if (bytes > arenas_[rank_].slot_bytes) throw Error(ErrorCode::kInternal, "chunk larger than a ce arena slot");
-  uint8_t* slot = arena_ptr_[rank_] + arenas_[rank_].slot_offset(peer, index);
-  std::vector<void*> dsts;
-  std::vector<const void*> srcs;
-  std::vector<size_t> sizes;
-  uint64_t at = 0;
-  for_each_piece(op.send, op.layout.send_offsets[peer], op.layout.send_segments, peer, offset, bytes,
-                 [&](const uint8_t* piece, uint64_t n) {
-                   dsts.push_back(slot + at);
-                   srcs.push_back(piece);
-                   sizes.push_back(n);
-                   at += n;
-                 });
-  copy(dsts, srcs, sizes);
+  CopyList copies;
+  copies.from_send_block(op, peer, offset, bytes, arena_ptr_[rank_] + arenas_[rank_].slot_offset(peer, index));
+  copies.enqueue(stream_, &batch_api_);
   write_value(rank_, &ring_of(rank_, peer)->head, index + 1);
 }
 
@@ -290,20 +202,11 @@ void CeTransport::release_slot(int src, uint64_t index) {
 
 void CeTransport::land(int src, OpState& op, const SlotHeader& h, const uint8_t* payload, bool last) {
   use_device();
-  std::vector<void*> dsts;
-  std::vector<const void*> srcs;
-  std::vector<size_t> sizes;
-  uint64_t at = 0;
-  for_each_piece(op.recv, op.layout.recv_offsets[src], op.layout.recv_segments, src, h.offset, h.bytes,
-                 [&](uint8_t* piece, uint64_t n) {
-                   dsts.push_back(piece);
-                   srcs.push_back(payload + at);
-                   sizes.push_back(n);
-                   at += n;
-                 });
-  copy(dsts, srcs, sizes);
+  CopyList copies;
+  copies.to_recv_block(op, src, h.offset, h.bytes, payload);
+  copies.enqueue(stream_, &batch_api_);
   if (!last) return;
-  cudaEvent_t ev = take_event();
+  cudaEvent_t ev = gate_.take_event();
   check_cuda(cudaEventRecord(ev, stream_), "cudaEventRecord (receive part)");
   landing_.push_back(Landing{op.seq, src, ev});
 }
@@ -313,15 +216,9 @@ bool CeTransport::poll() {
   bool moved = post_ready_ops();
   moved = HostTransport::poll() || moved;
   for (auto it = landing_.begin(); it != landing_.end();) {
-    cudaError_t err = cudaEventQuery(it->event);
-    if (err == cudaErrorNotReady) {
+    if (!gate_.event_done(it->event, "a copy of the ce transport failed")) {
       ++it;
       continue;
-    }
-    check_cuda(err, "a copy of the ce transport failed");
-    {
-      std::lock_guard<std::mutex> lock(submit_mu_);
-      spare_events_.push_back(it->event);
     }
     if (std::shared_ptr<OpState> op = posted_op(it->seq)) finish_recv(*op, it->src);  // else it failed meanwhile
     it = landing_.erase(it);
@@ -332,22 +229,14 @@ bool CeTransport::poll() {
 
 void CeTransport::wait_for_activity(uint32_t epoch, std::chrono::microseconds timeout) {
   // Heads and tails written by GPUs ring no doorbell: while copies are in flight, look often.
-  bool busy = ops_pending() || !unready_.empty();
+  bool busy = ops_pending() || gate_.waiting();
   HostTransport::wait_for_activity(epoch, busy ? std::min(timeout, kPollWhileBusy) : timeout);
 }
 
 }  // namespace
 
 std::unique_ptr<Transport> make_ce_transport(Bootstrap& bootstrap, const Config& config) {
-  int count = 0;
-  if (cudaGetDeviceCount(&count) != cudaSuccess || count == 0) {
-    cudaGetLastError();
-    throw Error(ErrorCode::kUnsupported, "the ce transport needs a CUDA GPU and driver; none is visible here");
-  }
-  if (config.cuda_device < 0 || config.cuda_device >= count) {
-    throw InvalidArgument("cuda_device " + std::to_string(config.cuda_device) + " is not one of the " +
-                          std::to_string(count) + " visible GPUs");
-  }
+  check_cuda_device(config.cuda_device, "ce");
   return std::make_unique<CeTransport>(bootstrap, config);
 }
 

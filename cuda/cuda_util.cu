@@ -1,6 +1,10 @@
 #include "cuda/cuda_util.h"
 
+#include <string>
+
 #include "cpp/errors.h"
+#include "cpp/op_state.h"
+#include "cpp/segment_map.h"
 #include "cuda/driver_api.h"
 
 namespace freescale {
@@ -53,6 +57,39 @@ void copy_on_copy_engines(cudaStream_t stream, std::vector<void*>& dsts, std::ve
   for (size_t i = 0; i < dsts.size(); ++i) {
     check_cuda(cudaMemcpyAsync(dsts[i], srcs[i], sizes[i], cudaMemcpyDefault, stream), "cudaMemcpyAsync");
   }
+}
+
+void check_cuda_device(int device, const char* transport) {
+  int count = 0;
+  if (cudaGetDeviceCount(&count) != cudaSuccess || count == 0) {
+    cudaGetLastError();
+    throw Error(ErrorCode::kUnsupported,
+                std::string("the ") + transport + " transport needs a CUDA GPU and driver; none is visible here");
+  }
+  if (device < 0 || device >= count) {
+    throw InvalidArgument("cuda_device " + std::to_string(device) + " is not one of the " + std::to_string(count) +
+                          " visible GPUs");
+  }
+}
+
+void CopyList::from_send_block(const OpState& op, int peer, uint64_t offset, uint64_t bytes, uint8_t* to) {
+  for_each_piece(op.send, op.layout.send_offsets[peer], op.layout.send_segments, peer, offset, bytes,
+                 [&](const uint8_t* piece, uint64_t n) {
+                   dsts.push_back(to);
+                   srcs.push_back(piece);
+                   sizes.push_back(n);
+                   to += n;
+                 });
+}
+
+void CopyList::to_recv_block(const OpState& op, int src, uint64_t offset, uint64_t bytes, const uint8_t* from) {
+  for_each_piece(op.recv, op.layout.recv_offsets[src], op.layout.recv_segments, src, offset, bytes,
+                 [&](uint8_t* piece, uint64_t n) {
+                   dsts.push_back(piece);
+                   srcs.push_back(from);
+                   sizes.push_back(n);
+                   from += n;
+                 });
 }
 
 std::string to_hex(const void* data, size_t n) {

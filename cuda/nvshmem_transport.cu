@@ -15,12 +15,11 @@
 //
 // Streams are per (peer, lane) so that a stream blocked on one pair never holds another pair's
 // traffic. The staging copy makes every put's source symmetric memory (network peers need that).
-// An op is started once its submitter's stream passed its submission (host-checked, as in the
+// An op is started once its submitter's stream passed its submission (SubmitGate, shared with the
 // copy-engine transport); disagreeing split sizes or priorities fail the op with kSizeMismatch
 // (audit) or kTimeout (a wait that never ends), never a silent wrong result.
 #include "cuda/nvshmem_transport.h"
 
-#include <cuda.h>
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -32,7 +31,6 @@
 #include <mutex>
 #include <optional>
 #include <string>
-#include <unordered_map>
 #include <vector>
 
 #include "cpp/host_layout.h"
@@ -45,6 +43,7 @@
 #include "cuda/cuda_util.h"
 #include "cuda/driver_api.h"
 #include "cuda/nvshmem_api.h"
+#include "cuda/submit_gate.h"
 
 namespace freescale {
 namespace {
@@ -92,9 +91,7 @@ class NvshmemTransport final : public Transport {
   int pair(int peer, int lane) const { return peer * kNvshmemLanes + lane; }
   uint64_t* signal(uint64_t offset) const { return reinterpret_cast<uint64_t*>(arena_ + offset); }
   cudaStream_t stream(std::vector<cudaStream_t>& streams, int index);
-  cudaEvent_t take_event();
-  void give_event(cudaEvent_t ev);
-  bool start_ready_ops();
+  // Queues and finishes the receive parts, the confirmation and the transfers of one op.
   void start(const std::shared_ptr<OpState>& op);
   void enqueue_receives(const OpState& op, int lane);
   void enqueue_confirm(const OpState& op, int lane);
@@ -103,7 +100,6 @@ class NvshmemTransport final : public Transport {
   int rank_, world_, device_;
   uint64_t chunk_bytes_;
   const NvshmemApi* api_ = nullptr;
-  const DriverApi& driver_;
   NvshmemArenaLayout layout_;
   uint8_t* arena_ = nullptr;  // symmetric: the same offsets address every rank's arena
   bool batch_api_ = true;
@@ -112,17 +108,10 @@ class NvshmemTransport final : public Transport {
   std::vector<cudaStream_t> send_streams_;     // [world * lanes], created at first use
   std::vector<cudaStream_t> recv_streams_;     // [world * lanes]
   std::vector<cudaStream_t> confirm_streams_;  // [lanes]
-  uint64_t* done_ = nullptr;                   // pinned, mapped: [kOpWindow] completion flags
-  CUdeviceptr done_device_ = 0;
   uint64_t* audit_mirror_ = nullptr;  // pinned: [kOpWindow][world] audits copied from the arena
-
-  std::mutex submit_mu_;  // guards submitted_ and spare_events_ (on_submit runs on callers' threads)
-  std::unordered_map<const OpState*, cudaEvent_t> submitted_;
-  std::vector<cudaEvent_t> spare_events_;
+  SubmitGate gate_;                   // callers' streams: start gate, events, completion flags
 
   // Progress thread only.
-  std::deque<std::shared_ptr<OpState>> unready_;        // posted, awaiting their submitter event
-  uint64_t ready_below_ = 0;                            // ops with seq < this are started
   std::map<uint64_t, std::shared_ptr<OpState>> started_;
   std::vector<std::deque<uint64_t>> send_fifo_;         // [pair] ops (seq) still to send, in order
   std::vector<uint64_t> sent_chunks_;                   // [pair] non-empty chunks put so far
@@ -141,7 +130,6 @@ NvshmemTransport::NvshmemTransport(Bootstrap& bootstrap, const Config& config)
       world_(bootstrap.size()),
       device_(config.cuda_device),
       chunk_bytes_(config.chunk_bytes),
-      driver_(DriverApi::get()),
       layout_(NvshmemArenaLayout::plan(world_, config.chunk_bytes, kOpWindow)),
       send_streams_(static_cast<size_t>(world_ * kNvshmemLanes), nullptr),
       recv_streams_(static_cast<size_t>(world_ * kNvshmemLanes), nullptr),
@@ -149,6 +137,7 @@ NvshmemTransport::NvshmemTransport(Bootstrap& bootstrap, const Config& config)
       send_fifo_(static_cast<size_t>(world_ * kNvshmemLanes)),
       sent_chunks_(static_cast<size_t>(world_ * kNvshmemLanes), 0),
       recv_chunks_(static_cast<size_t>(world_ * kNvshmemLanes), 0),
+      gate_(device_),
       sends_in_flight_(static_cast<size_t>(world_ * kNvshmemLanes)) {
   // Local steps first; their outcome is announced so that every rank fails together, and
   // nobody enters NVSHMEM's collective init while a peer cannot.
@@ -184,10 +173,7 @@ NvshmemTransport::NvshmemTransport(Bootstrap& bootstrap, const Config& config)
     api_ = &NvshmemApi::get();
     code = ErrorCode::kSystem;
     guard.emplace(device_);
-    check_cuda(cudaHostAlloc(reinterpret_cast<void**>(&done_), sizeof(uint64_t) * kOpWindow, cudaHostAllocMapped),
-               "cudaHostAlloc (completion flags)");
-    std::fill(done_, done_ + kOpWindow, 0);
-    check_cuda(cudaHostGetDevicePointer(reinterpret_cast<void**>(&done_device_), done_, 0), "cudaHostGetDevicePointer");
+    gate_.allocate();
     check_cuda(cudaHostAlloc(reinterpret_cast<void**>(&audit_mirror_), sizeof(uint64_t) * kOpWindow * world_,
                              cudaHostAllocDefault),
                "cudaHostAlloc (audit mirror)");
@@ -272,11 +258,10 @@ NvshmemTransport::~NvshmemTransport() {
     for (auto& q : sends_in_flight_) {
       for (cudaEvent_t ev : q) cudaEventDestroy(ev);
     }
-    for (auto& [op, ev] : submitted_) cudaEventDestroy(ev);
-    for (cudaEvent_t ev : spare_events_) cudaEventDestroy(ev);
-    if (done_ != nullptr) cudaFreeHost(done_);
     if (audit_mirror_ != nullptr) cudaFreeHost(audit_mirror_);
-  }  // else pending GPU work may still write them: leaked on purpose
+  } else {
+    gate_.leak();  // pending GPU work may still write them: leaked on purpose
+  }
   cudaGetLastError();
 }
 
@@ -295,74 +280,17 @@ cudaStream_t NvshmemTransport::stream(std::vector<cudaStream_t>& streams, int in
   return s;
 }
 
-cudaEvent_t NvshmemTransport::take_event() {
-  {
-    std::lock_guard<std::mutex> lock(submit_mu_);
-    if (!spare_events_.empty()) {
-      cudaEvent_t ev = spare_events_.back();
-      spare_events_.pop_back();
-      return ev;
-    }
-  }
-  cudaEvent_t ev;
-  check_cuda(cudaEventCreateWithFlags(&ev, cudaEventDisableTiming), "cudaEventCreate");
-  return ev;
-}
+void NvshmemTransport::on_submit(OpState& op) { gate_.on_submit(op); }
 
-void NvshmemTransport::give_event(cudaEvent_t ev) {
-  std::lock_guard<std::mutex> lock(submit_mu_);
-  spare_events_.push_back(ev);
-}
-
-void NvshmemTransport::on_submit(OpState& op) {
-  DeviceGuard guard(device_);
-  cudaEvent_t ev = take_event();
-  check_cuda(cudaEventRecord(ev, reinterpret_cast<cudaStream_t>(op.stream)), "cudaEventRecord (submitter's stream)");
-  std::lock_guard<std::mutex> lock(submit_mu_);
-  submitted_[&op] = ev;
-}
-
-void NvshmemTransport::stream_wait(const OpState& op, uintptr_t stream) {
-  DeviceGuard guard(device_);
-  check_cu(driver_.stream_wait_value64(reinterpret_cast<CUstream>(stream), done_device_ + sizeof(uint64_t) * (op.seq % kOpWindow),
-                                       op.seq + 1, CU_STREAM_WAIT_VALUE_GEQ),
-           "cuStreamWaitValue64 (op completion)");
-}
+void NvshmemTransport::stream_wait(const OpState& op, uintptr_t stream) { gate_.stream_wait(op, stream); }
 
 void NvshmemTransport::post(const std::shared_ptr<OpState>& op) {
   use_device_on_progress_thread(device_);
-  uint64_t* flag = done_ + op->seq % kOpWindow;
-  uint64_t value = op->seq + 1;
-  // Completed or failed, the flag moves: a stream waiting on a failed op must not hang.
-  op->add_done_callback([flag, value] { reinterpret_cast<std::atomic<uint64_t>*>(flag)->store(value, std::memory_order_release); });
-  unready_.push_back(op);
-  start_ready_ops();
-}
-
-bool NvshmemTransport::start_ready_ops() {
-  bool moved = false;
-  while (!unready_.empty()) {
-    std::shared_ptr<OpState> op = unready_.front();
-    {
-      std::lock_guard<std::mutex> lock(submit_mu_);
-      auto it = submitted_.find(op.get());
-      if (it != submitted_.end()) {
-        cudaError_t err = cudaEventQuery(it->second);
-        if (err == cudaErrorNotReady) return moved;
-        check_cuda(err, "the submitter's stream failed before an all_to_all");
-        spare_events_.push_back(it->second);
-        submitted_.erase(it);
-      }
-    }
-    unready_.pop_front();
-    start(op);
-    moved = true;
-  }
-  return moved;
+  gate_.post(op);
+  gate_.start_ready([this](const std::shared_ptr<OpState>& ready) { start(ready); });
 }
 
 void NvshmemTransport::start(const std::shared_ptr<OpState>& op) {
-  ready_below_ = op->seq + 1;
   started_[op->seq] = op;
   int lane = nvshmem_lane(op->priority);
   for (int p = 0; p < world_; ++p) send_fifo_[static_cast<size_t>(pair(p, lane))].push_back(op->seq);
@@ -382,19 +310,9 @@ void NvshmemTransport::enqueue_receives(const OpState& op, int lane) {
       const uint64_t offset = k * chunk_bytes_;
       const uint64_t len = std::min(chunk_bytes_, bytes - offset);
       api_->signal_wait_until_on_stream(signal(layout_.ready(src, lane)), NVSHMEM_CMP_GE, n + 1, s);
-      const uint8_t* slot = arena_ + layout_.recv_slot(src, lane, n);
-      std::vector<void*> dsts;
-      std::vector<const void*> srcs;
-      std::vector<size_t> sizes;
-      uint64_t at = 0;
-      for_each_piece(op.recv, op.layout.recv_offsets[src], op.layout.recv_segments, src, offset, len,
-                     [&](uint8_t* piece, uint64_t m) {
-                       dsts.push_back(piece);
-                       srcs.push_back(slot + at);
-                       sizes.push_back(m);
-                       at += m;
-                     });
-      copy_on_copy_engines(s, dsts, srcs, sizes, &batch_api_);
+      CopyList copies;
+      copies.to_recv_block(op, src, offset, len, arena_ + layout_.recv_slot(src, lane, n));
+      copies.enqueue(s, &batch_api_);
       api_->signal_op_on_stream(signal(layout_.freed(rank_, lane)), n + 1, NVSHMEM_SIGNAL_SET, src, s);
     }
     recv_chunks_[index] = first + chunks;
@@ -405,7 +323,7 @@ void NvshmemTransport::enqueue_receives(const OpState& op, int lane) {
                                cudaMemcpyDeviceToHost, s),
                "cudaMemcpyAsync (audit)");
     api_->signal_op_on_stream(signal(layout_.recvd(rank_, op.seq)), op.seq + 1, NVSHMEM_SIGNAL_SET, src, s);
-    cudaEvent_t ev = take_event();
+    cudaEvent_t ev = gate_.take_event();
     check_cuda(cudaEventRecord(ev, s), "cudaEventRecord (receive part)");
     landings_.push_back(Landing{op.seq, src, ev, nvshmem_audit_value(op.seq, recv_chunks_[index])});
   }
@@ -416,13 +334,13 @@ void NvshmemTransport::enqueue_confirm(const OpState& op, int lane) {
   for (int p = 0; p < world_; ++p) {
     api_->signal_wait_until_on_stream(signal(layout_.recvd(p, op.seq)), NVSHMEM_CMP_GE, op.seq + 1, s);
   }
-  cudaEvent_t ev = take_event();
+  cudaEvent_t ev = gate_.take_event();
   check_cuda(cudaEventRecord(ev, s), "cudaEventRecord (confirmation)");
   confirms_.push_back(Confirm{op.seq, ev});
 }
 
 bool NvshmemTransport::can_send(const Transfer& t) const {
-  if (t.op->seq >= ready_below_) return false;  // its submitter's stream has not got there yet
+  if (!gate_.started(*t.op)) return false;  // its submitter's stream has not got there yet
   const auto index = static_cast<size_t>(pair(t.peer, nvshmem_lane(t.op->priority)));
   // FIFO within a pair-lane (the receiver counts on it), and a bounded queue on its stream.
   return !send_fifo_[index].empty() && send_fifo_[index].front() == t.op->seq && sends_in_flight_[index].size() < kSendsAhead;
@@ -441,21 +359,12 @@ void NvshmemTransport::send_chunk(const Transfer& t, const Chunk& c) {
       api_->signal_wait_until_on_stream(signal(layout_.freed(t.peer, lane)), NVSHMEM_CMP_GE, n + 1 - kNvshmemSlotsPerLane, s);
     }
     uint8_t* staging = arena_ + layout_.staging_slot(t.peer, lane, n);
-    std::vector<void*> dsts;
-    std::vector<const void*> srcs;
-    std::vector<size_t> sizes;
-    uint64_t at = 0;
-    for_each_piece(op.send, op.layout.send_offsets[t.peer], op.layout.send_segments, t.peer, c.offset, c.bytes,
-                   [&](const uint8_t* piece, uint64_t m) {
-                     dsts.push_back(staging + at);
-                     srcs.push_back(piece);
-                     sizes.push_back(m);
-                     at += m;
-                   });
-    copy_on_copy_engines(s, dsts, srcs, sizes, &batch_api_);
+    CopyList copies;
+    copies.from_send_block(op, t.peer, c.offset, c.bytes, staging);
+    copies.enqueue(s, &batch_api_);
     api_->putmem_signal_on_stream(arena_ + layout_.recv_slot(rank_, lane, n), staging, c.bytes,
                                   signal(layout_.ready(rank_, lane)), n + 1, NVSHMEM_SIGNAL_SET, t.peer, s);
-    cudaEvent_t ev = take_event();
+    cudaEvent_t ev = gate_.take_event();
     check_cuda(cudaEventRecord(ev, s), "cudaEventRecord (put)");
     sends_in_flight_[index].push_back(ev);
   }
@@ -468,25 +377,18 @@ void NvshmemTransport::send_chunk(const Transfer& t, const Chunk& c) {
 
 bool NvshmemTransport::poll() {
   use_device_on_progress_thread(device_);
-  bool moved = start_ready_ops();
+  bool moved = gate_.start_ready([this](const std::shared_ptr<OpState>& op) { start(op); });
   for (auto& q : sends_in_flight_) {
-    while (!q.empty()) {
-      cudaError_t err = cudaEventQuery(q.front());
-      if (err == cudaErrorNotReady) break;
-      check_cuda(err, "an NVSHMEM put failed");
-      give_event(q.front());
+    while (!q.empty() && gate_.event_done(q.front(), "an NVSHMEM put failed")) {
       q.pop_front();
       moved = true;
     }
   }
   for (auto it = landings_.begin(); it != landings_.end();) {
-    cudaError_t err = cudaEventQuery(it->event);
-    if (err == cudaErrorNotReady) {
+    if (!gate_.event_done(it->event, "a receive of the nvshmem transport failed")) {
       ++it;
       continue;
     }
-    check_cuda(err, "a receive of the nvshmem transport failed");
-    give_event(it->event);
     const uint64_t audit = audit_mirror_[(it->seq % kOpWindow) * world_ + it->src];
     auto op = started_.find(it->seq);
     if (audit != it->expected_audit) {
@@ -505,13 +407,10 @@ bool NvshmemTransport::poll() {
     moved = true;
   }
   for (auto it = confirms_.begin(); it != confirms_.end();) {
-    cudaError_t err = cudaEventQuery(it->event);
-    if (err == cudaErrorNotReady) {
+    if (!gate_.event_done(it->event, "waiting for the peers' receipts failed")) {
       ++it;
       continue;
     }
-    check_cuda(err, "waiting for the peers' receipts failed");
-    give_event(it->event);
     auto op = started_.find(it->seq);
     if (op != started_.end() && !op->second->is_completed()) {
       op->second->confirmed = true;
@@ -525,7 +424,7 @@ bool NvshmemTransport::poll() {
 }
 
 void NvshmemTransport::wait_for_activity(uint32_t epoch, std::chrono::microseconds timeout) {
-  bool busy = !unready_.empty() || !landings_.empty() || !confirms_.empty();
+  bool busy = gate_.waiting() || !landings_.empty() || !confirms_.empty();
   for (const auto& q : sends_in_flight_) busy = busy || !q.empty();
   std::unique_lock<std::mutex> lock(wake_mu_);
   wake_cv_.wait_for(lock, busy ? std::min(timeout, kPollWhileBusy) : timeout,
@@ -545,16 +444,7 @@ void NvshmemTransport::wake() {
 std::string nvshmem_library_path() { return NvshmemApi::get().path; }
 
 std::unique_ptr<Transport> make_nvshmem_transport(Bootstrap& bootstrap, const Config& config) {
-  // nvshmem_init exits the process without a GPU: look first.
-  int count = 0;
-  if (cudaGetDeviceCount(&count) != cudaSuccess || count == 0) {
-    cudaGetLastError();
-    throw Error(ErrorCode::kUnsupported, "the nvshmem transport needs a CUDA GPU and driver; none is visible here");
-  }
-  if (config.cuda_device < 0 || config.cuda_device >= count) {
-    throw InvalidArgument("cuda_device " + std::to_string(config.cuda_device) + " is not one of the " +
-                          std::to_string(count) + " visible GPUs");
-  }
+  check_cuda_device(config.cuda_device, "nvshmem");  // nvshmem_init exits the process without a GPU
   return std::make_unique<NvshmemTransport>(bootstrap, config);
 }
 
