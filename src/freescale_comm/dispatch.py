@@ -109,7 +109,8 @@ def _row_bytes(t: torch.Tensor) -> int:
 def _move_rows(values: torch.Tensor, handle: DispatchHandle, priority: int, forward: bool) -> torch.Tensor:
     """forward: rows in original order on this rank → rows received (dispatch's movement), sent
     straight from their rows in `values`. Else the reverse (combine's movement): rows received →
-    their home rows, landing there straight. No staging copy either way."""
+    their home rows, landing there straight. No staging copy either way for CPU tensors; CUDA
+    tensors go through _move_rows_cuda (gathered by the layout kernels)."""
     values = values.contiguous()
     if isinstance(handle.plan, _device_dispatch.DevicePlan):
         return _move_rows_cuda(values, handle, priority, forward)
