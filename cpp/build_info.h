@@ -16,7 +16,5 @@ struct BuildInfo {
 };
 
 BuildInfo build_info();
-// CUDA devices visible to this process; 0 without CUDA support, a driver or a GPU.
-int cuda_device_count();
 
 }  // namespace freescale

@@ -20,14 +20,23 @@ struct CeArenaLayout {
   uint64_t slots_per_ring = 0;
   uint64_t slot_bytes = 0;  // payload per slot, a multiple of kSlotAlign (>= the chunk size)
 
-  // At least 2 slots per peer (one landing while the next is copied), at most what
-  // `arena_bytes` holds beyond that. chunk_bytes > 0.
-  static CeArenaLayout plan(int world, int owner, uint64_t chunk_bytes, uint64_t arena_bytes) {
+  // Slots per ring by default: a receiver's host sees a landed chunk up to one poll period
+  // (~50 us) after it landed, and the sender sees the freed slot as late again, so each ring
+  // needs ~2 poll periods of traffic in flight to keep the copy engines busy: 16 slots of
+  // 256 KiB (4 MiB per peer) carry ~40 GB/s per peer at a 100 us round trip.
+  static constexpr uint64_t kDefaultMinSlots = 16;
+
+  // At least `min_slots` per peer (>= 2: one landing while the next is copied), more when
+  // `arena_bytes` (all rings together) holds more. chunk_bytes > 0.
+  static CeArenaLayout plan(int world, int owner, uint64_t chunk_bytes, uint64_t arena_bytes,
+                            uint64_t min_slots = kDefaultMinSlots) {
     CeArenaLayout l;
     l.world = world;
     l.owner = owner;
     l.slot_bytes = (chunk_bytes + kSlotAlign - 1) / kSlotAlign * kSlotAlign;
-    if (world > 1) l.slots_per_ring = std::max<uint64_t>(2, arena_bytes / (l.slot_bytes * (world - 1)));
+    if (world > 1) {
+      l.slots_per_ring = std::max<uint64_t>(std::max<uint64_t>(2, min_slots), arena_bytes / (l.slot_bytes * (world - 1)));
+    }
     return l;
   }
 

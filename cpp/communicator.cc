@@ -4,15 +4,10 @@
 #include <sstream>
 #include <utility>
 
+#include "cpp/device_transports.h"
 #include "cpp/host_transport.h"
 #include "cpp/peer_liveness.h"
 #include "cpp/transport_select.h"
-#ifdef FREESCALE_WITH_CUDA
-#include "cuda/ce_transport.h"
-#endif
-#ifdef FREESCALE_WITH_NVSHMEM
-#include "cuda/nvshmem_transport.h"
-#endif
 
 namespace freescale {
 namespace {
@@ -27,12 +22,8 @@ std::unique_ptr<Transport> make_transport(Bootstrap& bootstrap, const Config& co
   needs.requested = config.transport;
   needs.cuda_tensors = config.cuda_device >= 0;
   needs.same_host = true;  // CPU: the host transport's setup finds out otherwise (kUnsupported)
-#ifdef FREESCALE_WITH_CUDA
-  needs.ce_built = true;
-#endif
-#ifdef FREESCALE_WITH_NVSHMEM
-  needs.nvshmem_built = true;
-#endif
+  needs.ce_built = device_transport_built(TransportKind::kCe);
+  needs.nvshmem_built = device_transport_built(TransportKind::kNvshmem);
   if (needs.cuda_tensors) {
     // Collective (every rank builds its CUDA core at the same op): auto picks by placement.
     std::vector<std::string> hosts = bootstrap.allgather(host_identity());
@@ -42,14 +33,9 @@ std::unique_ptr<Transport> make_transport(Bootstrap& bootstrap, const Config& co
   switch (choice.kind) {
     case TransportKind::kHost:
       return std::make_unique<HostTransport>(bootstrap, config);
-#ifdef FREESCALE_WITH_CUDA
     case TransportKind::kCe:
-      return make_ce_transport(bootstrap, config);
-#endif
-#ifdef FREESCALE_WITH_NVSHMEM
     case TransportKind::kNvshmem:
-      return make_nvshmem_transport(bootstrap, config);
-#endif
+      return make_device_transport(choice.kind, bootstrap, config);
     default:
       throw Error(ErrorCode::kUnsupported, std::string("no transport of this build serves these tensors (") +
                                                transport_kind_name(choice.kind) + "): " + choice.warning);
@@ -84,17 +70,25 @@ Communicator::~Communicator() {
 std::shared_ptr<OpState> Communicator::all_to_all(const uint8_t* send, uint8_t* recv, AllToAllLayout layout,
                                                   int priority, bool caller_waits, uintptr_t stream) {
   validate_alltoallv(layout, world_);
+  // Outside the lock: marking a CUDA stream can block while its queue is full, and what drains
+  // that queue may need the progress thread, which takes mu_.
+  const uintptr_t mark = transport_->mark_submission(stream);
   std::shared_ptr<OpState> op;
   {
-    std::lock_guard<std::mutex> lock(mu_);
-    if (closed_) throw Error(ErrorCode::kInvalidUsage, "all_to_all on a closed communicator");
-    if (broken_) {
-      throw CommError(broken_code_, "the communicator failed earlier and cannot run more ops: " + broken_message_);
+    std::unique_lock<std::mutex> lock(mu_);
+    if (closed_ || broken_) {
+      bool closed = closed_;
+      ErrorCode code = broken_code_;
+      std::string why = broken_message_;
+      lock.unlock();
+      transport_->discard_submission(mark);
+      if (closed) throw Error(ErrorCode::kInvalidUsage, "all_to_all on a closed communicator");
+      throw CommError(code, "the communicator failed earlier and cannot run more ops: " + why);
     }
     auto deadline = Clock::now() + std::chrono::milliseconds(config_.timeout_ms);
     op = std::make_shared<OpState>(next_seq_, priority, send, recv, std::move(layout), deadline);
     op->stream = stream;
-    transport_->on_submit(*op);  // throws before the seq is taken: program order stays matched
+    transport_->on_submit(*op, mark);
     ++next_seq_;
     unfinished_.fetch_add(1);
     op->add_done_callback([this] { unfinished_.fetch_sub(1); });  // close() completes every op

@@ -44,7 +44,7 @@ struct Announcement {
 
 }  // namespace
 
-HostTransport::HostTransport(Bootstrap& bootstrap, const Config& config, bool inline_payload)
+HostTransport::HostTransport(Bootstrap& bootstrap, const Config& config, bool inline_payload, uint64_t slots_per_ring)
     : rank_(bootstrap.rank()),
       world_(bootstrap.size()),
       peers_(static_cast<size_t>(bootstrap.size())),
@@ -56,7 +56,8 @@ HostTransport::HostTransport(Bootstrap& bootstrap, const Config& config, bool in
   mine.slot_payload = config.chunk_bytes;
   HostSegmentLayout layout{world_, rank_, 0, config.chunk_bytes, inline_payload};
   if (world_ > 1) {
-    layout.slots_per_ring = std::max<uint64_t>(2, config.arena_bytes / (layout.slot_stride() * (world_ - 1)));
+    layout.slots_per_ring = slots_per_ring > 0 ? slots_per_ring
+                                               : std::max<uint64_t>(2, config.arena_bytes / (layout.slot_stride() * (world_ - 1)));
   }
   mine.slots_per_ring = layout.slots_per_ring;
   try {

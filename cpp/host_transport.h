@@ -25,7 +25,7 @@ namespace freescale {
 class HostTransport : public Transport {
  public:
   // Collective over `bootstrap`. Throws kUnsupported if the ranks are not on one host.
-  HostTransport(Bootstrap& bootstrap, const Config& config) : HostTransport(bootstrap, config, true) {}
+  HostTransport(Bootstrap& bootstrap, const Config& config) : HostTransport(bootstrap, config, true, 0) {}
   ~HostTransport() override;
 
   const char* name() const override { return "host"; }
@@ -42,8 +42,10 @@ class HostTransport : public Transport {
   void close() override;
 
  protected:
-  // inline_payload false: slots carry headers only; the derived class moves payloads.
-  HostTransport(Bootstrap& bootstrap, const Config& config, bool inline_payload);
+  // inline_payload false: slots carry headers only; the derived class moves payloads, through
+  // its own slots: `slots_per_ring` must then be the number it has per ring (the host rings'
+  // flow control is the only thing that keeps a sender off unread slots).
+  HostTransport(Bootstrap& bootstrap, const Config& config, bool inline_payload, uint64_t slots_per_ring = 0);
 
   // --- data-path hooks (host: synchronous memcpy through the shared segment) ---
   // Copies `bytes` of op's block for `peer`, from `offset`, into ring slot `index` (whose header

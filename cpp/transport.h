@@ -20,9 +20,16 @@ class Transport {
   virtual ~Transport() = default;
   virtual const char* name() const = 0;
 
-  // On the submitting thread, as `op` gets its seq (under the communicator's lock: be quick):
-  // e.g. mark the point of op->stream the transfer must wait for. Throws to refuse the op.
-  virtual void on_submit(OpState& /*op*/) {}
+  // On the submitting thread, before the op exists and outside every lock (it may block, e.g.
+  // while a CUDA stream's queue is full): marks the point of `stream` the transfer must wait for.
+  // Returns an opaque mark for on_submit, or for discard_submission if the op is then refused.
+  // Throws to refuse the op.
+  virtual uintptr_t mark_submission(uintptr_t /*stream*/) { return 0; }
+  // On the submitting thread, as `op` gets its seq (under the communicator's lock: quick, no
+  // blocking call): ties `mark` to the op. Never throws.
+  virtual void on_submit(OpState& /*op*/, uintptr_t /*mark*/) {}
+  // The op marked by `mark` was refused before it got a seq.
+  virtual void discard_submission(uintptr_t /*mark*/) {}
   // On any thread: makes CUDA `stream` wait until `op` completed, without blocking the CPU.
   // Transports whose ops complete on the host only (host) refuse with kUnsupported.
   virtual void stream_wait(const OpState& /*op*/, uintptr_t /*stream*/) {

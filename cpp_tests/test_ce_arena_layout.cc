@@ -35,10 +35,18 @@ TEST(CeArenaLayout, CountersWrapOntoTheRing) {
 }
 
 TEST(CeArenaLayout, SmallArenasStillHoldTwoSlotsPerPeer) {
-  CeArenaLayout l = CeArenaLayout::plan(8, 0, 1 << 20, 1);
+  CeArenaLayout l = CeArenaLayout::plan(8, 0, 1 << 20, 1, /*min_slots=*/0);
   EXPECT_EQ(l.slots_per_ring, 2u);
   EXPECT_EQ(l.num_bytes(), 2u * 7 * (1u << 20));
   EXPECT_EQ(CeArenaLayout::plan(1, 0, 4096, 1 << 20).num_bytes(), 0u);  // alone: no rings
+}
+
+TEST(CeArenaLayout, DefaultKeepsSixteenSlotsPerPeerAtAnyWorld) {
+  // The host transport's 4 MiB default arena would leave 2 slots of 256 KiB per peer at world 8.
+  for (int world : {2, 4, 8, 16}) {
+    CeArenaLayout l = CeArenaLayout::plan(world, 0, 256 << 10, 4 << 20);
+    EXPECT_GE(l.slots_per_ring, CeArenaLayout::kDefaultMinSlots) << "world " << world;
+  }
 }
 
 }  // namespace

@@ -8,10 +8,8 @@
 #include "cpp/bootstrap.h"
 #include "cpp/build_info.h"
 #include "cpp/config.h"
+#include "cpp/device_transports.h"
 #include "cpp/errors.h"
-#ifdef FREESCALE_WITH_NVSHMEM
-#include "cuda/nvshmem_transport.h"
-#endif
 
 namespace freescale {
 namespace {
@@ -30,7 +28,7 @@ TEST(NvshmemSetup, RefusesWithoutAGpuInsteadOfExiting) {
   Config config;
   config.cuda_device = 0;
   try {
-    make_nvshmem_transport(bootstrap, config);
+    make_device_transport(TransportKind::kNvshmem, bootstrap, config);
     FAIL() << "expected kUnsupported";
   } catch (const Error& e) {
     EXPECT_EQ(e.code(), ErrorCode::kUnsupported);

@@ -8,15 +8,29 @@
 namespace freescale {
 namespace {
 
+// Why an entry point could not be had: the runtime call's error, or else the driver's status.
+std::string lookup_failure(cudaError_t err, cudaDriverEntryPointQueryResult status) {
+  if (err != cudaSuccess) return std::string(cudaGetErrorName(err)) + " (" + cudaGetErrorString(err) + ")";
+  switch (status) {
+    case cudaDriverEntryPointSymbolNotFound:
+      return "the driver does not export it";
+    case cudaDriverEntryPointVersionNotSufficent:
+      return "the driver is older than CUDA 12.0";
+    default:
+      return "the driver returned no entry point (status " + std::to_string(static_cast<int>(status)) + ")";
+  }
+}
+
 template <class Fn>
 void resolve(const char* symbol, Fn*& out) {
   void* fn = nullptr;
   cudaDriverEntryPointQueryResult status = cudaDriverEntryPointSymbolNotFound;
   cudaError_t err = cudaGetDriverEntryPointByVersion(symbol, &fn, 12000, cudaEnableDefault, &status);
   if (err != cudaSuccess || status != cudaDriverEntryPointSuccess || fn == nullptr) {
+    cudaGetLastError();
     throw Error(ErrorCode::kUnsupported, std::string("the CUDA driver has no ") + symbol +
                                              " (stream memory operations need a CUDA 12+ driver): " +
-                                             cudaGetErrorString(err));
+                                             lookup_failure(err, status));
   }
   out = reinterpret_cast<Fn*>(fn);
 }
@@ -27,7 +41,9 @@ const DriverApi& DriverApi::get() {
   static DriverApi api;
   static std::once_flag once;
   std::call_once(once, [] {
+    resolve("cuStreamWriteValue32", api.stream_write_value32);
     resolve("cuStreamWriteValue64", api.stream_write_value64);
+    resolve("cuStreamWaitValue32", api.stream_wait_value32);
     resolve("cuStreamWaitValue64", api.stream_wait_value64);
   });
   return api;

@@ -1,6 +1,6 @@
-// The few CUDA driver entry points the transports need, found at run time through
+// The few CUDA driver entry points the device ops need, found at run time through
 // cudaGetDriverEntryPointByVersion: there is no libcuda stub to link against on build machines,
-// and the driver is only present where a GPU is. Include from .cu / CUDA-aware sources only.
+// and the driver is only present where a GPU is. Include from .cu sources only.
 #pragma once
 
 #include <cuda.h>
@@ -9,7 +9,9 @@
 namespace freescale {
 
 struct DriverApi {
+  CUresult (*stream_write_value32)(CUstream, CUdeviceptr, cuuint32_t, unsigned int) = nullptr;
   CUresult (*stream_write_value64)(CUstream, CUdeviceptr, cuuint64_t, unsigned int) = nullptr;
+  CUresult (*stream_wait_value32)(CUstream, CUdeviceptr, cuuint32_t, unsigned int) = nullptr;
   CUresult (*stream_wait_value64)(CUstream, CUdeviceptr, cuuint64_t, unsigned int) = nullptr;
 
   // Resolved once per process; throws Error(kUnsupported) naming the missing symbol when the

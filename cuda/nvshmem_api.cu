@@ -8,10 +8,8 @@
 #include <vector>
 
 #include "cpp/errors.h"
+#include "freescale_build_config.h"
 
-#ifndef FREESCALE_NVSHMEM_LIB
-#define FREESCALE_NVSHMEM_LIB ""
-#endif
 
 namespace freescale {
 namespace {
@@ -38,7 +36,7 @@ void resolve(void* lib, const char* name, F* out, std::string* missing) {
 NvshmemApi load() {
   std::vector<std::string> candidates;
   if (const char* env = std::getenv("FREESCALE_NVSHMEM_LIB"); env != nullptr && *env != '\0') candidates.push_back(env);
-  if (*FREESCALE_NVSHMEM_LIB != '\0') candidates.push_back(FREESCALE_NVSHMEM_LIB);
+  if (*kNvshmemBuildLibrary != '\0') candidates.push_back(kNvshmemBuildLibrary);
   candidates.push_back(beside_this_package());
   candidates.push_back("libnvshmem_host.so.3");
   std::string tried;
@@ -63,6 +61,7 @@ NvshmemApi load() {
   std::string missing;
   resolve(lib, "nvshmemx_hostlib_init_attr", &api.hostlib_init_attr, &missing);
   resolve(lib, "nvshmemx_hostlib_finalize", &api.hostlib_finalize, &missing);
+  resolve(lib, "nvshmemx_init_status", &api.init_status, &missing);
   resolve(lib, "nvshmemx_get_uniqueid", &api.get_uniqueid, &missing);
   resolve(lib, "nvshmemx_set_attr_uniqueid_args", &api.set_attr_uniqueid_args, &missing);
   resolve(lib, "nvshmem_malloc", &api.malloc, &missing);

@@ -3,9 +3,7 @@
 
 #include "cpp/bindings/bindings.h"
 #include "cpp/build_info.h"
-#ifdef FREESCALE_WITH_NVSHMEM
-#include "cuda/nvshmem_transport.h"
-#endif
+#include "cpp/device_transports.h"
 
 namespace py = pybind11;
 

@@ -1,0 +1,140 @@
+// The one seam through which the CUDA transports' host logic touches a device: CUDA runtime and
+// driver calls (streams, events, copies, stream memory operations, host-registered memory, IPC)
+// and NVSHMEM's host calls. Plain C++: the transports compile without nvcc and run in CI on the
+// emulated device (cuda/emulated_device.h); cuda/device_ops_cuda.cu and cuda/shmem_ops_nvshmem.cu
+// are the thin real implementations.
+//
+// Handles are opaque integers: a Stream is a cudaStream_t (0 = the legacy default stream), an
+// Event a cudaEvent_t, a DevicePtr a device address (CUdeviceptr). Every method throws
+// Error(kSystem) naming the call on a device failure; none ever exits the process.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace freescale {
+
+using Stream = uintptr_t;
+using Event = uintptr_t;
+using DevicePtr = uintptr_t;
+
+// Stream waits on a 32/64-bit word: GEQ (wraparound-free compare), EQ, AND (any common bit).
+enum class WaitCmp { kGeq, kEq, kAnd };
+
+// A batch of copies (dsts[i] <- srcs[i], sizes[i] bytes) between device, peer-mapped device or
+// mapped host memory.
+struct CopyBatch {
+  std::vector<void*> dsts;
+  std::vector<const void*> srcs;
+  std::vector<size_t> sizes;
+  void add(void* dst, const void* src, size_t n) {
+    dsts.push_back(dst);
+    srcs.push_back(src);
+    sizes.push_back(n);
+  }
+  bool empty() const { return dsts.empty(); }
+};
+
+class DeviceOps {
+ public:
+  virtual ~DeviceOps() = default;
+  virtual const char* name() const = 0;  // "cuda" or "emulated"
+
+  // --- devices ---
+  // Visible devices; 0 without a driver or a device (never throws).
+  virtual int device_count() = 0;
+  virtual int current_device() = 0;
+  virtual void set_device(int device) = 0;
+  // Once per progress thread: `device` current, stream capture mode relaxed (a user's global-mode
+  // graph capture elsewhere must not make this thread's calls illegal).
+  virtual void prepare_progress_thread(int device) = 0;
+  // True while `stream` is being captured into a CUDA graph.
+  virtual bool is_capturing(Stream stream) = 0;
+
+  // --- streams and events ---
+  virtual Stream create_stream() = 0;  // non-blocking
+  virtual void destroy_stream(Stream stream) = 0;
+  // True once everything queued on `stream` ran; throws if it failed.
+  virtual bool stream_idle(Stream stream) = 0;
+  virtual void synchronize(Stream stream) = 0;
+  virtual Event create_event() = 0;  // timing disabled
+  virtual void destroy_event(Event event) = 0;
+  virtual void record_event(Event event, Stream stream) = 0;
+  // True once `event` completed (a never-recorded event counts as completed); false while
+  // pending; throws Error(kSystem) with `what` if the work before it failed.
+  virtual bool event_done(Event event, const char* what) = 0;
+
+  // --- copies (copy engines: never SM kernels) ---
+  // Enqueues `batch` on `stream`, preferring overlap with compute (cudaMemcpyBatchAsync +
+  // cudaMemcpyFlagPreferOverlapWithCompute, else one cudaMemcpyAsync per copy).
+  virtual void copy_batch(Stream stream, const CopyBatch& batch) = 0;
+
+  // --- stream memory operations on device-visible words ---
+  // Writes `value` once the stream's earlier work landed (a memory barrier orders it after them).
+  virtual void write_value32(Stream stream, DevicePtr addr, uint32_t value) = 0;
+  virtual void write_value64(Stream stream, DevicePtr addr, uint64_t value) = 0;
+  // Blocks only `stream` until the word satisfies `cmp` against `value`.
+  virtual void wait_value32(Stream stream, DevicePtr addr, uint32_t value, WaitCmp cmp) = 0;
+  virtual void wait_value64(Stream stream, DevicePtr addr, uint64_t value, WaitCmp cmp) = 0;
+
+  // --- memory ---
+  virtual void* device_alloc(size_t bytes) = 0;
+  virtual void device_free(void* ptr) = 0;
+  // Pinned host memory mapped into the device; *device gets its device address.
+  virtual void* host_alloc_mapped(size_t bytes, DevicePtr* device) = 0;
+  virtual void host_free(void* ptr) = 0;
+  // Pins and maps existing host memory (e.g. a shared control segment); returns its device address.
+  virtual DevicePtr host_register(void* ptr, size_t bytes) = 0;
+  virtual void host_unregister(void* ptr) = 0;
+  // Sets `bytes` of device memory to zero and waits for it.
+  virtual void memset_sync(void* ptr, size_t bytes) = 0;
+
+  // --- inter-process handles of device allocations (same node) ---
+  // A printable handle of `ptr` (from device_alloc) that ipc_open maps in a peer process.
+  virtual std::string ipc_handle(void* ptr) = 0;
+  virtual void* ipc_open(const std::string& handle) = 0;
+  virtual void ipc_close(void* ptr) = 0;
+};
+
+// NVSHMEM's host API as the transport uses it (host-initiated, on-stream: no kernels).
+enum class ShmemSignalOp { kSet, kAdd };
+
+class ShmemOps {
+ public:
+  virtual ~ShmemOps() = default;
+  virtual const char* name() const = 0;  // "nvshmem" or "emulated"
+  // Where the library came from (real: the path of libnvshmem_host).
+  virtual std::string library() const = 0;
+
+  // Rank 0: a unique id for init, as a printable blob passed to every PE through our bootstrap.
+  virtual std::string unique_id() = 0;
+  // Collective: starts the library as PE `rank` of `world`. Returns 0 or the library's status.
+  // NVSHMEM reads its environment (NVSHMEM_*) at the first of unique_id()/init(): set it before.
+  virtual int init(const std::string& unique_id, int rank, int world) = 0;
+  // After a successful init: true only if the library is fully usable here. NVSHMEM 3.8's init may
+  // return 0 in a "limited MPG" run (several PEs on one GPU without MPS), where its stream signal
+  // waits exit() the process: callers must refuse to run then.
+  virtual bool fully_initialized() = 0;
+  // Why fully_initialized() is false, for the error message.
+  virtual std::string init_status_text() = 0;
+
+  // Collective symmetric allocation (same offset on every PE); nullptr on failure.
+  virtual void* malloc(size_t bytes) = 0;
+
+  // On `stream`: copies `bytes` from local `src` to `dest` on PE `pe`, then applies `op` with
+  // `value` to the 64-bit `signal` word on PE `pe` (after the data is visible there).
+  virtual void put_signal_on_stream(void* dest, const void* src, size_t bytes, uint64_t* signal, uint64_t value,
+                                    ShmemSignalOp op, int pe, Stream stream) = 0;
+  virtual void signal_op_on_stream(uint64_t* signal, uint64_t value, ShmemSignalOp op, int pe, Stream stream) = 0;
+  // Blocks `stream` until the local word `signal` >= value.
+  virtual void signal_wait_geq_on_stream(uint64_t* signal, uint64_t value, Stream stream) = 0;
+};
+
+// The real implementations, in CUDA builds (Error(kUnsupported) otherwise). Process singletons.
+DeviceOps& cuda_device_ops();
+// Loads libnvshmem_host on first use; throws Error(kUnsupported) naming the fix if it cannot.
+ShmemOps& nvshmem_ops();
+
+}  // namespace freescale

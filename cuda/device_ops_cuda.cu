@@ -1,0 +1,193 @@
+// DeviceOps over the CUDA runtime and the driver's stream memory operations: a thin layer, no
+// logic (that lives in the transports, which run on the emulated device in CI).
+#include <cuda.h>
+#include <cuda_runtime.h>
+
+#include <atomic>
+#include <string>
+
+#include "cpp/errors.h"
+#include "cuda/device_ops.h"
+#include "cuda/driver_api.h"
+
+namespace freescale {
+namespace {
+
+cudaStream_t as_stream(Stream s) { return reinterpret_cast<cudaStream_t>(s); }
+CUstream as_custream(Stream s) { return reinterpret_cast<CUstream>(s); }
+cudaEvent_t as_event(Event e) { return reinterpret_cast<cudaEvent_t>(e); }
+
+unsigned int wait_flags(WaitCmp cmp) {
+  switch (cmp) {
+    case WaitCmp::kGeq:
+      return CU_STREAM_WAIT_VALUE_GEQ;
+    case WaitCmp::kEq:
+      return CU_STREAM_WAIT_VALUE_EQ;
+    case WaitCmp::kAnd:
+      return CU_STREAM_WAIT_VALUE_AND;
+  }
+  return CU_STREAM_WAIT_VALUE_GEQ;
+}
+
+class CudaDeviceOps final : public DeviceOps {
+ public:
+  const char* name() const override { return "cuda"; }
+
+  int device_count() override {
+    int count = 0;
+    if (cudaGetDeviceCount(&count) != cudaSuccess) {
+      cudaGetLastError();
+      return 0;
+    }
+    return count;
+  }
+  int current_device() override {
+    int d = 0;
+    check_cuda(cudaGetDevice(&d), "cudaGetDevice");
+    return d;
+  }
+  void set_device(int device) override { check_cuda(cudaSetDevice(device), "cudaSetDevice"); }
+  void prepare_progress_thread(int device) override {
+    static thread_local int current = -1;
+    if (current == device) return;
+    check_cuda(cudaSetDevice(device), "cudaSetDevice");
+    if (current == -1) {
+      cudaStreamCaptureMode relaxed = cudaStreamCaptureModeRelaxed;
+      check_cuda(cudaThreadExchangeStreamCaptureMode(&relaxed), "cudaThreadExchangeStreamCaptureMode");
+    }
+    current = device;
+  }
+  bool is_capturing(Stream stream) override {
+    cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+    check_cuda(cudaStreamIsCapturing(as_stream(stream), &status), "cudaStreamIsCapturing");
+    return status != cudaStreamCaptureStatusNone;
+  }
+
+  Stream create_stream() override {
+    cudaStream_t s = nullptr;
+    check_cuda(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), "cudaStreamCreateWithFlags");
+    return reinterpret_cast<Stream>(s);
+  }
+  void destroy_stream(Stream stream) override { check_cuda(cudaStreamDestroy(as_stream(stream)), "cudaStreamDestroy"); }
+  bool stream_idle(Stream stream) override {
+    cudaError_t err = cudaStreamQuery(as_stream(stream));
+    if (err == cudaErrorNotReady) return false;
+    check_cuda(err, "cudaStreamQuery");
+    return true;
+  }
+  void synchronize(Stream stream) override { check_cuda(cudaStreamSynchronize(as_stream(stream)), "cudaStreamSynchronize"); }
+  Event create_event() override {
+    cudaEvent_t ev = nullptr;
+    check_cuda(cudaEventCreateWithFlags(&ev, cudaEventDisableTiming), "cudaEventCreate");
+    return reinterpret_cast<Event>(ev);
+  }
+  void destroy_event(Event event) override { check_cuda(cudaEventDestroy(as_event(event)), "cudaEventDestroy"); }
+  void record_event(Event event, Stream stream) override {
+    check_cuda(cudaEventRecord(as_event(event), as_stream(stream)), "cudaEventRecord");
+  }
+  bool event_done(Event event, const char* what) override {
+    cudaError_t err = cudaEventQuery(as_event(event));
+    if (err == cudaErrorNotReady) return false;
+    check_cuda(err, what);
+    return true;
+  }
+
+  void copy_batch(Stream stream, const CopyBatch& batch) override {
+    if (batch.empty()) return;
+    if (batch_api_.load(std::memory_order_relaxed)) {
+      cudaMemcpyAttributes attr{};
+      attr.srcAccessOrder = cudaMemcpySrcAccessOrderStream;
+      attr.flags = cudaMemcpyFlagPreferOverlapWithCompute;  // copy engines, not SMs
+      size_t attr_index = 0;
+      cudaError_t err = cudaMemcpyBatchAsync(const_cast<void**>(batch.dsts.data()), const_cast<const void**>(batch.srcs.data()),
+                                             const_cast<size_t*>(batch.sizes.data()), batch.dsts.size(), &attr,
+                                             &attr_index, 1, as_stream(stream));
+      if (err == cudaSuccess) return;
+      if (err != cudaErrorNotSupported && err != cudaErrorStreamCaptureUnsupported) check_cuda(err, "cudaMemcpyBatchAsync");
+      cudaGetLastError();
+      if (err == cudaErrorNotSupported) batch_api_.store(false);  // under capture only: keep trying later
+    }
+    for (size_t i = 0; i < batch.dsts.size(); ++i) {
+      check_cuda(cudaMemcpyAsync(batch.dsts[i], batch.srcs[i], batch.sizes[i], cudaMemcpyDefault, as_stream(stream)),
+                 "cudaMemcpyAsync");
+    }
+  }
+
+  // The default flags order a write after the stream's earlier copies (a memory barrier).
+  void write_value32(Stream stream, DevicePtr addr, uint32_t value) override {
+    check_cu(DriverApi::get().stream_write_value32(as_custream(stream), addr, value, CU_STREAM_WRITE_VALUE_DEFAULT),
+             "cuStreamWriteValue32");
+  }
+  void write_value64(Stream stream, DevicePtr addr, uint64_t value) override {
+    check_cu(DriverApi::get().stream_write_value64(as_custream(stream), addr, value, CU_STREAM_WRITE_VALUE_DEFAULT),
+             "cuStreamWriteValue64");
+  }
+  void wait_value32(Stream stream, DevicePtr addr, uint32_t value, WaitCmp cmp) override {
+    check_cu(DriverApi::get().stream_wait_value32(as_custream(stream), addr, value, wait_flags(cmp)), "cuStreamWaitValue32");
+  }
+  void wait_value64(Stream stream, DevicePtr addr, uint64_t value, WaitCmp cmp) override {
+    check_cu(DriverApi::get().stream_wait_value64(as_custream(stream), addr, value, wait_flags(cmp)), "cuStreamWaitValue64");
+  }
+
+  void* device_alloc(size_t bytes) override {
+    void* p = nullptr;
+    check_cuda(cudaMalloc(&p, bytes), "cudaMalloc");
+    return p;
+  }
+  void device_free(void* ptr) override { check_cuda(cudaFree(ptr), "cudaFree"); }
+  void* host_alloc_mapped(size_t bytes, DevicePtr* device) override {
+    void* p = nullptr;
+    check_cuda(cudaHostAlloc(&p, bytes, cudaHostAllocMapped | cudaHostAllocPortable), "cudaHostAlloc");
+    void* d = nullptr;
+    check_cuda(cudaHostGetDevicePointer(&d, p, 0), "cudaHostGetDevicePointer");
+    *device = reinterpret_cast<DevicePtr>(d);
+    return p;
+  }
+  void host_free(void* ptr) override { check_cuda(cudaFreeHost(ptr), "cudaFreeHost"); }
+  DevicePtr host_register(void* ptr, size_t bytes) override {
+    check_cuda(cudaHostRegister(ptr, bytes, cudaHostRegisterMapped | cudaHostRegisterPortable), "cudaHostRegister");
+    void* d = nullptr;
+    check_cuda(cudaHostGetDevicePointer(&d, ptr, 0), "cudaHostGetDevicePointer");
+    return reinterpret_cast<DevicePtr>(d);
+  }
+  void host_unregister(void* ptr) override { check_cuda(cudaHostUnregister(ptr), "cudaHostUnregister"); }
+  void memset_sync(void* ptr, size_t bytes) override {
+    check_cuda(cudaMemset(ptr, 0, bytes), "cudaMemset");
+    check_cuda(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
+  }
+
+  std::string ipc_handle(void* ptr) override {
+    cudaIpcMemHandle_t handle;
+    check_cuda(cudaIpcGetMemHandle(&handle, ptr), "cudaIpcGetMemHandle");
+    static const char* digits = "0123456789abcdef";
+    std::string hex;
+    const auto* b = reinterpret_cast<const unsigned char*>(&handle);
+    for (size_t i = 0; i < sizeof(handle); ++i) {
+      hex += digits[b[i] >> 4];
+      hex += digits[b[i] & 15];
+    }
+    return hex;
+  }
+  void* ipc_open(const std::string& hex) override {
+    cudaIpcMemHandle_t handle;
+    if (hex.size() != 2 * sizeof(handle)) throw CommError(ErrorCode::kCommError, "a malformed CUDA IPC handle from a peer");
+    auto* b = reinterpret_cast<unsigned char*>(&handle);
+    for (size_t i = 0; i < sizeof(handle); ++i) b[i] = static_cast<unsigned char>(std::stoi(hex.substr(2 * i, 2), nullptr, 16));
+    void* p = nullptr;
+    check_cuda(cudaIpcOpenMemHandle(&p, handle, cudaIpcMemLazyEnablePeerAccess), "cudaIpcOpenMemHandle");
+    return p;
+  }
+  void ipc_close(void* ptr) override { check_cuda(cudaIpcCloseMemHandle(ptr), "cudaIpcCloseMemHandle"); }
+
+ private:
+  std::atomic<bool> batch_api_{true};  // cudaMemcpyBatchAsync works here (else per-copy)
+};
+
+}  // namespace
+
+DeviceOps& cuda_device_ops() {
+  static CudaDeviceOps ops;
+  return ops;
+}
+
+}  // namespace freescale

@@ -1,0 +1,88 @@
+#include "cuda/device_util.h"
+
+#include <new>
+#include <string>
+
+#include "cpp/errors.h"
+#include "cpp/op_state.h"
+#include "cpp/segment_map.h"
+
+namespace freescale {
+
+void check_device(DeviceOps& ops, int device, const char* transport) {
+  int count = ops.device_count();
+  if (count == 0) {
+    throw Error(ErrorCode::kUnsupported,
+                std::string("the ") + transport + " transport needs a CUDA GPU and driver; none is visible here");
+  }
+  if (device < 0 || device >= count) {
+    throw InvalidArgument("cuda_device " + std::to_string(device) + " is not one of the " + std::to_string(count) +
+                          " visible GPUs");
+  }
+}
+
+DeviceGuard::DeviceGuard(DeviceOps& ops, int device) : ops_(ops) {
+  previous_ = ops_.current_device();
+  if (previous_ == device) {
+    previous_ = -1;
+  } else {
+    ops_.set_device(device);
+  }
+}
+
+DeviceGuard::DeviceGuard(DeviceOps& ops, int device, std::nothrow_t) : ops_(ops) {
+  try {
+    previous_ = ops_.current_device();
+    if (previous_ == device) {
+      previous_ = -1;
+    } else {
+      ops_.set_device(device);
+    }
+  } catch (...) {
+    previous_ = -1;
+  }
+}
+
+DeviceGuard::~DeviceGuard() {
+  if (previous_ < 0) return;
+  try {
+    ops_.set_device(previous_);
+  } catch (...) {
+    // Destructors never throw; the caller's next CUDA call sees the device it finds.
+  }
+}
+
+void CopyList::from_send_block(const OpState& op, int peer, uint64_t offset, uint64_t bytes, uint8_t* to) {
+  for_each_piece(op.send, op.layout.send_offsets[peer], op.layout.send_segments, peer, offset, bytes,
+                 [&](const uint8_t* piece, uint64_t n) {
+                   batch.add(to, piece, n);
+                   to += n;
+                 });
+}
+
+void CopyList::to_recv_block(const OpState& op, int src, uint64_t offset, uint64_t bytes, const uint8_t* from) {
+  for_each_piece(op.recv, op.layout.recv_offsets[src], op.layout.recv_segments, src, offset, bytes,
+                 [&](uint8_t* piece, uint64_t n) {
+                   batch.add(piece, from, n);
+                   from += n;
+                 });
+}
+
+std::string to_hex(const void* data, size_t n) {
+  static const char* digits = "0123456789abcdef";
+  std::string out;
+  const auto* p = static_cast<const unsigned char*>(data);
+  for (size_t i = 0; i < n; ++i) {
+    out += digits[p[i] >> 4];
+    out += digits[p[i] & 15];
+  }
+  return out;
+}
+
+void from_hex(const std::string& hex, void* data, size_t n) {
+  if (hex.size() != 2 * n) throw CommError(ErrorCode::kCommError, "transport setup: a malformed handle from a peer");
+  auto* p = static_cast<unsigned char*>(data);
+  for (size_t i = 0; i < n; ++i) p[i] = static_cast<unsigned char>(std::stoi(hex.substr(2 * i, 2), nullptr, 16));
+}
+
+}  // namespace freescale

@@ -1,0 +1,46 @@
+// Helpers the CUDA transports share, over the DeviceOps seam (plain C++, no CUDA headers).
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+#include "cuda/device_ops.h"
+
+namespace freescale {
+
+class OpState;
+
+// Throws Error(kUnsupported) when `ops` sees no device, InvalidArgument when `device` is not one
+// of them. `transport` names the caller in the message.
+void check_device(DeviceOps& ops, int device, const char* transport);
+
+// Makes `device` current for a scope on a caller's thread, then restores the caller's device.
+class DeviceGuard {
+ public:
+  DeviceGuard(DeviceOps& ops, int device);
+  DeviceGuard(DeviceOps& ops, int device, std::nothrow_t);  // best effort, for destructors
+  ~DeviceGuard();
+  DeviceGuard(const DeviceGuard&) = delete;
+  DeviceGuard& operator=(const DeviceGuard&) = delete;
+
+ private:
+  DeviceOps& ops_;
+  int previous_ = -1;
+};
+
+// The copies of one chunk between an op's (possibly scattered) buffer and a contiguous slot.
+struct CopyList {
+  CopyBatch batch;
+
+  // Bytes [offset, offset + bytes) of op's send block for `peer` -> `to`, back to back.
+  void from_send_block(const OpState& op, int peer, uint64_t offset, uint64_t bytes, uint8_t* to);
+  // `from`, back to back -> bytes [offset, offset + bytes) of op's receive block from `src`.
+  void to_recv_block(const OpState& op, int src, uint64_t offset, uint64_t bytes, const uint8_t* from);
+};
+
+// Byte blobs (unique ids) as text for the bootstrap's allgather. from_hex throws CommError when
+// `hex` does not hold exactly n bytes.
+std::string to_hex(const void* data, size_t n);
+void from_hex(const std::string& hex, void* data, size_t n);
+
+}  // namespace freescale

@@ -1,0 +1,555 @@
+#include "cuda/emulated_device.h"
+
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <chrono>
+#include <condition_variable>
+#include <cstdlib>
+#include <cstring>
+#include <deque>
+#include <sstream>
+#include <thread>
+
+#include "cpp/errors.h"
+
+namespace freescale {
+namespace {
+
+thread_local int t_device = 0;
+
+// Thrown inside a stream task when the device is torn down while the task waits.
+struct Abandoned {};
+
+void* map_fd(int fd, size_t bytes) {
+  void* p = mmap(nullptr, bytes == 0 ? 1 : bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  if (p == MAP_FAILED) throw SystemError("mmap (emulated device memory)", errno);
+  return p;
+}
+
+int new_memfd(size_t bytes, const char* what) {
+  int fd = memfd_create(what, MFD_CLOEXEC);
+  if (fd < 0) throw SystemError("memfd_create (emulated device memory)", errno);
+  if (ftruncate(fd, static_cast<off_t>(bytes == 0 ? 1 : bytes)) != 0) {
+    int e = errno;
+    close(fd);
+    throw SystemError("ftruncate (emulated device memory)", e);
+  }
+  return fd;
+}
+
+// "pid:fd:bytes" -> the peer's memfd opened here.
+int open_peer_fd(const std::string& handle, size_t* bytes) {
+  long pid = 0, fd = 0;
+  unsigned long long n = 0;
+  if (std::sscanf(handle.c_str(), "%ld:%ld:%llu", &pid, &fd, &n) != 3) {
+    throw Error(ErrorCode::kCommError, "emulated device: malformed IPC handle '" + handle + "'");
+  }
+  std::string path = "/proc/" + std::to_string(pid) + "/fd/" + std::to_string(fd);
+  int local = open(path.c_str(), O_RDWR | O_CLOEXEC);
+  if (local < 0) throw SystemError("open " + path + " (emulated IPC handle)", errno);
+  *bytes = n;
+  return local;
+}
+
+template <class T>
+bool compare(const std::atomic<T>* word, T value, WaitCmp cmp) {
+  T now = word->load(std::memory_order_acquire);
+  switch (cmp) {
+    case WaitCmp::kGeq:
+      return static_cast<std::make_signed_t<T>>(now - value) >= 0;  // cuStreamWaitValue's GEQ
+    case WaitCmp::kEq:
+      return now == value;
+    case WaitCmp::kAnd:
+      return (now & value) != 0;
+  }
+  return false;
+}
+
+}  // namespace
+
+struct EmulatedDevice::EventState {
+  std::atomic<uint64_t> recorded{0};   // records enqueued
+  std::atomic<uint64_t> completed{0};  // records their stream reached
+  std::mutex mu;
+  std::string error;  // the failed stream's error, if a record was reached after a failure
+};
+
+struct EmulatedDevice::StreamState {
+  struct Task {
+    std::function<void()> run;
+    std::shared_ptr<EventState> event;  // record tasks: the event and its generation
+    uint64_t generation = 0;
+  };
+  std::mutex mu;
+  std::condition_variable pushed, popped;
+  std::deque<Task> queue;
+  size_t depth = 0;
+  bool running = false;
+  bool stop = false;  // destroyed: drain, then exit
+  std::string error;  // sticky
+  std::string fail_next;
+  std::thread thread;
+
+  void loop(const std::atomic<bool>& torn_down) {
+    std::unique_lock<std::mutex> lock(mu);
+    while (true) {
+      pushed.wait(lock, [&] { return !queue.empty() || stop || torn_down.load(); });
+      if (queue.empty() || torn_down.load()) break;
+      Task task = std::move(queue.front());
+      queue.pop_front();
+      running = true;
+      popped.notify_all();
+      std::string failed = error;
+      lock.unlock();
+      if (task.event) {
+        if (!failed.empty()) {
+          std::lock_guard<std::mutex> ev(task.event->mu);
+          task.event->error = failed;
+        }
+        uint64_t done = task.event->completed.load();
+        while (done < task.generation && !task.event->completed.compare_exchange_weak(done, task.generation)) {
+        }
+      } else if (failed.empty()) {
+        try {
+          task.run();
+        } catch (const Abandoned&) {
+          failed = "abandoned at teardown";
+        } catch (const std::exception& e) {
+          failed = e.what();
+        }
+      }
+      lock.lock();
+      if (error.empty() && !failed.empty()) error = failed;
+      running = false;
+      popped.notify_all();
+    }
+    running = false;
+    popped.notify_all();
+  }
+};
+
+EmulatedDevice::EmulatedDevice(EmulatedDeviceOptions options) : options_(options) {
+  if (options_.queue_depth == 0) throw InvalidArgument("EmulatedDeviceOptions.queue_depth must be at least 1");
+}
+
+EmulatedDevice::~EmulatedDevice() {
+  torn_down_.store(true);
+  std::vector<std::shared_ptr<StreamState>> all;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (auto& [h, s] : streams_) all.push_back(s);
+    for (auto& s : retired_) all.push_back(s);
+    if (default_stream_) all.push_back(default_stream_);
+  }
+  for (auto& s : all) {
+    {
+      std::lock_guard<std::mutex> lock(s->mu);
+      s->stop = true;
+    }
+    s->pushed.notify_all();
+    s->popped.notify_all();
+  }
+  for (auto& s : all) {
+    if (s->thread.joinable()) s->thread.join();
+  }
+  for (auto& [p, m] : allocations_) {
+    munmap(p, m.bytes == 0 ? 1 : m.bytes);
+    if (m.fd >= 0) close(m.fd);
+  }
+  for (auto& [p, n] : host_blocks_) std::free(p);
+}
+
+int EmulatedDevice::current_device() { return t_device; }
+
+void EmulatedDevice::set_device(int device) {
+  if (device < 0 || device >= options_.devices) {
+    throw Error(ErrorCode::kSystem, "emulated cudaSetDevice(" + std::to_string(device) + "): invalid device ordinal");
+  }
+  t_device = device;
+}
+
+Stream EmulatedDevice::create_stream() {
+  auto s = std::make_shared<StreamState>();
+  s->depth = options_.queue_depth;
+  StreamState* raw = s.get();
+  s->thread = std::thread([raw, this] { raw->loop(torn_down_); });
+  std::lock_guard<std::mutex> lock(mu_);
+  Stream h = next_handle_++;
+  streams_[h] = std::move(s);
+  return h;
+}
+
+void EmulatedDevice::destroy_stream(Stream stream) {
+  std::shared_ptr<StreamState> s;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = streams_.find(stream);
+    if (it == streams_.end()) throw Error(ErrorCode::kSystem, "emulated cudaStreamDestroy: invalid resource handle");
+    s = it->second;
+    streams_.erase(it);
+    retired_.push_back(s);  // like CUDA: returns now, its work still runs
+  }
+  {
+    std::lock_guard<std::mutex> lock(s->mu);
+    s->stop = true;
+  }
+  s->pushed.notify_all();
+}
+
+std::shared_ptr<EmulatedDevice::StreamState> EmulatedDevice::stream_of(Stream stream) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (stream == 0) {
+    if (!default_stream_) {
+      default_stream_ = std::make_shared<StreamState>();
+      default_stream_->depth = options_.queue_depth;
+      StreamState* raw = default_stream_.get();
+      default_stream_->thread = std::thread([raw, this] { raw->loop(torn_down_); });
+    }
+    return default_stream_;
+  }
+  auto it = streams_.find(stream);
+  if (it == streams_.end()) throw Error(ErrorCode::kSystem, "emulated device: invalid stream handle " + std::to_string(stream));
+  return it->second;
+}
+
+std::shared_ptr<EmulatedDevice::EventState> EmulatedDevice::event_of(Event event) {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = events_.find(event);
+  if (it == events_.end()) throw Error(ErrorCode::kSystem, "emulated device: invalid event handle " + std::to_string(event));
+  return it->second;
+}
+
+void EmulatedDevice::enqueue(Stream stream, std::function<void()> task) {
+  std::shared_ptr<StreamState> s = stream_of(stream);
+  std::unique_lock<std::mutex> lock(s->mu);
+  s->popped.wait(lock, [&] { return s->queue.size() < s->depth || torn_down_.load(); });
+  if (!s->fail_next.empty()) {
+    std::string message = s->fail_next;
+    s->fail_next.clear();
+    task = [message] { throw Error(ErrorCode::kSystem, "emulated failure: " + message); };
+  }
+  s->queue.push_back(StreamState::Task{std::move(task), nullptr, 0});
+  s->pushed.notify_all();
+}
+
+void EmulatedDevice::spin_until(const std::function<bool()>& ready) {
+  for (int i = 0; !ready(); ++i) {
+    if (torn_down_.load()) throw Abandoned{};
+    if (i < 64) {
+      std::this_thread::yield();
+    } else {
+      std::this_thread::sleep_for(std::chrono::microseconds(20));
+    }
+  }
+}
+
+void EmulatedDevice::fail_next_task(Stream stream, const std::string& message) {
+  std::shared_ptr<StreamState> s = stream_of(stream);
+  std::lock_guard<std::mutex> lock(s->mu);
+  s->fail_next = message;
+}
+
+size_t EmulatedDevice::live_streams() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return streams_.size();
+}
+
+size_t EmulatedDevice::live_allocations() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return allocations_.size() + host_blocks_.size() + registered_.size();
+}
+
+size_t EmulatedDevice::queued(Stream stream) {
+  std::shared_ptr<StreamState> s = stream_of(stream);
+  std::lock_guard<std::mutex> lock(s->mu);
+  return s->queue.size();
+}
+
+bool EmulatedDevice::stream_idle(Stream stream) {
+  std::shared_ptr<StreamState> s = stream_of(stream);
+  std::lock_guard<std::mutex> lock(s->mu);
+  if (!s->error.empty()) throw Error(ErrorCode::kSystem, "emulated stream failed: " + s->error);
+  return s->queue.empty() && !s->running;
+}
+
+void EmulatedDevice::synchronize(Stream stream) {
+  std::shared_ptr<StreamState> s = stream_of(stream);
+  std::unique_lock<std::mutex> lock(s->mu);
+  s->popped.wait(lock, [&] { return (s->queue.empty() && !s->running) || torn_down_.load(); });
+  if (!s->error.empty()) throw Error(ErrorCode::kSystem, "emulated stream failed: " + s->error);
+}
+
+Event EmulatedDevice::create_event() {
+  std::lock_guard<std::mutex> lock(mu_);
+  Event h = next_handle_++;
+  events_[h] = std::make_shared<EventState>();
+  return h;
+}
+
+void EmulatedDevice::destroy_event(Event event) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (events_.erase(event) == 0) throw Error(ErrorCode::kSystem, "emulated cudaEventDestroy: invalid resource handle");
+}
+
+void EmulatedDevice::record_event(Event event, Stream stream) {
+  std::shared_ptr<EventState> ev = event_of(event);
+  std::shared_ptr<StreamState> s = stream_of(stream);
+  std::unique_lock<std::mutex> lock(s->mu);
+  s->popped.wait(lock, [&] { return s->queue.size() < s->depth || torn_down_.load(); });
+  {
+    std::lock_guard<std::mutex> e(ev->mu);
+    ev->error.clear();
+  }
+  uint64_t generation = ev->recorded.fetch_add(1) + 1;
+  s->queue.push_back(StreamState::Task{nullptr, ev, generation});
+  s->pushed.notify_all();
+}
+
+bool EmulatedDevice::event_done(Event event, const char* what) {
+  std::shared_ptr<EventState> ev = event_of(event);
+  if (ev->completed.load() < ev->recorded.load()) return false;
+  std::lock_guard<std::mutex> lock(ev->mu);
+  if (!ev->error.empty()) throw Error(ErrorCode::kSystem, std::string(what) + ": " + ev->error);
+  return true;
+}
+
+void EmulatedDevice::copy_batch(Stream stream, const CopyBatch& batch) {
+  if (batch.empty()) return;
+  enqueue(stream, [batch] {
+    for (size_t i = 0; i < batch.dsts.size(); ++i) std::memcpy(batch.dsts[i], batch.srcs[i], batch.sizes[i]);
+  });
+}
+
+void EmulatedDevice::write_value32(Stream stream, DevicePtr addr, uint32_t value) {
+  enqueue(stream, [addr, value] { reinterpret_cast<std::atomic<uint32_t>*>(addr)->store(value, std::memory_order_release); });
+}
+
+void EmulatedDevice::write_value64(Stream stream, DevicePtr addr, uint64_t value) {
+  enqueue(stream, [addr, value] { reinterpret_cast<std::atomic<uint64_t>*>(addr)->store(value, std::memory_order_release); });
+}
+
+void EmulatedDevice::wait_value32(Stream stream, DevicePtr addr, uint32_t value, WaitCmp cmp) {
+  enqueue(stream, [this, addr, value, cmp] {
+    spin_until([&] { return compare(reinterpret_cast<const std::atomic<uint32_t>*>(addr), value, cmp); });
+  });
+}
+
+void EmulatedDevice::wait_value64(Stream stream, DevicePtr addr, uint64_t value, WaitCmp cmp) {
+  enqueue(stream, [this, addr, value, cmp] {
+    spin_until([&] { return compare(reinterpret_cast<const std::atomic<uint64_t>*>(addr), value, cmp); });
+  });
+}
+
+void* EmulatedDevice::device_alloc(size_t bytes) {
+  int fd = new_memfd(bytes, "freescale-emulated-device");
+  void* p = nullptr;
+  try {
+    p = map_fd(fd, bytes);
+  } catch (...) {
+    close(fd);
+    throw;
+  }
+  std::lock_guard<std::mutex> lock(mu_);
+  allocations_[p] = Mapping{bytes, fd};
+  return p;
+}
+
+void EmulatedDevice::device_free(void* ptr) {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = allocations_.find(ptr);
+  if (it == allocations_.end() || it->second.fd < 0) throw Error(ErrorCode::kSystem, "emulated cudaFree: not a device allocation");
+  munmap(ptr, it->second.bytes == 0 ? 1 : it->second.bytes);
+  close(it->second.fd);
+  allocations_.erase(it);
+}
+
+void* EmulatedDevice::host_alloc_mapped(size_t bytes, DevicePtr* device) {
+  void* p = std::aligned_alloc(64, (bytes + 63) / 64 * 64);
+  if (p == nullptr) throw Error(ErrorCode::kSystem, "emulated cudaHostAlloc: out of memory");
+  std::lock_guard<std::mutex> lock(mu_);
+  host_blocks_[p] = bytes;
+  *device = reinterpret_cast<DevicePtr>(p);  // one address space: the device address is the host's
+  return p;
+}
+
+void EmulatedDevice::host_free(void* ptr) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (host_blocks_.erase(ptr) == 0) throw Error(ErrorCode::kSystem, "emulated cudaFreeHost: not a mapped host block");
+  std::free(ptr);
+}
+
+DevicePtr EmulatedDevice::host_register(void* ptr, size_t bytes) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (!registered_.emplace(ptr, bytes).second) {
+    throw Error(ErrorCode::kSystem, "emulated cudaHostRegister: cudaErrorHostMemoryAlreadyRegistered");
+  }
+  return reinterpret_cast<DevicePtr>(ptr);
+}
+
+void EmulatedDevice::host_unregister(void* ptr) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (registered_.erase(ptr) == 0) throw Error(ErrorCode::kSystem, "emulated cudaHostUnregister: not registered");
+}
+
+void EmulatedDevice::memset_sync(void* ptr, size_t bytes) { std::memset(ptr, 0, bytes); }
+
+std::string EmulatedDevice::ipc_handle(void* ptr) {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = allocations_.find(ptr);
+  if (it == allocations_.end() || it->second.fd < 0) {
+    throw Error(ErrorCode::kSystem, "emulated cudaIpcGetMemHandle: not a device allocation");
+  }
+  return std::to_string(getpid()) + ":" + std::to_string(it->second.fd) + ":" + std::to_string(it->second.bytes);
+}
+
+void* EmulatedDevice::ipc_open(const std::string& handle) {
+  size_t bytes = 0;
+  int fd = open_peer_fd(handle, &bytes);
+  void* p = nullptr;
+  try {
+    p = map_fd(fd, bytes);
+  } catch (...) {
+    close(fd);
+    throw;
+  }
+  close(fd);
+  std::lock_guard<std::mutex> lock(mu_);
+  allocations_[p] = Mapping{bytes, -1};
+  return p;
+}
+
+void EmulatedDevice::ipc_close(void* ptr) {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = allocations_.find(ptr);
+  if (it == allocations_.end() || it->second.fd >= 0) throw Error(ErrorCode::kSystem, "emulated cudaIpcCloseMemHandle: not an IPC mapping");
+  munmap(ptr, it->second.bytes == 0 ? 1 : it->second.bytes);
+  allocations_.erase(it);
+}
+
+// --- EmulatedShmem -----------------------------------------------------------------------------
+namespace {
+
+constexpr int kMaxPes = 64;
+constexpr size_t kHandleChars = 64;
+constexpr size_t kHeapAlign = 512;
+
+struct Rendezvous {
+  std::atomic<uint32_t> joined;
+  char handles[kMaxPes][kHandleChars];
+};
+
+}  // namespace
+
+EmulatedShmem::EmulatedShmem(EmulatedDevice& device, EmulatedShmemOptions options) : device_(device), options_(options) {}
+
+EmulatedShmem::~EmulatedShmem() {
+  for (size_t p = 0; p < heaps_.size(); ++p) {
+    if (heaps_[p] != nullptr) munmap(heaps_[p], options_.heap_bytes);
+  }
+  if (heap_fd_ >= 0) close(heap_fd_);
+  if (rendezvous_ != nullptr) munmap(rendezvous_, sizeof(Rendezvous));
+  if (rendezvous_fd_ >= 0) close(rendezvous_fd_);
+}
+
+std::string EmulatedShmem::unique_id() {
+  if (rendezvous_fd_ < 0) {
+    rendezvous_fd_ = new_memfd(sizeof(Rendezvous), "freescale-emulated-uid");
+    rendezvous_ = map_fd(rendezvous_fd_, sizeof(Rendezvous));
+    new (rendezvous_) Rendezvous{};
+  }
+  return std::to_string(getpid()) + ":" + std::to_string(rendezvous_fd_) + ":" + std::to_string(sizeof(Rendezvous));
+}
+
+int EmulatedShmem::init(const std::string& unique_id, int rank, int world) {
+  if (world > kMaxPes || rank < 0 || rank >= world) return 1;
+  if (options_.init_status != 0) return options_.init_status;
+  if (rendezvous_ == nullptr) {
+    size_t bytes = 0;
+    int fd = open_peer_fd(unique_id, &bytes);
+    rendezvous_ = map_fd(fd, sizeof(Rendezvous));
+    close(fd);
+  }
+  auto* meet = static_cast<Rendezvous*>(rendezvous_);
+  rank_ = rank;
+  heap_fd_ = new_memfd(options_.heap_bytes, "freescale-emulated-heap");
+  heaps_.assign(static_cast<size_t>(world), nullptr);
+  heaps_[rank] = static_cast<uint8_t*>(map_fd(heap_fd_, options_.heap_bytes));
+  std::snprintf(meet->handles[rank], kHandleChars, "%d:%d:%zu", static_cast<int>(getpid()), heap_fd_, options_.heap_bytes);
+  meet->joined.fetch_add(1);
+  auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(30);
+  while (meet->joined.load() < static_cast<uint32_t>(world)) {  // collective, like nvshmem init
+    if (std::chrono::steady_clock::now() > deadline) return 2;
+    std::this_thread::sleep_for(std::chrono::microseconds(100));
+  }
+  for (int p = 0; p < world; ++p) {
+    if (p == rank) continue;
+    size_t bytes = 0;
+    int fd = open_peer_fd(meet->handles[p], &bytes);
+    heaps_[p] = static_cast<uint8_t*>(map_fd(fd, bytes));
+    close(fd);
+  }
+  return 0;
+}
+
+std::string EmulatedShmem::init_status_text() {
+  return options_.limited_mpg ? "NVSHMEM_STATUS_LIMITED_MPG (emulated: several PEs on one GPU without MPS)"
+                              : "NVSHMEM_STATUS_IS_INITIALIZED";
+}
+
+void* EmulatedShmem::malloc(size_t bytes) {
+  size_t start = (used_ + kHeapAlign - 1) / kHeapAlign * kHeapAlign;
+  if (heaps_.empty() || start + bytes > options_.heap_bytes) return nullptr;
+  used_ = start + bytes;
+  return heaps_[rank_] + start;
+}
+
+uint8_t* EmulatedShmem::remote(const void* local, int pe) const {
+  auto offset = static_cast<const uint8_t*>(local) - heaps_[rank_];
+  if (offset < 0 || static_cast<size_t>(offset) >= options_.heap_bytes || pe < 0 || pe >= static_cast<int>(heaps_.size())) {
+    throw Error(ErrorCode::kSystem, "emulated nvshmem: address outside the symmetric heap or bad PE");
+  }
+  return heaps_[pe] + offset;
+}
+
+void EmulatedShmem::put_signal_on_stream(void* dest, const void* src, size_t bytes, uint64_t* signal, uint64_t value,
+                                         ShmemSignalOp op, int pe, Stream stream) {
+  uint8_t* to = remote(dest, pe);
+  auto* word = reinterpret_cast<std::atomic<uint64_t>*>(remote(signal, pe));
+  device_.enqueue(stream, [to, src, bytes, word, value, op] {
+    std::memcpy(to, src, bytes);
+    if (op == ShmemSignalOp::kSet) {
+      word->store(value, std::memory_order_release);
+    } else {
+      word->fetch_add(value, std::memory_order_acq_rel);
+    }
+  });
+}
+
+void EmulatedShmem::signal_op_on_stream(uint64_t* signal, uint64_t value, ShmemSignalOp op, int pe, Stream stream) {
+  auto* word = reinterpret_cast<std::atomic<uint64_t>*>(remote(signal, pe));
+  device_.enqueue(stream, [word, value, op] {
+    if (op == ShmemSignalOp::kSet) {
+      word->store(value, std::memory_order_release);
+    } else {
+      word->fetch_add(value, std::memory_order_acq_rel);
+    }
+  });
+}
+
+void EmulatedShmem::signal_wait_geq_on_stream(uint64_t* signal, uint64_t value, Stream stream) {
+  if (options_.limited_mpg) {
+    // What NVSHMEM 3.8 does here in a limited-MPG run (see ShmemOps::fully_initialized).
+    std::_Exit(86);
+  }
+  signal_waits_.fetch_add(1);
+  auto* word = reinterpret_cast<std::atomic<uint64_t>*>(signal);
+  device_.enqueue(stream, [this, word, value] {
+    device_.spin_until([&] { return word->load(std::memory_order_acquire) >= value; });
+  });
+}
+
+}  // namespace freescale

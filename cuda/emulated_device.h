@@ -1,0 +1,160 @@
+// An emulated device for tests: runs the CUDA transports' host logic on a CPU, with CUDA's
+// semantics where that logic depends on them. It proves ordering, flow control and failure
+// paths; it says nothing about drivers or bandwidth (GPU results live in docs/benchmarks.md).
+//
+//  - each stream runs its queue in order on its own thread, asynchronously to the caller; a
+//    queue holds at most `queue_depth` pending operations and enqueuing blocks while it is full
+//    (as a GPU's command queue does);
+//  - events complete when their stream reaches them; a never-recorded event counts as complete;
+//  - stream waits on 32/64-bit words (GEQ/EQ/AND) block only their stream;
+//  - copies really copy (memcpy on the stream's thread);
+//  - "device" allocations are memfd shared memory: IPC handles open in forked peer processes
+//    (through /proc/<pid>/fd), and nothing appears in /dev/shm, crash or not;
+//  - a task that fails (fail_next_task) makes its stream's error sticky: events recorded after it
+//    throw from event_done, like a CUDA error.
+// EmulatedShmem adds NVSHMEM's host API: one symmetric heap per PE, shared by every PE, with
+// put-with-signal, signal ops and signal waits on emulated streams, and init status.
+#pragma once
+
+#include <atomic>
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "cuda/device_ops.h"
+
+namespace freescale {
+
+struct EmulatedDeviceOptions {
+  int devices = 1;          // device_count()
+  size_t queue_depth = 64;  // pending operations per stream before enqueue blocks
+};
+
+class EmulatedDevice final : public DeviceOps {
+ public:
+  explicit EmulatedDevice(EmulatedDeviceOptions options = {});
+  // Abandons work still queued (waits that will never be satisfied end), joins every stream
+  // thread, unmaps what is left.
+  ~EmulatedDevice() override;
+  EmulatedDevice(const EmulatedDevice&) = delete;
+  EmulatedDevice& operator=(const EmulatedDevice&) = delete;
+
+  const char* name() const override { return "emulated"; }
+  int device_count() override { return options_.devices; }
+  int current_device() override;
+  void set_device(int device) override;
+  void prepare_progress_thread(int device) override { set_device(device); }
+  bool is_capturing(Stream) override { return false; }
+
+  Stream create_stream() override;
+  void destroy_stream(Stream stream) override;
+  bool stream_idle(Stream stream) override;
+  void synchronize(Stream stream) override;
+  Event create_event() override;
+  void destroy_event(Event event) override;
+  void record_event(Event event, Stream stream) override;
+  bool event_done(Event event, const char* what) override;
+
+  void copy_batch(Stream stream, const CopyBatch& batch) override;
+  void write_value32(Stream stream, DevicePtr addr, uint32_t value) override;
+  void write_value64(Stream stream, DevicePtr addr, uint64_t value) override;
+  void wait_value32(Stream stream, DevicePtr addr, uint32_t value, WaitCmp cmp) override;
+  void wait_value64(Stream stream, DevicePtr addr, uint64_t value, WaitCmp cmp) override;
+
+  void* device_alloc(size_t bytes) override;
+  void device_free(void* ptr) override;
+  void* host_alloc_mapped(size_t bytes, DevicePtr* device) override;
+  void host_free(void* ptr) override;
+  DevicePtr host_register(void* ptr, size_t bytes) override;
+  void host_unregister(void* ptr) override;
+  void memset_sync(void* ptr, size_t bytes) override;
+
+  std::string ipc_handle(void* ptr) override;
+  void* ipc_open(const std::string& handle) override;
+  void ipc_close(void* ptr) override;
+
+  // --- for tests and EmulatedShmem ---
+  // Queues `task` on `stream` (blocks while the queue is full). `task` runs on the stream's thread;
+  // an exception it throws becomes the stream's sticky error.
+  struct StreamState;
+  void enqueue(Stream stream, std::function<void()> task);
+  // Blocks the calling stream's thread until `ready()` or the device is torn down.
+  void spin_until(const std::function<bool()>& ready);
+  // The next task queued on `stream` fails with `message` instead of running.
+  void fail_next_task(Stream stream, const std::string& message);
+  // Streams created and not destroyed; device allocations, mapped host blocks and registrations
+  // alive; IPC mappings open.
+  size_t live_streams() const;
+  size_t live_allocations() const;
+  // Pending operations on `stream` (not counting the running one).
+  size_t queued(Stream stream);
+
+ private:
+  struct EventState;
+  std::shared_ptr<StreamState> stream_of(Stream stream);
+  std::shared_ptr<EventState> event_of(Event event);
+
+  EmulatedDeviceOptions options_;
+  std::atomic<bool> torn_down_{false};
+  mutable std::mutex mu_;  // guards the maps below
+  uintptr_t next_handle_ = 1;
+  std::map<Stream, std::shared_ptr<StreamState>> streams_;
+  std::vector<std::shared_ptr<StreamState>> retired_;  // destroyed, still draining: joined at teardown
+  std::shared_ptr<StreamState> default_stream_;
+  std::map<Event, std::shared_ptr<EventState>> events_;
+  struct Mapping {
+    size_t bytes;
+    int fd;  // memfd of a device allocation; -1 for an IPC mapping
+  };
+  std::map<void*, Mapping> allocations_;  // device allocations (fd >= 0) and IPC mappings (fd < 0)
+  std::map<void*, size_t> host_blocks_;   // host_alloc_mapped
+  std::map<void*, size_t> registered_;    // host_register
+};
+
+struct EmulatedShmemOptions {
+  size_t heap_bytes = 64ull << 20;  // each PE's symmetric heap
+  // Emulates NVSHMEM 3.8's "limited MPG" run: init returns 0, init status says it is not fully
+  // initialized, and a stream signal wait terminates the process, as the real library does.
+  bool limited_mpg = false;
+  int init_status = 0;  // what init() returns (non-zero: a failed init)
+};
+
+class EmulatedShmem final : public ShmemOps {
+ public:
+  EmulatedShmem(EmulatedDevice& device, EmulatedShmemOptions options = {});
+  ~EmulatedShmem() override;
+  const char* name() const override { return "emulated"; }
+  std::string library() const override { return "emulated"; }
+
+  std::string unique_id() override;
+  int init(const std::string& unique_id, int rank, int world) override;
+  bool fully_initialized() override { return !options_.limited_mpg; }
+  std::string init_status_text() override;
+  void* malloc(size_t bytes) override;
+  void put_signal_on_stream(void* dest, const void* src, size_t bytes, uint64_t* signal, uint64_t value,
+                            ShmemSignalOp op, int pe, Stream stream) override;
+  void signal_op_on_stream(uint64_t* signal, uint64_t value, ShmemSignalOp op, int pe, Stream stream) override;
+  void signal_wait_geq_on_stream(uint64_t* signal, uint64_t value, Stream stream) override;
+
+  // Stream signal waits this process has queued (tests: none may be queued in a limited run).
+  size_t signal_waits_queued() const { return signal_waits_.load(); }
+
+ private:
+  uint8_t* remote(const void* local, int pe) const;
+
+  EmulatedDevice& device_;
+  EmulatedShmemOptions options_;
+  int rank_ = -1;
+  int rendezvous_fd_ = -1;    // rank 0: the memfd PEs meet in
+  void* rendezvous_ = nullptr;
+  int heap_fd_ = -1;
+  std::vector<uint8_t*> heaps_;  // [world] every PE's heap mapped here (ours: own)
+  size_t used_ = 0;              // bump allocator: the same sequence of malloc on every PE
+  std::atomic<size_t> signal_waits_{0};
+};
+
+}  // namespace freescale
