@@ -50,11 +50,13 @@ Config with_default_timeout(Config c) {
 
 }  // namespace
 
-Communicator::Communicator(Bootstrap& bootstrap, Config config)
+Communicator::Communicator(Bootstrap& bootstrap, Config config) : Communicator(bootstrap, std::move(config), make_transport) {}
+
+Communicator::Communicator(Bootstrap& bootstrap, Config config, const TransportFactory& make)
     : rank_(bootstrap.rank()),
       world_(bootstrap.size()),
       config_(with_default_timeout(std::move(config))),
-      transport_(make_transport(bootstrap, config_)),
+      transport_(make(bootstrap, config_)),
       scheduler_(config_.chunk_bytes, std::chrono::microseconds(config_.aging_us)) {
   thread_ = std::thread([this] { progress_loop(); });
 }

@@ -12,6 +12,7 @@
 #include <chrono>
 #include <condition_variable>
 #include <deque>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -32,6 +33,10 @@ class Communicator {
   // Collective over `bootstrap` (used during construction only). config.timeout_ms == 0 means
   // the default of 30 minutes (torch's default group timeout).
   Communicator(Bootstrap& bootstrap, Config config);
+  // Same, over the transport `make` builds (collective over the bootstrap it is given): tests run
+  // the CUDA transports on the emulated device this way.
+  using TransportFactory = std::function<std::unique_ptr<Transport>(Bootstrap&, const Config&)>;
+  Communicator(Bootstrap& bootstrap, Config config, const TransportFactory& make);
   ~Communicator();
   Communicator(const Communicator&) = delete;
   Communicator& operator=(const Communicator&) = delete;

@@ -9,72 +9,18 @@
 #include <thread>
 
 #include "cpp/communicator.h"
+#include "cpp_tests/exchange.h"
 #include "cpp_tests/fork_ranks.h"
 
 namespace freescale {
 namespace {
 
+using testing::Exchange;
+using testing::expect_all_ok;
+using testing::expect_comm_error;
 using testing::RankOutcome;
 using testing::run_forked_ranks;
-
-uint8_t pattern(int src, int dst, uint64_t i) { return static_cast<uint8_t>(src * 31 + dst * 7 + i * 13 + (i >> 8)); }
-
-Config small_config(uint64_t timeout_ms = 20000) {
-  Config c;
-  c.chunk_bytes = 64 * 1024;
-  c.arena_bytes = 512 * 1024;
-  c.timeout_ms = timeout_ms;
-  return c;
-}
-
-// counts[src][dst] bytes; fills the send buffer and checks what arrived.
-struct Exchange {
-  AllToAllLayout layout;
-  std::vector<uint8_t> send, recv;
-
-  Exchange(const std::vector<std::vector<uint64_t>>& counts, int rank) {
-    int world = static_cast<int>(counts.size());
-    std::vector<uint64_t> s(world), r(world);
-    for (int p = 0; p < world; ++p) {
-      s[p] = counts[rank][p];
-      r[p] = counts[p][rank];
-    }
-    layout = AllToAllLayout::packed(s, r);
-    send.resize(layout.total_send());
-    recv.assign(layout.total_recv(), 0xEE);
-    for (int p = 0; p < world; ++p)
-      for (uint64_t i = 0; i < s[p]; ++i) send[layout.send_offsets[p] + i] = pattern(rank, p, i);
-  }
-  std::string check(int rank) const {
-    for (size_t p = 0; p < layout.recv_bytes.size(); ++p)
-      for (uint64_t i = 0; i < layout.recv_bytes[p]; ++i)
-        if (recv[layout.recv_offsets[p] + i] != pattern(static_cast<int>(p), rank, i))
-          return "wrong byte " + std::to_string(i) + " from rank " + std::to_string(p);
-    return "";
-  }
-};
-
-void expect_all_ok(const std::vector<RankOutcome>& outcomes) {
-  for (size_t r = 0; r < outcomes.size(); ++r) {
-    EXPECT_FALSE(outcomes[r].timed_out) << "rank " << r << " hung";
-    EXPECT_EQ(outcomes[r].signal, 0) << "rank " << r << " crashed";
-    EXPECT_EQ(outcomes[r].exit_code, 0) << "rank " << r << ": " << outcomes[r].message;
-  }
-  EXPECT_TRUE(testing::leftover_segments().empty()) << "segments left in /dev/shm";
-}
-
-// Returns "" if `fn` throws CommError with `code` (any code if none is given), else a
-// description of what happened.
-template <typename Fn>
-std::string expect_comm_error(Fn fn, std::optional<ErrorCode> code = std::nullopt) {
-  try {
-    fn();
-  } catch (const CommError& e) {
-    if (!code || e.code() == *code) return "";
-    return std::string("CommError with the wrong code: ") + e.what();
-  }
-  return "no CommError";
-}
+using testing::small_config;
 
 class HostAllToAll : public ::testing::TestWithParam<int> {};
 
