@@ -11,9 +11,13 @@
 //   staging [dst][lane][slot] slot_bytes   chunks staged here before the put to rank dst
 //   ready   [src][lane]     uint64         chunks of src's pair-lane that landed here (SET n + 1)
 //   freed   [dst][lane]     uint64         chunks of ours dst has copied out (SET n + 1)
-//   audit   [src][window]   uint64         per op: ((seq + 1) << 32) | chunks src sent us so far
-//                                          in the op's lane (SET after its last chunk)
-//   recvd   [src][window]   uint64         seq + 1 once src received all of op seq from us
+//   audit   [src][window]   uint64         seq + 1 once src's byte count for op seq landed here
+//   recvd   [src][window]   uint64         seq + 1 once src received all of op seq (from everyone)
+//   audit_bytes [src][window] uint64       the bytes src sends us in op seq (put before audit)
+//   audit_out   [dst][lane]   uint64       our byte count for dst, staged as that put's source
+//                                          (reused in the pair-lane's stream order)
+//   notice  [src]           uint64         src's state, written by src: 0 running, 1 closed,
+//                                          2 + ErrorCode aborted
 #pragma once
 
 #include <cstdint>
@@ -30,11 +34,9 @@ inline int nvshmem_lane(int32_t priority) {
   return priority < 100 ? 2 : 3;
 }
 
-// The audit word a sender sets for op `seq` after its last chunk in that op's lane; `chunks` is
-// the pair-lane's chunk count after it (mod 2^32). Increases with seq for one (src, window) word.
-inline uint64_t nvshmem_audit_value(uint64_t seq, uint64_t chunks) {
-  return ((seq + 1) << 32) | (chunks & 0xffffffffull);
-}
+// notice values (see the arena above).
+constexpr uint64_t kNvshmemNoticeClosed = 1;
+constexpr uint64_t kNvshmemNoticeAbortBase = 2;
 
 struct NvshmemArenaLayout {
   static constexpr uint64_t kSlotAlign = 512;  // bytes: DMA-friendly slot starts
@@ -70,7 +72,14 @@ struct NvshmemArenaLayout {
   uint64_t recvd(int src, uint64_t seq) const {
     return ready(0, 0) + 8 * (2 * lane_words() + window_words() + window_word(src, seq));
   }
-  uint64_t num_bytes() const { return signals_offset() + 8 * (2 * lane_words() + 2 * window_words()); }
+  uint64_t audit_bytes(int src, uint64_t seq) const {
+    return ready(0, 0) + 8 * (2 * lane_words() + 2 * window_words() + window_word(src, seq));
+  }
+  uint64_t audit_out(int dst, int lane) const {
+    return ready(0, 0) + 8 * (2 * lane_words() + 3 * window_words() + lane_word(dst, lane));
+  }
+  uint64_t notice(int src) const { return ready(0, 0) + 8 * (3 * lane_words() + 3 * window_words() + src); }
+  uint64_t num_bytes() const { return signals_offset() + 8 * (3 * lane_words() + 3 * window_words() + world); }
   uint64_t signal_bytes() const { return num_bytes() - signals_offset(); }
 
  private:

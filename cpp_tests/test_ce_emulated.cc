@@ -208,8 +208,8 @@ TEST(CeEmulatedFailures, SplitMismatchByBytesWithEqualChunkCountsFailsEveryRank)
 TEST(CeEmulatedFailures, KilledRankFailsEverySurvivorWithPeerDied) {
   auto outcomes = run_forked_ranks(3, [](int rank, Bootstrap& bootstrap) -> std::string {
     EmulatedDevice device;
+    Exchange x(uniform_counts(3, 8 << 20), rank);  // outlives the transport's queued device work
     auto comm = ce_communicator(bootstrap, small_config(), device);
-    Exchange x(uniform_counts(3, 8 << 20), rank);
     if (rank == 2) raise(SIGKILL);
     auto op = comm->all_to_all(x.send.data(), x.recv.data(), x.layout, 0, true);
     return expect_comm_error([&] { comm->wait(op, kForever); }, ErrorCode::kPeerDied);

@@ -90,6 +90,8 @@ class DeviceOps {
   virtual void host_unregister(void* ptr) = 0;
   // Sets `bytes` of device memory to zero and waits for it.
   virtual void memset_sync(void* ptr, size_t bytes) = 0;
+  // Queues setting `bytes` of device memory to `byte` on `stream`.
+  virtual void fill_async(Stream stream, void* ptr, uint8_t byte, size_t bytes) = 0;
 
   // --- inter-process handles of device allocations (same node) ---
   // A printable handle of `ptr` (from device_alloc) that ipc_open maps in a peer process.

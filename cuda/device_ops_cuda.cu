@@ -156,6 +156,10 @@ class CudaDeviceOps final : public DeviceOps {
     check_cuda(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
   }
 
+  void fill_async(Stream stream, void* ptr, uint8_t byte, size_t bytes) override {
+    check_cuda(cudaMemsetAsync(ptr, byte, bytes, as_stream(stream)), "cudaMemsetAsync");
+  }
+
   std::string ipc_handle(void* ptr) override {
     cudaIpcMemHandle_t handle;
     check_cuda(cudaIpcGetMemHandle(&handle, ptr), "cudaIpcGetMemHandle");

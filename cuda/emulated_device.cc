@@ -137,6 +137,15 @@ EmulatedDevice::EmulatedDevice(EmulatedDeviceOptions options) : options_(options
 }
 
 EmulatedDevice::~EmulatedDevice() {
+  shutdown();
+  for (auto& [p, m] : allocations_) {
+    munmap(p, m.bytes == 0 ? 1 : m.bytes);
+    if (m.fd >= 0) close(m.fd);
+  }
+  for (auto& [p, n] : host_blocks_) std::free(p);
+}
+
+void EmulatedDevice::shutdown() {
   torn_down_.store(true);
   std::vector<std::shared_ptr<StreamState>> all;
   {
@@ -156,11 +165,6 @@ EmulatedDevice::~EmulatedDevice() {
   for (auto& s : all) {
     if (s->thread.joinable()) s->thread.join();
   }
-  for (auto& [p, m] : allocations_) {
-    munmap(p, m.bytes == 0 ? 1 : m.bytes);
-    if (m.fd >= 0) close(m.fd);
-  }
-  for (auto& [p, n] : host_blocks_) std::free(p);
 }
 
 int EmulatedDevice::current_device() { return t_device; }
@@ -397,6 +401,16 @@ void EmulatedDevice::host_unregister(void* ptr) {
 
 void EmulatedDevice::memset_sync(void* ptr, size_t bytes) { std::memset(ptr, 0, bytes); }
 
+void EmulatedDevice::fill_async(Stream stream, void* ptr, uint8_t byte, size_t bytes) {
+  enqueue(stream, [ptr, byte, bytes] {
+    // Word by word, atomically: stream waits on other threads read these words.
+    auto* words = static_cast<std::atomic<uint64_t>*>(ptr);
+    uint64_t value = 0x0101010101010101ull * byte;
+    for (size_t i = 0; i < bytes / 8; ++i) words[i].store(value, std::memory_order_release);
+    std::memset(static_cast<uint8_t*>(ptr) + bytes / 8 * 8, byte, bytes % 8);
+  });
+}
+
 std::string EmulatedDevice::ipc_handle(void* ptr) {
   std::lock_guard<std::mutex> lock(mu_);
   auto it = allocations_.find(ptr);
@@ -447,15 +461,26 @@ struct Rendezvous {
 EmulatedShmem::EmulatedShmem(EmulatedDevice& device, EmulatedShmemOptions options) : device_(device), options_(options) {}
 
 EmulatedShmem::~EmulatedShmem() {
+  device_.shutdown();  // stream work may still touch the heaps
   for (size_t p = 0; p < heaps_.size(); ++p) {
-    if (heaps_[p] != nullptr) munmap(heaps_[p], options_.heap_bytes);
+    if (heaps_[p] != nullptr) munmap(heaps_[p], heap_bytes_);
   }
   if (heap_fd_ >= 0) close(heap_fd_);
   if (rendezvous_ != nullptr) munmap(rendezvous_, sizeof(Rendezvous));
   if (rendezvous_fd_ >= 0) close(rendezvous_fd_);
 }
 
+void EmulatedShmem::read_environment_once() {
+  if (environment_read_) return;
+  environment_read_ = true;
+  const char* remote = std::getenv("NVSHMEM_REMOTE_TRANSPORT");
+  remote_transport_seen_ = remote != nullptr ? remote : "<unset>";
+  const char* size = std::getenv("NVSHMEM_SYMMETRIC_SIZE");
+  heap_bytes_ = size != nullptr ? std::strtoull(size, nullptr, 10) : options_.heap_bytes;
+}
+
 std::string EmulatedShmem::unique_id() {
+  read_environment_once();
   if (rendezvous_fd_ < 0) {
     rendezvous_fd_ = new_memfd(sizeof(Rendezvous), "freescale-emulated-uid");
     rendezvous_ = map_fd(rendezvous_fd_, sizeof(Rendezvous));
@@ -465,8 +490,8 @@ std::string EmulatedShmem::unique_id() {
 }
 
 int EmulatedShmem::init(const std::string& unique_id, int rank, int world) {
+  read_environment_once();
   if (world > kMaxPes || rank < 0 || rank >= world) return 1;
-  if (options_.init_status != 0) return options_.init_status;
   if (rendezvous_ == nullptr) {
     size_t bytes = 0;
     int fd = open_peer_fd(unique_id, &bytes);
@@ -475,16 +500,17 @@ int EmulatedShmem::init(const std::string& unique_id, int rank, int world) {
   }
   auto* meet = static_cast<Rendezvous*>(rendezvous_);
   rank_ = rank;
-  heap_fd_ = new_memfd(options_.heap_bytes, "freescale-emulated-heap");
+  heap_fd_ = new_memfd(heap_bytes_, "freescale-emulated-heap");
   heaps_.assign(static_cast<size_t>(world), nullptr);
-  heaps_[rank] = static_cast<uint8_t*>(map_fd(heap_fd_, options_.heap_bytes));
-  std::snprintf(meet->handles[rank], kHandleChars, "%d:%d:%zu", static_cast<int>(getpid()), heap_fd_, options_.heap_bytes);
+  heaps_[rank] = static_cast<uint8_t*>(map_fd(heap_fd_, heap_bytes_));
+  std::snprintf(meet->handles[rank], kHandleChars, "%d:%d:%zu", static_cast<int>(getpid()), heap_fd_, heap_bytes_);
   meet->joined.fetch_add(1);
   auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(30);
   while (meet->joined.load() < static_cast<uint32_t>(world)) {  // collective, like nvshmem init
     if (std::chrono::steady_clock::now() > deadline) return 2;
     std::this_thread::sleep_for(std::chrono::microseconds(100));
   }
+  if (options_.init_status != 0) return options_.init_status;  // failed after the collective part
   for (int p = 0; p < world; ++p) {
     if (p == rank) continue;
     size_t bytes = 0;
@@ -502,14 +528,14 @@ std::string EmulatedShmem::init_status_text() {
 
 void* EmulatedShmem::malloc(size_t bytes) {
   size_t start = (used_ + kHeapAlign - 1) / kHeapAlign * kHeapAlign;
-  if (heaps_.empty() || start + bytes > options_.heap_bytes) return nullptr;
+  if (heaps_.empty() || start + bytes > heap_bytes_) return nullptr;
   used_ = start + bytes;
   return heaps_[rank_] + start;
 }
 
 uint8_t* EmulatedShmem::remote(const void* local, int pe) const {
   auto offset = static_cast<const uint8_t*>(local) - heaps_[rank_];
-  if (offset < 0 || static_cast<size_t>(offset) >= options_.heap_bytes || pe < 0 || pe >= static_cast<int>(heaps_.size())) {
+  if (offset < 0 || static_cast<size_t>(offset) >= heap_bytes_ || pe < 0 || pe >= static_cast<int>(heaps_.size())) {
     throw Error(ErrorCode::kSystem, "emulated nvshmem: address outside the symmetric heap or bad PE");
   }
   return heaps_[pe] + offset;

@@ -72,10 +72,15 @@ class EmulatedDevice final : public DeviceOps {
   DevicePtr host_register(void* ptr, size_t bytes) override;
   void host_unregister(void* ptr) override;
   void memset_sync(void* ptr, size_t bytes) override;
+  void fill_async(Stream stream, void* ptr, uint8_t byte, size_t bytes) override;
 
   std::string ipc_handle(void* ptr) override;
   void* ipc_open(const std::string& handle) override;
   void ipc_close(void* ptr) override;
+
+  // Abandons queued work and joins every stream thread (idempotent; the destructor calls it).
+  // Memory the streams touch may be unmapped only after this.
+  void shutdown();
 
   // --- for tests and EmulatedShmem ---
   // Queues `task` on `stream` (blocks while the queue is full). `task` runs on the stream's thread;
@@ -116,11 +121,12 @@ class EmulatedDevice final : public DeviceOps {
 };
 
 struct EmulatedShmemOptions {
-  size_t heap_bytes = 64ull << 20;  // each PE's symmetric heap
+  // Each PE's symmetric heap when NVSHMEM_SYMMETRIC_SIZE (bytes) is unset at the first call.
+  size_t heap_bytes = 64ull << 20;
   // Emulates NVSHMEM 3.8's "limited MPG" run: init returns 0, init status says it is not fully
   // initialized, and a stream signal wait terminates the process, as the real library does.
   bool limited_mpg = false;
-  int init_status = 0;  // what init() returns (non-zero: a failed init)
+  int init_status = 0;  // what init() returns, after joining the others (non-zero: a failed init)
 };
 
 class EmulatedShmem final : public ShmemOps {
@@ -142,8 +148,14 @@ class EmulatedShmem final : public ShmemOps {
 
   // Stream signal waits this process has queued (tests: none may be queued in a limited run).
   size_t signal_waits_queued() const { return signal_waits_.load(); }
+  // NVSHMEM_REMOTE_TRANSPORT as the library read it: once, at the first unique_id() or init(),
+  // as NVSHMEM reads its environment ("<unset>" if it was not set then).
+  const std::string& remote_transport_seen() const { return remote_transport_seen_; }
+  size_t heap_bytes() const { return heap_bytes_; }
 
  private:
+  void read_environment_once();
+
   uint8_t* remote(const void* local, int pe) const;
 
   EmulatedDevice& device_;
@@ -155,6 +167,9 @@ class EmulatedShmem final : public ShmemOps {
   std::vector<uint8_t*> heaps_;  // [world] every PE's heap mapped here (ours: own)
   size_t used_ = 0;              // bump allocator: the same sequence of malloc on every PE
   std::atomic<size_t> signal_waits_{0};
+  bool environment_read_ = false;
+  std::string remote_transport_seen_;
+  size_t heap_bytes_ = 0;
 };
 
 }  // namespace freescale
