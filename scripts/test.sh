@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
-# Builds and runs the C++ tests (GoogleTest via ctest), then the Python tests (pytest) against the
-# installed package. Run scripts/setup.sh first on a fresh machine.
+# Builds and runs the C++ tests (GoogleTest via ctest; the CUDA transports run there on the emulated
+# device), checks that a plain `pip install .` builds and imports, then runs the Python tests
+# (pytest) against the installed package. Run scripts/setup.sh first on a fresh machine.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 cmake -S . -B build/ctest -DFREESCALE_BUILD_TESTS=ON -DCMAKE_BUILD_TYPE=Release > build-ctest.log 2>&1 || { cat build-ctest.log; exit 1; }
 cmake --build build/ctest -j2 >> build-ctest.log 2>&1 || { cat build-ctest.log; exit 1; }
 rm -f build-ctest.log
 ctest --test-dir build/ctest --output-on-failure
+bash scripts/check_plain_install.sh
 FREESCALE_REQUIRE_CLIENTS=1 python3 -m pytest python_tests -q -p no:cacheprovider
