@@ -512,9 +512,11 @@ void NvshmemTransport::check_peers() {
   }
   pump(health_, "reading the peers' notices failed");
   if (dead >= 0) ops_.synchronize(health_.stream);  // a copy only: it never waits on a peer
+  // Root cause: a dead peer's own notice (it failed, told us, and exited), else its death, else
+  // any peer's abort (which may be its reaction to that same death).
   for (int p = 0; p < world_; ++p) {
     const uint64_t notice = notice_mirror_[p];
-    if (p == rank_ || notice < kNvshmemNoticeAbortBase) continue;
+    if (p == rank_ || notice < kNvshmemNoticeAbortBase || (dead >= 0 && p != dead)) continue;
     auto code = static_cast<ErrorCode>(notice - kNvshmemNoticeAbortBase);
     throw CommError(ErrorCode::kPeerAborted, "rank " + std::to_string(p) + " aborted the communicator (" +
                                                  error_code_name(code) + "), so rank " + std::to_string(rank_) +
@@ -523,6 +525,14 @@ void NvshmemTransport::check_peers() {
   if (dead >= 0) {
     throw CommError(ErrorCode::kPeerDied, "rank " + std::to_string(dead) + " (pid " + std::to_string(pids_[dead]) +
                                               ") died while an op that needs it was pending");
+  }
+  for (int p = 0; p < world_; ++p) {
+    const uint64_t notice = notice_mirror_[p];
+    if (p == rank_ || notice < kNvshmemNoticeAbortBase) continue;
+    auto code = static_cast<ErrorCode>(notice - kNvshmemNoticeAbortBase);
+    throw CommError(ErrorCode::kPeerAborted, "rank " + std::to_string(p) + " aborted the communicator (" +
+                                                 error_code_name(code) + "), so rank " + std::to_string(rank_) +
+                                                 " fails too");
   }
   for (int p = 0; p < world_; ++p) {
     if (p == rank_ || notice_mirror_[p] != kNvshmemNoticeClosed) continue;
