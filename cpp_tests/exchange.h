@@ -5,6 +5,7 @@
 #include <gtest/gtest.h>
 
 #include <optional>
+#include <random>
 #include <string>
 #include <vector>
 
@@ -32,6 +33,19 @@ inline Config small_config(uint64_t timeout_ms = 20000) {
   c.arena_bytes = 512 * 1024;
   c.timeout_ms = timeout_ms;
   return c;
+}
+
+// Random counts[src][dst] in [0, max_bytes] (a quarter of them 0), the same on every rank (seeded).
+inline std::vector<std::vector<uint64_t>> random_counts(int world, uint64_t max_bytes, uint32_t seed) {
+  std::mt19937_64 rng(seed);
+  std::vector<std::vector<uint64_t>> counts(world, std::vector<uint64_t>(world));
+  for (auto& row : counts)
+    for (auto& c : row) c = rng() % 4 == 0 ? 0 : rng() % (max_bytes + 1);
+  return counts;
+}
+
+inline std::vector<std::vector<uint64_t>> uniform_counts(int world, uint64_t bytes) {
+  return std::vector<std::vector<uint64_t>>(world, std::vector<uint64_t>(world, bytes));
 }
 
 // counts[src][dst] bytes; fills the send buffer and checks what arrived.

@@ -6,7 +6,6 @@
 #include <unistd.h>
 
 #include <mutex>
-#include <random>
 #include <thread>
 #include <vector>
 
@@ -21,6 +20,8 @@ namespace {
 using namespace std::chrono_literals;
 using testing::drains_within;
 using testing::Exchange;
+using testing::random_counts;
+using testing::uniform_counts;
 using testing::expect_all_ok;
 using testing::expect_comm_error;
 using testing::nvshmem_communicator;
@@ -29,18 +30,6 @@ using testing::small_config;
 constexpr std::chrono::microseconds kForever{-1};
 // A small device queue: the transport must never need more (see kStepsAhead).
 const EmulatedDeviceOptions kSmallQueue{1, 16};
-
-std::vector<std::vector<uint64_t>> random_counts(int world, uint64_t max_bytes, uint32_t seed) {
-  std::mt19937_64 rng(seed);
-  std::vector<std::vector<uint64_t>> counts(world, std::vector<uint64_t>(world));
-  for (auto& row : counts)
-    for (auto& c : row) c = rng() % 4 == 0 ? 0 : rng() % (max_bytes + 1);
-  return counts;
-}
-
-std::vector<std::vector<uint64_t>> uniform_counts(int world, uint64_t bytes) {
-  return std::vector<std::vector<uint64_t>>(world, std::vector<uint64_t>(world, bytes));
-}
 
 class NvshmemEmulated : public ::testing::TestWithParam<int> {};
 

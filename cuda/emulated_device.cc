@@ -30,6 +30,16 @@ void* map_fd(int fd, size_t bytes) {
   return p;
 }
 
+// map_fd, closing `fd` if the mapping fails.
+void* map_fd_or_close(int fd, size_t bytes) {
+  try {
+    return map_fd(fd, bytes);
+  } catch (...) {
+    close(fd);
+    throw;
+  }
+}
+
 int new_memfd(size_t bytes, const char* what) {
   int fd = memfd_create(what, MFD_CLOEXEC);
   if (fd < 0) throw SystemError("memfd_create (emulated device memory)", errno);
@@ -350,13 +360,7 @@ void EmulatedDevice::wait_value64(Stream stream, DevicePtr addr, uint64_t value,
 
 void* EmulatedDevice::device_alloc(size_t bytes) {
   int fd = new_memfd(bytes, "freescale-emulated-device");
-  void* p = nullptr;
-  try {
-    p = map_fd(fd, bytes);
-  } catch (...) {
-    close(fd);
-    throw;
-  }
+  void* p = map_fd_or_close(fd, bytes);
   std::lock_guard<std::mutex> lock(mu_);
   allocations_[p] = Mapping{bytes, fd};
   return p;
@@ -423,13 +427,7 @@ std::string EmulatedDevice::ipc_handle(void* ptr) {
 void* EmulatedDevice::ipc_open(const std::string& handle) {
   size_t bytes = 0;
   int fd = open_peer_fd(handle, &bytes);
-  void* p = nullptr;
-  try {
-    p = map_fd(fd, bytes);
-  } catch (...) {
-    close(fd);
-    throw;
-  }
+  void* p = map_fd_or_close(fd, bytes);
   close(fd);
   std::lock_guard<std::mutex> lock(mu_);
   allocations_[p] = Mapping{bytes, -1};
@@ -450,6 +448,14 @@ namespace {
 constexpr int kMaxPes = 64;
 constexpr size_t kHandleChars = 64;
 constexpr size_t kHeapAlign = 512;
+
+void apply_signal(std::atomic<uint64_t>* word, uint64_t value, ShmemSignalOp op) {
+  if (op == ShmemSignalOp::kSet) {
+    word->store(value, std::memory_order_release);
+  } else {
+    word->fetch_add(value, std::memory_order_acq_rel);
+  }
+}
 
 struct Rendezvous {
   std::atomic<uint32_t> joined;
@@ -495,7 +501,7 @@ int EmulatedShmem::init(const std::string& unique_id, int rank, int world) {
   if (rendezvous_ == nullptr) {
     size_t bytes = 0;
     int fd = open_peer_fd(unique_id, &bytes);
-    rendezvous_ = map_fd(fd, sizeof(Rendezvous));
+    rendezvous_ = map_fd_or_close(fd, sizeof(Rendezvous));
     close(fd);
   }
   auto* meet = static_cast<Rendezvous*>(rendezvous_);
@@ -515,7 +521,7 @@ int EmulatedShmem::init(const std::string& unique_id, int rank, int world) {
     if (p == rank) continue;
     size_t bytes = 0;
     int fd = open_peer_fd(meet->handles[p], &bytes);
-    heaps_[p] = static_cast<uint8_t*>(map_fd(fd, bytes));
+    heaps_[p] = static_cast<uint8_t*>(map_fd_or_close(fd, bytes));
     close(fd);
   }
   return 0;
@@ -547,23 +553,13 @@ void EmulatedShmem::put_signal_on_stream(void* dest, const void* src, size_t byt
   auto* word = reinterpret_cast<std::atomic<uint64_t>*>(remote(signal, pe));
   device_.enqueue(stream, [to, src, bytes, word, value, op] {
     std::memcpy(to, src, bytes);
-    if (op == ShmemSignalOp::kSet) {
-      word->store(value, std::memory_order_release);
-    } else {
-      word->fetch_add(value, std::memory_order_acq_rel);
-    }
+    apply_signal(word, value, op);
   });
 }
 
 void EmulatedShmem::signal_op_on_stream(uint64_t* signal, uint64_t value, ShmemSignalOp op, int pe, Stream stream) {
   auto* word = reinterpret_cast<std::atomic<uint64_t>*>(remote(signal, pe));
-  device_.enqueue(stream, [word, value, op] {
-    if (op == ShmemSignalOp::kSet) {
-      word->store(value, std::memory_order_release);
-    } else {
-      word->fetch_add(value, std::memory_order_acq_rel);
-    }
-  });
+  device_.enqueue(stream, [word, value, op] { apply_signal(word, value, op); });
 }
 
 void EmulatedShmem::signal_wait_geq_on_stream(uint64_t* signal, uint64_t value, Stream stream) {
