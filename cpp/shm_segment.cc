@@ -15,10 +15,11 @@
 namespace freescale {
 namespace {
 
+// "/freescale-<creator pid>-<128 random bits>": the pid says whose a leftover is.
 std::string random_name() {
   std::random_device rd;  // reads the OS entropy source
-  char buf[64];
-  std::snprintf(buf, sizeof(buf), "/freescale-%08x%08x%08x%08x", rd(), rd(), rd(), rd());
+  char buf[80];
+  std::snprintf(buf, sizeof(buf), "/freescale-%d-%08x%08x%08x%08x", static_cast<int>(getpid()), rd(), rd(), rd(), rd());
   return buf;
 }
 

@@ -82,7 +82,7 @@ inline void expect_all_ok(const std::vector<RankOutcome>& outcomes) {
     EXPECT_EQ(outcomes[r].signal, 0) << "rank " << r << " crashed";
     EXPECT_EQ(outcomes[r].exit_code, 0) << "rank " << r << ": " << outcomes[r].message;
   }
-  EXPECT_TRUE(leftover_segments().empty()) << "segments left in /dev/shm";
+  EXPECT_TRUE(leftover_segments(outcomes).empty()) << "segments left in /dev/shm";
 }
 
 // Returns "" if `fn` throws CommError with `code` (any code if none is given), else a

@@ -110,6 +110,7 @@ std::vector<RankOutcome> run_forked_ranks(int world, const RankFn& fn, std::chro
   for (auto& r : results) close(r[1]);
 
   std::vector<RankOutcome> out(world);
+  for (int r = 0; r < world; ++r) out[r].pid = pids[r];
   auto deadline = std::chrono::steady_clock::now() + timeout;
   std::vector<bool> done(world, false);
   for (int remaining = world; remaining > 0;) {
@@ -145,11 +146,14 @@ std::vector<RankOutcome> run_forked_ranks(int world, const RankFn& fn, std::chro
   return out;
 }
 
-std::vector<std::string> leftover_segments() {
+std::vector<std::string> leftover_segments(const std::vector<RankOutcome>& ranks) {
   std::vector<std::string> names;
   if (DIR* dir = opendir("/dev/shm")) {
     while (dirent* e = readdir(dir)) {
-      if (std::strncmp(e->d_name, "freescale-", 10) == 0) names.emplace_back(e->d_name);
+      for (const RankOutcome& r : ranks) {
+        std::string prefix = "freescale-" + std::to_string(r.pid) + "-";
+        if (std::strncmp(e->d_name, prefix.c_str(), prefix.size()) == 0) names.emplace_back(e->d_name);
+      }
     }
     closedir(dir);
   }

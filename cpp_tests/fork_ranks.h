@@ -26,6 +26,7 @@ class PipeBootstrap : public Bootstrap {
 };
 
 struct RankOutcome {
+  int pid = -1;          // the child's pid
   int exit_code = -1;    // exit status when the child exited
   int signal = 0;        // terminating signal, 0 if it exited
   bool timed_out = false;
@@ -38,7 +39,8 @@ using RankFn = std::function<std::string(int rank, Bootstrap& bootstrap)>;
 std::vector<RankOutcome> run_forked_ranks(int world, const RankFn& fn,
                                           std::chrono::seconds timeout = std::chrono::seconds(60));
 
-// Names in /dev/shm that look like ours.
-std::vector<std::string> leftover_segments();
+// Names in /dev/shm of segments these ranks created ("freescale-<pid>-..."): other tests may
+// run beside this one.
+std::vector<std::string> leftover_segments(const std::vector<RankOutcome>& ranks);
 
 }  // namespace freescale::testing

@@ -214,7 +214,7 @@ TEST(CeEmulatedFailures, KilledRankFailsEverySurvivorWithPeerDied) {
   });
   EXPECT_EQ(outcomes[2].signal, SIGKILL);
   for (int r : {0, 1}) EXPECT_EQ(outcomes[r].exit_code, 0) << "rank " << r << ": " << outcomes[r].message;
-  EXPECT_TRUE(testing::leftover_segments().empty());
+  EXPECT_TRUE(testing::leftover_segments(outcomes).empty());
 }
 
 // Review defect 5: an op not yet admitted when the communicator closed (or failed) never moved

@@ -184,7 +184,7 @@ TEST(HostTransport, KilledPeerFailsEverySurvivorWithPeerDied) {
     EXPECT_FALSE(outcomes[r].timed_out);
     EXPECT_EQ(outcomes[r].exit_code, 0) << "rank " << r << ": " << outcomes[r].message;
   }
-  EXPECT_TRUE(testing::leftover_segments().empty());
+  EXPECT_TRUE(testing::leftover_segments(outcomes).empty());
 }
 
 TEST(HostTransport, PeerThatNeverJoinsTimesOut) {

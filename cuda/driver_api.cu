@@ -6,10 +6,8 @@
 #include "cpp/errors.h"
 
 namespace freescale {
-namespace {
 
-// Why an entry point could not be had: the runtime call's error, or else the driver's status.
-std::string lookup_failure(cudaError_t err, cudaDriverEntryPointQueryResult status) {
+std::string driver_entry_point_failure(cudaError_t err, cudaDriverEntryPointQueryResult status) {
   if (err != cudaSuccess) return std::string(cudaGetErrorName(err)) + " (" + cudaGetErrorString(err) + ")";
   switch (status) {
     case cudaDriverEntryPointSymbolNotFound:
@@ -21,6 +19,8 @@ std::string lookup_failure(cudaError_t err, cudaDriverEntryPointQueryResult stat
   }
 }
 
+namespace {
+
 template <class Fn>
 void resolve(const char* symbol, Fn*& out) {
   void* fn = nullptr;
@@ -30,7 +30,7 @@ void resolve(const char* symbol, Fn*& out) {
     cudaGetLastError();
     throw Error(ErrorCode::kUnsupported, std::string("the CUDA driver has no ") + symbol +
                                              " (stream memory operations need a CUDA 12+ driver): " +
-                                             lookup_failure(err, status));
+                                             driver_entry_point_failure(err, status));
   }
   out = reinterpret_cast<Fn*>(fn);
 }

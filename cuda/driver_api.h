@@ -6,6 +6,8 @@
 #include <cuda.h>
 #include <cuda_runtime.h>
 
+#include <string>
+
 namespace freescale {
 
 struct DriverApi {
@@ -18,6 +20,10 @@ struct DriverApi {
   // driver lacks it (64-bit stream memory operations need CUDA 12.0+ drivers).
   static const DriverApi& get();
 };
+
+// Why cudaGetDriverEntryPointByVersion gave no entry point: the runtime's error if it failed,
+// else the driver's status (err is cudaSuccess then: its string would read "no error").
+std::string driver_entry_point_failure(cudaError_t err, cudaDriverEntryPointQueryResult status);
 
 // Throws Error(kSystem) with `what` and CUDA's error string unless err == cudaSuccess.
 void check_cuda(cudaError_t err, const char* what);

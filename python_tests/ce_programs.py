@@ -154,3 +154,53 @@ def cuda_transport_name(info) -> str:
     name = comm._cuda_cores[0].transport
     comm.close()
     return name
+
+
+def futures_order_the_waiting_stream(info, nbytes: int) -> dict[str, int]:
+    """CUDA futures of the freescale backend order streams (as NCCL's): list-form all_to_all and
+    all_to_all_single issued on one stream, their futures waited on (or chained with then()) on
+    another, whose kernels then read the outputs with no host sync in between. The list form's
+    unpack copies are the race this catches: before, they ran on the progress thread's default
+    stream and the future was a CPU one. Returns the wrong elements per path."""
+    import torch.distributed as dist
+
+    torch.cuda.set_device(0)
+    world, rank = info.world_size, info.rank
+    n = nbytes // 4 // world
+    ins = [torch.arange(n, dtype=torch.int32, device="cuda") + (rank * world + p) * n for p in range(world)]
+    want = [torch.arange(n, dtype=torch.int32, device="cuda") + (p * world + rank) * n for p in range(world)]
+    flat_in, flat_want = torch.cat(ins), torch.cat(want)
+    torch.cuda.synchronize()
+    issue, consume = torch.cuda.Stream(), torch.cuda.Stream()
+
+    def count(outs: list[torch.Tensor], expected: list[torch.Tensor]) -> torch.Tensor:
+        return sum((o != e).sum() for o, e in zip(outs, expected))  # on the current stream
+
+    outs = [torch.full((n,), -1, dtype=torch.int32, device="cuda") for _ in range(world)]
+    with torch.cuda.stream(issue):
+        fut = dist.all_to_all(outs, ins, async_op=True).get_future()
+    with torch.cuda.stream(consume):
+        bad_wait = count(fut.wait(), want)
+
+    outs2 = [torch.full((n,), -1, dtype=torch.int32, device="cuda") for _ in range(world)]
+    with torch.cuda.stream(issue):
+        chained = dist.all_to_all(outs2, ins, async_op=True).get_future().then(lambda f: count(f.value(), want))
+    with torch.cuda.stream(consume):
+        bad_then = chained.wait()
+
+    outs3 = [torch.full((n,), -1, dtype=torch.int32, device="cuda") for _ in range(world)]
+    with torch.cuda.stream(issue):
+        work = dist.all_to_all(outs3, ins, async_op=True)
+        work.wait()  # unpacks on `issue`
+    with torch.cuda.stream(consume):
+        bad_wait_then_future = count(work.get_future().wait(), want)
+
+    out = torch.full_like(flat_in, -1)
+    with torch.cuda.stream(issue):
+        fut_single = dist.all_to_all_single(out, flat_in, async_op=True).get_future()
+    with torch.cuda.stream(consume):
+        bad_single = count(fut_single.wait(), [flat_want])
+
+    torch.cuda.synchronize()
+    return {"wait": int(bad_wait), "then": int(bad_then), "wait_then_future": int(bad_wait_then_future),
+            "single": int(bad_single)}

@@ -41,3 +41,9 @@ def test_the_freescale_backend_moves_cuda_alltoall_on_copy_engines():
 def test_back_to_back_synchronous_ops_do_not_deadlock():
     for wrong in spawn(ce_programs.back_to_back_ops_without_a_host_sync, 2, 64 * MiB, 4, timeout_s=300):
         assert wrong == [0, 0, 0, 0]
+
+
+def test_cuda_futures_order_the_stream_that_waits_on_them():
+    for wrong in spawn(ce_programs.futures_order_the_waiting_stream, 2, 256 * MiB, backend="freescale",
+                       timeout_s=300):
+        assert wrong == {"wait": 0, "then": 0, "wait_then_future": 0, "single": 0}

@@ -188,6 +188,8 @@ class ProcessGroupFreescale(dist.ProcessGroup):
                                             [t.numel() for t in input_tensors], priority=current_priority(), async_op=True)
 
         def unpack(_: Any) -> list[torch.Tensor]:
+            if recv.is_cuda:  # copies may run on a stream other than recv's: keep its block until they ran
+                recv.record_stream(torch.cuda.current_stream(recv.device))
             for out, part in zip(output_tensors, recv.split([t.numel() for t in output_tensors])):
                 out.copy_(part.view_as(out))
             return output_tensors
@@ -277,19 +279,29 @@ class ProcessGroupFreescale(dist.ProcessGroup):
 
 class _UnpackWork(_NativeWork):
     """all_to_all (list form): the op's bytes land packed, and are copied to the caller's outputs
-    once it completes (in wait(), or before the future's callbacks run)."""
+    once it completes: in wait() (CUDA: on the caller's current stream, after it waited for the
+    op), or in the future's callback (CUDA: on the callback's stream, which waited for the op; the
+    child future's events follow the copies). Unpacks once; a CUDA unpack records an event that
+    the later path's stream waits on."""
 
     def __init__(self, work: Work, outputs: list[torch.Tensor], unpack: Any) -> None:
         super().__init__(work, outputs)
         self._unpack = unpack
         self._unpacked = False
+        self._unpacked_event: Optional[torch.cuda.Event] = None  # CUDA: after the unpack copies
         self._lock = threading.Lock()
 
     def _finish(self) -> None:
+        device = self._result[0].device if self._result else torch.device("cpu")
         with self._lock:
             if not self._unpacked:
                 self._unpack(None)
                 self._unpacked = True
+                if device.type == "cuda":
+                    self._unpacked_event = torch.cuda.Event()
+                    self._unpacked_event.record(torch.cuda.current_stream(device))
+            elif self._unpacked_event is not None:
+                torch.cuda.current_stream(device).wait_event(self._unpacked_event)
 
     def wait(self, timeout: Optional[datetime.timedelta] = None) -> bool:
         done = super().wait(timeout)
@@ -298,7 +310,7 @@ class _UnpackWork(_NativeWork):
 
     def get_future(self) -> torch.futures.Future:
         def then(fut: torch.futures.Future) -> list[torch.Tensor]:
-            fut.wait()  # re-raises the op's error
+            fut.wait()  # re-raises the op's error; CUDA: the callback's stream waits for the op
             self._finish()
             return self._result
 

@@ -85,18 +85,47 @@ class Work:
     def get_future(self) -> torch.futures.Future:
         """A torch Future completed with [output] (or the CommError) when the op finishes. Its
         callbacks run on the thread that completes the op (the communicator's progress thread, or
-        one blocked in wait)."""
+        one blocked in wait). CUDA tensors (as NCCL's): a CUDA-aware future, so its wait() and
+        value() make the current stream wait for the op's bytes, and then() callbacks run on a
+        stream that does."""
         with self._lock:
             if self._future is None:
-                future: torch.futures.Future = torch.futures.Future()
+                devices = [self._device] if self._device is not None else None
+                future: torch.futures.Future = torch.futures.Future(devices=devices)
                 self._future = future
 
                 def on_done() -> None:
                     error = self.exception()
                     if error is not None:
                         future.set_exception(error)
-                    else:
+                    elif self._device is None:
                         future.set_result(self._result)
+                    else:
+                        self._set_cuda_result(future)
 
                 self._handle.add_done_callback(on_done)
             return self._future
+
+    def _set_cuda_result(self, future: torch.futures.Future) -> None:
+        """Completes `future` with the events it records on a side stream that waits for the op
+        (stream_wait takes no lock: safe on the progress thread). Not the completing thread's
+        current stream: on the default stream the events would also wait for unrelated work."""
+        assert self._device is not None
+        side = _side_stream(self._device)
+        self._comm.stream_wait(self._handle, side.cuda_stream)
+        with torch.cuda.device(self._device), torch.cuda.stream(side):
+            future.set_result(self._result)
+
+
+_side_streams: dict[int, "torch.cuda.Stream"] = {}
+_side_streams_lock = threading.Lock()
+
+
+def _side_stream(device: torch.device) -> "torch.cuda.Stream":
+    """One stream per GPU on which CUDA futures are completed (it carries only stream waits)."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    with _side_streams_lock:
+        stream = _side_streams.get(index)
+        if stream is None:
+            stream = _side_streams[index] = torch.cuda.Stream(device=index)
+        return stream
