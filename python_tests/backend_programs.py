@@ -172,3 +172,78 @@ def barrier_peer_never_joins(info, timeout_s: float) -> str:
     except Exception as e:  # noqa: BLE001 - the message is the result
         return f"{time.monotonic() - start:.2f}|{type(e).__name__}: {e}"
     return "no error"
+
+
+def _shape_cases(rank: int) -> dict[str, tuple]:
+    """all_to_all_single calls at world 2: name -> (output, input, output_split_sizes,
+    input_split_sizes), each as rank `rank` makes it."""
+    base = torch.arange(12.0) + 100 * rank
+    return {
+        # TorchRec's All2All_Seq_Req on ranks that own no table: a [0, D] input, a flat output,
+        # splits in elements.
+        "torchrec_seq_req": (torch.zeros(16), torch.empty(0, 8), [0, 16], [0, 0]) if rank == 0
+        else (torch.zeros(0), torch.arange(16.0) + 100, [0, 0], [16, 0]),
+        "row_shapes_differ": (torch.zeros(8), base[:8].view(4, 2), [4, 4], [2, 2]),
+        "three_wide_rows_into_two_wide": (torch.zeros(6, 2), base.view(4, 3), [3, 3], [2, 2]),
+        "equal_splits_row_shapes_differ": (torch.zeros(4), base[:4].view(2, 2), None, None),
+        "zero_rows_any_shapes": (torch.zeros(0, 5, 3), torch.zeros(0, 7), [0, 0], [0, 0]),
+        "zero_rows_equal_splits": (torch.zeros(0, 3), torch.zeros(0, 8), None, None),
+        "empty_side_3d_output": (torch.zeros(2, 2, 2), torch.empty(0, 4), [0, 2], [0, 0]) if rank == 0
+        else (torch.zeros(0, 9), base[:8].view(2, 4), [0, 0], [2, 0]),
+    }
+
+
+def _refused_cases(rank: int) -> dict[str, tuple]:
+    """Calls gloo refuses before communicating; freescale must refuse them too, naming why."""
+    return {
+        "dtypes_differ": ("dtype", (torch.zeros(4, dtype=torch.float64), torch.arange(4.0), [2, 2], [2, 2])),
+        "split_sum_is_not_dim0": ("output_split_sizes", (torch.zeros(3), torch.arange(4.0), [2, 2], [2, 2])),
+        "scalar_with_splits": ("dimension", (torch.tensor(-1.0), torch.tensor(1.0 + rank), [1, 0], [1, 0])),
+    }
+
+
+def all_to_all_shapes_as_gloo(info) -> list[str]:
+    """Each call of _shape_cases on the freescale group and on a gloo group: the same outputs.
+    Each of _refused_cases: both refuse (freescale with ValueError/TypeError naming the argument),
+    and the groups stay usable. Returns the case names checked."""
+    assert info.world_size == 2
+    rank = info.rank
+    gl = dist.new_group(backend="gloo")
+    checked = []
+    for name, (out, inp, out_splits, in_splits) in _shape_cases(rank).items():
+        ours, theirs = out.clone(), out.clone()
+        dist.all_to_all_single(ours, inp, out_splits, in_splits)
+        dist.all_to_all_single(theirs, inp, out_splits, in_splits, group=gl)
+        assert torch.equal(ours, theirs), f"{name}: freescale {ours} != gloo {theirs}"
+        checked.append(name)
+    for name, (needle, (out, inp, out_splits, in_splits)) in _refused_cases(rank).items():
+        for group in (None, gl):
+            try:
+                dist.all_to_all_single(out.clone(), inp, out_splits, in_splits, group=group)
+            except (ValueError, TypeError, RuntimeError, IndexError) as e:
+                if group is None:
+                    assert isinstance(e, (ValueError, TypeError)) and needle in str(e), f"{name}: {e!r}"
+            else:
+                raise AssertionError(f"{name}: {'freescale' if group is None else 'gloo'} accepted it")
+        checked.append(name)
+    x = torch.arange(4.0) + 10 * rank  # both groups still work
+    ours, theirs = torch.zeros(4), torch.zeros(4)
+    dist.all_to_all_single(ours, x)
+    dist.all_to_all_single(theirs, x, group=gl)
+    assert torch.equal(ours, theirs)
+    return checked
+
+
+def pair_bytes_disagree_across_row_shapes(info) -> str:
+    """Rank 0 sends rank 1 two 3-wide rows; rank 1 expects two 2-wide rows (gloo: an enforce
+    failure on one rank, a closed connection on the other). Returns this rank's CommError code."""
+    rank = info.rank
+    if rank == 0:
+        out, inp, out_splits, in_splits = torch.zeros(2, 3), torch.ones(4, 3), [2, 0], [2, 2]
+    else:
+        out, inp, out_splits, in_splits = torch.zeros(4, 2), torch.ones(0, 3), [2, 2], [0, 0]
+    try:
+        dist.all_to_all_single(out, inp, out_splits, in_splits)
+    except fc.CommError as e:
+        return e.code
+    return "no error"

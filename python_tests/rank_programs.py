@@ -91,7 +91,6 @@ def bad_inputs_raise_before_communicating(info) -> list[str]:
         (ValueError, "device", dict(output=out.to("meta"), input=x)),
         (ValueError, "output", dict(output=torch.empty(8, 2).t(), input=torch.empty(2, 8))),
         (ValueError, "world size", dict(output=torch.empty(7), input=torch.empty(7))),
-        (ValueError, "rows hold", dict(output=torch.empty(8, 3), input=torch.empty(8, 2))),
         (TypeError, "priority", dict(output=out, input=x, priority="high")),
     ]
     assert world == 2

@@ -12,9 +12,11 @@ import torch.distributed as dist
 import freescale_comm as fc
 from freescale_comm.testing import run_ranks, spawn
 from backend_programs import (
+    all_to_all_shapes_as_gloo,
     async_ops_and_priorities_interleave,
     barrier_peer_never_joins,
     every_collective_matches_gloo,
+    pair_bytes_disagree_across_row_shapes,
     subgroup_of_some_ranks,
 )
 
@@ -63,3 +65,13 @@ def test_torchrun_script_with_only_dist_calls():
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert proc.stdout.count("torchrun_backend: rank ok") == 4, proc.stdout
+
+
+def test_all_to_all_single_takes_every_shape_gloo_completes_and_refuses_what_it_refuses():
+    for checked in spawn(all_to_all_shapes_as_gloo, 2, backend="freescale"):
+        assert len(checked) == 10, checked
+
+
+def test_pairs_whose_bytes_disagree_fail_every_rank():
+    codes = spawn(pair_bytes_disagree_across_row_shapes, 2, backend="freescale")
+    assert "SIZE_MISMATCH" in codes and all(c in {"SIZE_MISMATCH", "PEER_ABORTED"} for c in codes), codes

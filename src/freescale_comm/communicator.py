@@ -158,8 +158,11 @@ class Communicator:
     ) -> Work:
         """Same semantics as ``dist.all_to_all_single``: rows of `input` (dim 0), cut by
         `input_split_sizes` (None = equal), go to ranks in order; rows from rank p land in
-        `output` at the offset given by `output_split_sizes`. Any dtype and trailing shape;
-        `input` may be non-contiguous, `output` must be contiguous. Returns a Work, already
+        `output` at the offset given by `output_split_sizes`. Any dtype; as with gloo, input and
+        output rows may differ in shape (e.g. a `[0, D]` input and a flat output, as TorchRec
+        sends): what each pair of ranks exchanges must agree in bytes, else CommError
+        (SIZE_MISMATCH) on every rank. `input` may be non-contiguous, `output` must be contiguous
+        (gloo would write a non-contiguous one as if it were contiguous). Returns a Work, already
         completed unless `async_op`. Bad arguments raise ValueError/TypeError before any
         communication; failures between ranks raise CommError on every rank."""
         _check_tensor(output, "output")
@@ -176,19 +179,15 @@ class Communicator:
         check_priority(priority)
         if not output.is_contiguous():
             raise ValueError("output must be contiguous: receive into a contiguous tensor and copy it where needed")
-        row_elems_in = math.prod(input.shape[1:])  # elements per dim-0 row (also for 0 rows)
-        row_elems_out = math.prod(output.shape[1:])
-        if row_elems_in != row_elems_out:
-            raise ValueError(
-                f"input rows hold {row_elems_in} elements (shape {tuple(input.shape)}) but output rows hold "
-                f"{row_elems_out} (shape {tuple(output.shape)}); the shapes beyond dim 0 must match"
-            )
+        # Bytes per dim-0 row of each side (a side with 0 rows may have any shape). As gloo, only
+        # the bytes each pair exchanges must agree; the transport checks that between ranks.
+        row_bytes_in = math.prod(input.shape[1:]) * input.element_size()
+        row_bytes_out = math.prod(output.shape[1:]) * output.element_size()
         world = self.world_size
         in_splits = _split_sizes(input_split_sizes, input.shape[0], world, "input_split_sizes", "input")
         out_splits = _split_sizes(output_split_sizes, output.shape[0], world, "output_split_sizes", "output")
         source = input if input.is_contiguous() else input.contiguous()
-        row_bytes = row_elems_in * input.element_size()
-        layout = _core.AllToAllLayout.packed([s * row_bytes for s in in_splits], [s * row_bytes for s in out_splits])
+        layout = _core.AllToAllLayout.packed([s * row_bytes_in for s in in_splits], [s * row_bytes_out for s in out_splits])
         return self._submit(output, source, layout, priority, async_op)
 
     def _core_for(self, device: torch.device) -> Any:
