@@ -247,3 +247,29 @@ def pair_bytes_disagree_across_row_shapes(info) -> str:
     except fc.CommError as e:
         return e.code
     return "no error"
+
+
+def _freescale_ranges(prof) -> list[str]:
+    return [e.name for e in prof.events() if e.name.startswith("freescale:")]
+
+
+def native_ops_are_profiler_ranges(info) -> list[str]:
+    """Under torch.profiler, each native op (all_to_all_single sync and async, the list form,
+    barrier, dispatch, combine) is one range named by the op, its priority and its bytes. Returns
+    the range names, in order of their start."""
+    rank, world = info.rank, info.world_size
+    x = torch.arange(4 * world, dtype=torch.float32)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        dist.all_to_all_single(torch.empty_like(x), x)
+        with fc.priority(9):
+            work = dist.all_to_all_single(torch.empty(2 * world, dtype=torch.int64), torch.ones(2 * world, dtype=torch.int64),
+                                          async_op=True)
+        work.wait()
+        dist.all_to_all([torch.empty(3) for _ in range(world)], [torch.ones(3) for _ in range(world)])
+        dist.barrier()
+        lengths = torch.tensor([2, 1])
+        res = fc.dispatch(torch.ones(3, 4), lengths, torch.tensor([(rank + 1) % world, rank]))
+        fc.combine(res.values, res.handle)
+    events = sorted((e for e in prof.events() if e.name.startswith("freescale:")), key=lambda e: e.time_range.start)
+    return [e.name for e in events]
+

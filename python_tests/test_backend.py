@@ -16,6 +16,7 @@ from backend_programs import (
     async_ops_and_priorities_interleave,
     barrier_peer_never_joins,
     every_collective_matches_gloo,
+    native_ops_are_profiler_ranges,
     pair_bytes_disagree_across_row_shapes,
     subgroup_of_some_ranks,
 )
@@ -75,3 +76,13 @@ def test_all_to_all_single_takes_every_shape_gloo_completes_and_refuses_what_it_
 def test_pairs_whose_bytes_disagree_fail_every_rank():
     codes = spawn(pair_bytes_disagree_across_row_shapes, 2, backend="freescale")
     assert "SIZE_MISMATCH" in codes and all(c in {"SIZE_MISMATCH", "PEER_ABORTED"} for c in codes), codes
+
+
+def test_native_ops_appear_in_profiler_traces_with_priority_and_bytes():
+    for names in spawn(native_ops_are_profiler_ranges, 2, backend="freescale"):
+        assert names[:4] == ["freescale:all_to_all_single priority=0 send=32B recv=32B",
+                             "freescale:all_to_all_single priority=9 send=32B recv=32B",
+                             "freescale:all_to_all priority=0 send=24B recv=24B",
+                             "freescale:barrier priority=0 send=0B recv=0B"], names
+        dispatch_and_combine = [n.split()[0] for n in names[4:]]
+        assert "freescale:dispatch" in dispatch_and_combine and dispatch_and_combine[-1] == "freescale:combine", names

@@ -63,3 +63,12 @@ def test_torchrec_jagged_tensor_all_to_all(world):
 
     received = spawn(jagged_tensor_all_to_all, world, 9, backend="freescale")
     assert sum(received) > 0, received
+
+
+def test_a_groups_default_priority_reaches_torchrecs_backward_all_to_all():
+    _need("torchrec")
+    from torchrec_programs import group_default_priority_reaches_torchrec_backward
+
+    for ranges in spawn(group_default_priority_reaches_torchrec_backward, 2, backend="gloo"):
+        assert ranges["forward"] and all(" priority=50 " in r for r in ranges["forward"]), ranges
+        assert ranges["backward"] and all(" priority=7 " in r for r in ranges["backward"]), ranges

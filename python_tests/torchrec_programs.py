@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+
+import freescale_comm as fc
 from torchrec.distributed.dist_data import JaggedTensorAllToAll, KJTAllToAll, SequenceEmbeddingsAllToAll
 from torchrec.sparse.jagged_tensor import JaggedTensor, KeyedJaggedTensor
 
@@ -106,3 +108,42 @@ def jagged_tensor_all_to_all(info, seed: int) -> int:
     assert torch.equal(out_fs.weights(), out_gl.weights())
     assert out_fs.lengths().numel() == int(receive_fs.sum())
     return out_fs.lengths().numel()
+
+
+def _native_ranges(prof) -> list[str]:
+    return [e.name for e in prof.events() if e.name.startswith("freescale:")]
+
+
+def group_default_priority_reaches_torchrec_backward(info) -> dict[str, list[str]]:
+    """TorchRec's SequenceEmbeddingsAllToAll over a group made with fc.Options(priority=7):
+    forward inside fc.priority(50), backward (run by autograd) outside it; outputs and gradients
+    as over gloo. Returns the profiler ranges of each phase."""
+    rank, world = info.rank, info.world_size
+    pg = dist.new_group(backend="freescale", pg_options=fc.Options(priority=7))
+    gl = dist.new_group(backend="gloo")
+    assert pg.default_priority == 7
+    rows = 2 * world  # one local table, one sample per rank, two rows each, 3 wide
+    splits = [2] * world
+
+    def forward(group):
+        local = (torch.arange(rows * 3, dtype=torch.float32).view(rows, 3) + 100 * rank).requires_grad_()
+        out = SequenceEmbeddingsAllToAll(group, [1] * world)(
+            local_embs=local, lengths=torch.full((1, world), 2), input_splits=splits, output_splits=splits).wait()
+        return local, out
+
+    profile = lambda: torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])  # noqa: E731
+    with profile() as forward_ranges, fc.priority(50):
+        local, out = forward(pg)
+    weights = torch.arange(out.numel(), dtype=out.dtype).view_as(out)  # distinct gradient rows
+    with profile() as backward_ranges:
+        (out * weights).sum().backward()
+    local_gl, out_gl = forward(gl)
+    (out_gl * weights).sum().backward()
+    assert torch.equal(out, out_gl) and torch.equal(local.grad, local_gl.grad)
+    try:
+        dist.new_group(backend="freescale", pg_options=dist.ProcessGroupGloo._Options())
+    except TypeError as e:
+        assert "fc.Options" in str(e), e
+    else:
+        raise AssertionError("a gloo Options object was accepted as a freescale group's pg_options")
+    return {"forward": _native_ranges(forward_ranges), "backward": _native_ranges(backward_ranges)}

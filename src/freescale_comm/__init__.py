@@ -13,7 +13,7 @@ from freescale_comm._core import (
     UnsupportedError,
 )
 from freescale_comm import planner
-from freescale_comm.backend import ProcessGroupFreescale, priority, register_backend
+from freescale_comm.backend import Options, ProcessGroupFreescale, priority, register_backend
 from freescale_comm.balancer import BalancedBatch, LoadBalancer, balance
 from freescale_comm.build import build_info
 from freescale_comm.communicator import Communicator
@@ -34,6 +34,7 @@ __all__ = [
     "InternalError",
     "InvalidUsageError",
     "LoadBalancer",
+    "Options",
     "ProcessGroupFreescale",
     "UnsupportedError",
     "Work",

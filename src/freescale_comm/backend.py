@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import dataclasses
 import datetime
 import logging
 import threading
@@ -30,13 +31,16 @@ logger = logging.getLogger("freescale_comm")
 
 BACKEND_NAME = "freescale"
 
-_priority: contextvars.ContextVar[int] = contextvars.ContextVar("freescale_priority", default=0)
+# None outside any fc.priority block: the group's default priority applies.
+_priority: contextvars.ContextVar[Optional[int]] = contextvars.ContextVar("freescale_priority", default=None)
 
 
 @contextlib.contextmanager
 def priority(p: int) -> Iterator[None]:
     """Native ops issued through a ``freescale`` group inside this block run at priority `p`
-    (an int; larger = sooner; default 0). Priorities reorder execution, never matching."""
+    (an int; larger = sooner), whatever the group's default. Priorities reorder execution, never
+    matching. The block holds on the thread (and context) that enters it: backward AllToAlls run
+    by autograd take the group's default priority instead (see Options)."""
     token = _priority.set(check_priority(p))
     try:
         yield
@@ -46,7 +50,24 @@ def priority(p: int) -> Iterator[None]:
 
 def current_priority() -> int:
     """The priority set by the innermost ``fc.priority`` block (0 outside any)."""
-    return _priority.get()
+    p = _priority.get()
+    return 0 if p is None else p
+
+
+@dataclasses.dataclass(frozen=True)
+class Options:
+    """The ``pg_options`` of a freescale group. `priority` (int, larger = sooner; default 0) is
+    the group's default: its native ops run at it unless issued inside ``fc.priority(...)``.
+    Unlike that block, it reaches ops issued on any thread, e.g. the backward AllToAlls autograd
+    runs for TorchRec's comm ops: give embedding traffic its own group at a high priority::
+
+        emb_pg = dist.new_group(backend="freescale", pg_options=fc.Options(priority=100))
+    """
+
+    priority: int = 0
+
+    def __post_init__(self) -> None:
+        check_priority(self.priority)
 
 
 class _NativeWork(dist._Work):
@@ -81,8 +102,10 @@ class _NativeWork(dist._Work):
 class ProcessGroupFreescale(dist.ProcessGroup):
     """Created by torch for ``init_process_group("freescale")`` / ``new_group(backend="freescale")``."""
 
-    def __init__(self, store: dist.Store, rank: int, size: int, timeout: datetime.timedelta, group_name: str = "") -> None:
+    def __init__(self, store: dist.Store, rank: int, size: int, timeout: datetime.timedelta, group_name: str = "",
+                 options: Optional[Options] = None) -> None:
         super().__init__(rank, size)
+        self.default_priority = (options or Options()).priority  # ops outside any fc.priority block
         self._store = store
         self._timeout = timeout
         self._group_name_ = group_name
@@ -150,6 +173,19 @@ class ProcessGroupFreescale(dist.ProcessGroup):
         logger.warning("freescale group %r: CUDA all_to_all falls back to NCCL (%s)", self._group_name_, error)
 
     # --- native ---------------------------------------------------------------------------------
+    @property
+    def default_priority(self) -> int:
+        """The priority of this group's native ops issued outside any ``fc.priority`` block."""
+        return self._default_priority
+
+    @default_priority.setter
+    def default_priority(self, p: int) -> None:
+        self._default_priority = check_priority(p)
+
+    def _op_priority(self) -> int:
+        p = _priority.get()
+        return self._default_priority if p is None else p
+
     def all_to_all_single(self, output: torch.Tensor, input: torch.Tensor, output_split_sizes: Sequence[int],
                           input_split_sizes: Sequence[int], opts: Any = None) -> dist.Work:
         if not self._native([output, input]):
@@ -158,7 +194,7 @@ class ProcessGroupFreescale(dist.ProcessGroup):
         assert self._comm is not None
         try:
             work = self._comm.all_to_all_single(output, input, output_split_sizes, input_split_sizes,
-                                                priority=current_priority(), async_op=True)
+                                                priority=self._op_priority(), async_op=True)
         except _core.UnsupportedError as e:
             if input.device.type != "cuda":
                 raise
@@ -184,8 +220,8 @@ class ProcessGroupFreescale(dist.ProcessGroup):
         send = torch.cat([t.reshape(-1) for t in input_tensors]) if input_tensors else torch.empty(0)
         recv = torch.empty(sum(t.numel() for t in output_tensors), dtype=send.dtype, device=send.device)
         assert self._comm is not None
-        work = self._comm.all_to_all_single(recv, send, [t.numel() for t in output_tensors],
-                                            [t.numel() for t in input_tensors], priority=current_priority(), async_op=True)
+        work = self._comm._all_to_all(recv, send, [t.numel() for t in output_tensors], [t.numel() for t in input_tensors],
+                                      self._op_priority(), True, "all_to_all")
 
         def unpack(_: Any) -> list[torch.Tensor]:
             if recv.is_cuda:  # copies may run on a stream other than recv's: keep its block until they ran
@@ -200,8 +236,8 @@ class ProcessGroupFreescale(dist.ProcessGroup):
         if self._comm is None:
             return self._cpu.barrier(opts if opts is not None else dist.BarrierOptions())
         empty = torch.empty(0, dtype=torch.uint8)
-        work = self._comm.all_to_all_single(empty, empty, [0] * self.size(), [0] * self.size(),
-                                            priority=current_priority(), async_op=True)
+        work = self._comm._all_to_all(empty, empty, [0] * self.size(), [0] * self.size(), self._op_priority(), True,
+                                      "barrier")
         return _NativeWork(work, [])
 
     # --- delegated (same results as the inner group) ------------------------------------------
@@ -318,8 +354,11 @@ class _UnpackWork(_NativeWork):
 
 
 def _create(backend_options: Any, pg_options: Any = None) -> ProcessGroupFreescale:
+    if pg_options is not None and not isinstance(pg_options, Options):
+        raise TypeError(f"pg_options of a freescale group must be freescale_comm.Options (e.g. "
+                        f"fc.Options(priority=100)) or None, got {type(pg_options).__name__}")
     return ProcessGroupFreescale(backend_options.store, backend_options.group_rank, backend_options.group_size,
-                                 backend_options.timeout, str(backend_options.group_id or ""))
+                                 backend_options.timeout, str(backend_options.group_id or ""), pg_options)
 
 
 def register_backend(name: str = BACKEND_NAME) -> None:

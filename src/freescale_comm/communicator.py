@@ -165,6 +165,13 @@ class Communicator:
         (gloo would write a non-contiguous one as if it were contiguous). Returns a Work, already
         completed unless `async_op`. Bad arguments raise ValueError/TypeError before any
         communication; failures between ranks raise CommError on every rank."""
+        return self._all_to_all(output, input, output_split_sizes, input_split_sizes, priority, async_op,
+                                "all_to_all_single")
+
+    def _all_to_all(self, output: torch.Tensor, input: torch.Tensor, output_split_sizes: SplitSizes,
+                    input_split_sizes: SplitSizes, priority: int, async_op: bool, op_name: str) -> Work:
+        """all_to_all_single, named `op_name` in profiler traces (the backend's barrier and list
+        form are AllToAlls too)."""
         _check_tensor(output, "output")
         _check_tensor(input, "input")
         if output.dtype != input.dtype:
@@ -188,7 +195,7 @@ class Communicator:
         out_splits = _split_sizes(output_split_sizes, output.shape[0], world, "output_split_sizes", "output")
         source = input if input.is_contiguous() else input.contiguous()
         layout = _core.AllToAllLayout.packed([s * row_bytes_in for s in in_splits], [s * row_bytes_out for s in out_splits])
-        return self._submit(output, source, layout, priority, async_op)
+        return self._submit(output, source, layout, priority, async_op, op_name)
 
     def _core_for(self, device: torch.device) -> Any:
         """The core moving tensors of `device`: the host one, or (built at the first op on that
@@ -207,11 +214,24 @@ class Communicator:
             core = self._cuda_cores[index] = _core.Communicator(self._bootstrap, config)
         return core
 
-    def _submit(self, output: torch.Tensor, input: torch.Tensor, layout: Any, priority: int, async_op: bool) -> Work:
+    def _submit(self, output: torch.Tensor, input: torch.Tensor, layout: Any, priority: int, async_op: bool,
+                op_name: str) -> Work:
         """Queues an AllToAllv of the contiguous tensors' bytes as `layout` (a checked
         _core.AllToAllLayout) says. CPU: waits for it unless async_op. CUDA: the transfer starts
         after the current stream's work so far; unless async_op, the current stream then waits
-        for it (the CPU does not)."""
+        for it (the CPU does not). Under torch.profiler, the op is a range from submission to
+        completion named by `op_name`, its priority and bytes."""
+        if not torch.autograd.profiler._is_profiler_enabled:
+            return self._submit_now(output, input, layout, priority, async_op)
+        name = f"freescale:{op_name} priority={priority} send={sum(layout.send_bytes)}B recv={sum(layout.recv_bytes)}B"
+        with torch.autograd.profiler.record_function(name) as op_range:
+            work = self._submit_now(output, input, layout, priority, True)
+            op_range._call_end_callbacks_on_future(work.get_future())  # the range ends when the op does
+        if not async_op:
+            work.wait()
+        return work
+
+    def _submit_now(self, output: torch.Tensor, input: torch.Tensor, layout: Any, priority: int, async_op: bool) -> Work:
         cuda = input.device.type == "cuda"
         if cuda and torch.cuda.is_current_stream_capturing():
             # The copy-engine transport is driven by the host per op: a graph replay would not

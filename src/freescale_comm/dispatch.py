@@ -118,7 +118,7 @@ def _move_rows(values: torch.Tensor, handle: DispatchHandle, priority: int, forw
     out = output_cache().empty((rows, *values.shape[1:]), values.dtype)
     make_layout = _core.dispatch_layout if forward else _core.combine_layout
     handle.comm._submit(out, values, make_layout(handle.plan, _row_bytes(values), handle.recv_rows), priority,
-                        async_op=False)
+                        async_op=False, op_name="dispatch" if forward else "combine")
     return out
 
 
@@ -131,10 +131,12 @@ def _move_rows_cuda(values: torch.Tensor, handle: DispatchHandle, priority: int,
     if forward:
         packed = _device_dispatch.gather(values, handle.plan)
         out = torch.empty((handle.rows_received, *values.shape[1:]), dtype=values.dtype, device=values.device)
-        handle.comm._submit(out, packed, _core.AllToAllLayout.packed(sent, received), priority, async_op=False)
+        handle.comm._submit(out, packed, _core.AllToAllLayout.packed(sent, received), priority, async_op=False,
+                            op_name="dispatch")
         return out
     packed = torch.empty((handle.rows_sent, *values.shape[1:]), dtype=values.dtype, device=values.device)
-    handle.comm._submit(packed, values, _core.AllToAllLayout.packed(received, sent), priority, async_op=False)
+    handle.comm._submit(packed, values, _core.AllToAllLayout.packed(received, sent), priority, async_op=False,
+                        op_name="combine")
     return _device_dispatch.scatter(packed, handle.plan)
 
 
