@@ -72,3 +72,16 @@ def test_a_groups_default_priority_reaches_torchrecs_backward_all_to_all():
     for ranges in spawn(group_default_priority_reaches_torchrec_backward, 2, backend="gloo"):
         assert ranges["forward"] and all(" priority=50 " in r for r in ranges["forward"]), ranges
         assert ranges["backward"] and all(" priority=7 " in r for r in ranges["backward"]), ranges
+
+
+@pytest.mark.timeout(900)
+def test_torchrec_dmp_trains_over_freescale_bit_identically_to_gloo():
+    """4 ranks: EBC + EC, row- and table-wise, sequence tables on ranks 0 and 3 only, fused
+    row-wise Adagrad, TrainPipelineSparseDist."""
+    _need("torchrec")
+    from dmp_programs import dmp_over_freescale_matches_gloo
+
+    results = spawn(dmp_over_freescale_matches_gloo, 4, 5, backend="freescale", timeout_s=850)
+    for r in results:
+        assert len(r["losses"]) == 5 and any(name.startswith("ec.") for name in r["weights"]), r
+        assert r["native_all_to_alls"] >= 5 * 4, r  # ids and embeddings of EBC and EC, every step
