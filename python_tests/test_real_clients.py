@@ -85,3 +85,31 @@ def test_torchrec_dmp_trains_over_freescale_bit_identically_to_gloo():
     for r in results:
         assert len(r["losses"]) == 5 and any(name.startswith("ec.") for name in r["weights"]), r
         assert r["native_all_to_alls"] >= 5 * 4, r  # ids and embeddings of EBC and EC, every step
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_balancing_a_torchrec_sequence_module_with_one_hook(world):
+    _need("torchrec")
+    from bundle_programs import hooks_balance_a_sequence_module
+
+    results = spawn(hooks_balance_a_sequence_module, world, 11, backend="freescale")
+    assert all(r["imbalance_after"] < r["imbalance_before"] for r in results), results
+    assert any(r["samples_computed"] != r["samples_home"] for r in results), results  # samples did move
+
+
+def test_a_keyed_jagged_bundle_with_per_sample_tensors_goes_and_comes_home():
+    _need("torchrec")
+    from bundle_programs import kjt_bundle_round_trip
+
+    computed = spawn(kjt_bundle_round_trip, 3, 5)  # over gloo: the balancer builds its own communicator
+    assert sum(computed) == 4 + 6 + 8, computed
+
+
+def test_bad_bundles_raise_naming_the_problem():
+    _need("torchrec")
+    from bundle_programs import bad_bundles_raise_before_communicating
+
+    first, second = spawn(bad_bundles_raise_before_communicating, 2, backend="freescale")
+    assert first == second
+    for needle, message in zip(["sample counts", "per_sample['label']", "sequences must be", "lengths must be"], first):
+        assert needle in message, message

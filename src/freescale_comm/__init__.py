@@ -14,7 +14,7 @@ from freescale_comm._core import (
 )
 from freescale_comm import planner
 from freescale_comm.backend import Options, ProcessGroupFreescale, priority, register_backend
-from freescale_comm.balancer import BalancedBatch, LoadBalancer, balance
+from freescale_comm.balancer import BalancedBatch, BalancedBundle, LoadBalancer, balance
 from freescale_comm.build import build_info
 from freescale_comm.communicator import Communicator
 from freescale_comm.dispatch import DispatchHandle, DispatchResult, combine, dispatch
@@ -26,6 +26,7 @@ register_backend()
 
 __all__ = [
     "BalancedBatch",
+    "BalancedBundle",
     "CommError",
     "Communicator",
     "DispatchHandle",

@@ -17,10 +17,11 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from freescale_comm.bundle import BalancedBundle, combine_bundle, dispatch_bundle, is_keyed_jagged, is_sequence_batch
 from freescale_comm.dispatch import DispatchHandle, check_jagged_batch, combine, dispatch
 from freescale_comm.planner import CostModel, RebalancePlan, plan_rebalance
 
-__all__ = ["BalancedBatch", "LoadBalancer", "balance"]
+__all__ = ["BalancedBatch", "BalancedBundle", "LoadBalancer", "balance"]
 
 
 @dataclass(frozen=True)
@@ -92,6 +93,52 @@ class LoadBalancer:
         """Stage 2: rows computed here go back to their home ranks, in their original order."""
         return combine(values, handle, priority=priority)
 
+    def dispatch_bundle(self, sequences: Any, per_sample: Optional[dict[str, torch.Tensor]] = None, *,
+                        lengths: Optional[torch.Tensor] = None, priority: int = 0) -> BalancedBundle:
+        """Stage 1 for a TorchRec batch, after the EmbeddingCollection's output AllToAll.
+        Collective. `sequences`: the EC's output (dict of JaggedTensors, one per feature, or a
+        KeyedJaggedTensor), B samples each; `per_sample`: tensors with B rows of any dtype
+        (labels, timestamps, num_targets) that move with their samples. A sample's cost is
+        `lengths` (int64 [B]) if given, else its longest feature. Returns the bundle this rank
+        computes on; combine_bundle sends outputs home."""
+        if not is_sequence_batch(sequences):
+            raise TypeError("sequences must be a KeyedJaggedTensor or a non-empty dict of JaggedTensors (an "
+                            f"EmbeddingCollection's output), got {type(sequences).__name__}")
+        jts = sequences.to_dict() if is_keyed_jagged(sequences) else sequences
+        samples = {name: jt.lengths().numel() for name, jt in jts.items()}
+        batch = next(iter(samples.values()))
+        if any(n != batch for n in samples.values()):
+            raise ValueError(f"the features of sequences hold different sample counts {samples}; every feature needs "
+                             "one entry per sample")
+        item_bytes = 0
+        for name, jt in jts.items():
+            check_jagged_batch(jt.values(), jt.lengths().long())
+            item_bytes += math.prod(jt.values().shape[1:]) * jt.values().element_size()
+        per_sample = dict(per_sample or {})
+        for name, t in per_sample.items():
+            if not isinstance(t, torch.Tensor) or t.dim() == 0 or t.shape[0] != batch:
+                shape = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+                raise ValueError(f"per_sample[{name!r}] must be a tensor with one row per sample ({batch}), got {shape}")
+        if lengths is None:
+            cost = torch.stack([jt.lengths().long() for jt in jts.values()]).amax(0)
+        else:
+            cost = lengths
+            if not isinstance(cost, torch.Tensor) or cost.dtype != torch.int64 or cost.shape != (batch,):
+                raise ValueError(f"lengths must be an int64 tensor of shape ({batch},) (a cost length per sample)")
+        plan = self.plan(cost.cpu(), self.bytes_per_item if self.bytes_per_item is not None else item_bytes)
+        dest = torch.from_numpy(np.ascontiguousarray(plan.dest[dist.get_rank(self.group)])).to(cost.device)
+        return dispatch_bundle(sequences, per_sample, cost, dest, plan, self.group, priority)
+
+    def combine_bundle(self, output: Any, bundle: BalancedBundle, *, priority: int = 0) -> Any:
+        """Stage 2 for dispatch_bundle: sends `output` home. Tensors with one row per sample,
+        JaggedTensors laid out as a feature, and dicts/lists/tuples of them (see
+        freescale_comm.bundle.combine_bundle)."""
+        return combine_bundle(output, bundle, priority)
+
+
+class _BalancedDict(dict):
+    """The balanced dict of JaggedTensors a module gets (a dict that the hooks can weakly refer to)."""
+
 
 class _BalanceHooks:
     """The hooks fc.balance put on a module; .remove() takes them off."""
@@ -99,25 +146,50 @@ class _BalanceHooks:
     def __init__(self, module: torch.nn.Module, balancer: LoadBalancer) -> None:
         self.balancer = balancer
         self._module = weakref.ref(module)
-        # Balanced input tensor -> its dispatch handle, until the forward hook sends outputs home.
-        self._pending: list[tuple[Any, DispatchHandle]] = []
-        self._hooks = [module.register_forward_pre_hook(self._before), module.register_forward_hook(self._after)]
+        # Balanced first input -> what sends the outputs home (a dispatch handle or a bundle),
+        # until the forward hook does.
+        self._pending: list[tuple[Any, Any]] = []
+        self._hooks = [module.register_forward_pre_hook(self._before, with_kwargs=True),
+                       module.register_forward_hook(self._after, with_kwargs=True)]
 
-    def _before(self, module: torch.nn.Module, args: tuple) -> tuple:
-        if len(args) < 2:
-            raise TypeError("a module balanced by fc.balance takes (values, lengths, ...) positionally")
-        batch = self.balancer.dispatch(args[0], args[1])
+    def _before(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         self._pending = [(ref, h) for ref, h in self._pending if ref() is not None]  # a forward that raised
+        if args and is_sequence_batch(args[0]):
+            return self._before_bundle(args, kwargs)
+        if len(args) < 2:
+            raise TypeError("a module balanced by fc.balance takes (values, lengths, ...) or (sequences, ...) "
+                            "positionally, sequences being an EmbeddingCollection's output")
+        batch = self.balancer.dispatch(args[0], args[1])
         self._pending.append((weakref.ref(batch.values), batch.handle))
-        return (batch.values, batch.lengths, *args[2:])
+        return (batch.values, batch.lengths, *args[2:]), kwargs
 
-    def _after(self, module: torch.nn.Module, args: tuple, output: Any) -> torch.Tensor:
-        for i, (ref, handle) in enumerate(self._pending):
-            if ref() is args[0]:
+    def _before_bundle(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        """sequences first; every other tensor argument with one row per sample moves with them."""
+        jts = args[0].to_dict() if is_keyed_jagged(args[0]) else args[0]
+        samples = next(iter(jts.values())).lengths().numel()
+        per_sample = {}
+        for i, a in enumerate(args[1:], start=1):
+            if isinstance(a, torch.Tensor) and a.dim() >= 1 and a.shape[0] == samples:
+                per_sample[f"arg{i}"] = a
+        for k, a in kwargs.items():
+            if isinstance(a, torch.Tensor) and a.dim() >= 1 and a.shape[0] == samples:
+                per_sample[f"kw_{k}"] = a
+        bundle = self.balancer.dispatch_bundle(args[0], per_sample)
+        sequences = bundle.sequences if is_keyed_jagged(bundle.sequences) else _BalancedDict(bundle.sequences)
+        new_args = tuple(bundle.per_sample.get(f"arg{i}", a) for i, a in enumerate(args[1:], start=1))
+        new_kwargs = {k: bundle.per_sample.get(f"kw_{k}", a) for k, a in kwargs.items()}
+        self._pending.append((weakref.ref(sequences), bundle))
+        return (sequences, *new_args), new_kwargs
+
+    def _after(self, module: torch.nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
+        for i, (ref, home) in enumerate(self._pending):
+            if args and ref() is args[0]:
                 del self._pending[i]
+                if isinstance(home, BalancedBundle):
+                    return self.balancer.combine_bundle(output, home)
                 if not isinstance(output, torch.Tensor):
                     raise TypeError("a module balanced by fc.balance must return one tensor with a row-block per sample")
-                return self.balancer.combine(output, handle)
+                return self.balancer.combine(output, home)
         raise RuntimeError("fc.balance: forward hook without a matching dispatch (was the input replaced?)")
 
     def remove(self) -> None:
@@ -131,10 +203,13 @@ class _BalanceHooks:
 
 def balance(module: torch.nn.Module, cost_model: CostModel, *, group: Optional[dist.ProcessGroup] = None,
             bytes_per_item: Optional[int] = None) -> torch.nn.Module:
-    """Balances every forward of `module`, whose forward takes (values, lengths, ...) and returns
-    one row-block per sample: inputs are dispatched by a LoadBalancer before it runs and its
-    output is combined home after (gradients follow). Returns the module; its
-    `freescale_balance.remove()` takes the hooks off."""
+    """Balances every forward of `module`: its inputs are dispatched by a LoadBalancer before it
+    runs and its output is combined home after (gradients follow). Either forward(values,
+    lengths, ...) returning one row-block per sample, or a TorchRec sequence module:
+    forward(sequences, ...) with an EmbeddingCollection's output first; its other tensor
+    arguments with one row per sample move along, and its output goes home as
+    LoadBalancer.combine_bundle says. Returns the module; its `freescale_balance.remove()` takes
+    the hooks off."""
     if not isinstance(module, torch.nn.Module):
         raise TypeError(f"module must be a torch.nn.Module, got {type(module).__name__}")
     if getattr(module, "freescale_balance", None) is not None:

@@ -238,3 +238,24 @@ def combine(values: torch.Tensor, handle: DispatchHandle, *, priority: int = 0) 
             "(is the handle from another dispatch call?)"
         )
     return _Combine.apply(values, handle, priority)
+
+
+def dispatch_like(values: torch.Tensor, handle: DispatchHandle, *, priority: int = 0) -> torch.Tensor:
+    """Sends more rows the way an earlier dispatch sent its samples: `values` holds, in this
+    rank's original order, one row-block per sample with that dispatch's lengths (any dtype and
+    trailing shape). Collective over its group; one AllToAll (the counts are known). Returns the
+    rows received, as that dispatch's result orders them; autograd flows back through combine's
+    movement."""
+    if not isinstance(handle, DispatchHandle):
+        raise TypeError(f"handle must be the .handle of an fc.dispatch result, got {type(handle).__name__}")
+    values = _check_values(values)
+    priority = check_priority(priority)
+    if values.device != handle.recv_lengths.device:
+        raise ValueError(f"values is on {values.device}, but the dispatch behind this handle moved tensors of "
+                         f"{handle.recv_lengths.device}; move them there with .to()")
+    if handle.comm.closed:
+        raise ValueError("handle belongs to a communicator that was closed (its group was destroyed); dispatch again")
+    if values.shape[0] != handle.rows_sent:
+        raise ValueError(f"values has {values.shape[0]} rows, but the dispatch behind this handle sent {handle.rows_sent} "
+                         "from this rank; pass rows laid out as that dispatch's values")
+    return _Dispatch.apply(values, handle, priority)

@@ -1,0 +1,153 @@
+"""Rank functions for balancing TorchRec batches as bundles: an EmbeddingCollection-like output
+(dict of JaggedTensors, or a KeyedJaggedTensor) plus per-sample tensors of other dtypes, under one
+plan, through LoadBalancer.dispatch_bundle / combine_bundle and the fc.balance hooks."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torchrec.sparse.jagged_tensor import JaggedTensor, KeyedJaggedTensor
+
+import freescale_comm as fc
+from freescale_comm.planner import CostModel
+
+DIM = 4
+COST = CostModel(quadratic=1.0, linear=0.0, constant=1.0)
+
+
+def _segments(lengths: torch.Tensor) -> torch.Tensor:
+    return torch.repeat_interleave(torch.arange(lengths.numel()), lengths)
+
+
+def make_inputs(rank: int, seed: int) -> tuple[dict[str, JaggedTensor], torch.Tensor, torch.Tensor]:
+    """Rank 0 holds the long histories (heavy imbalance). "items" and "cats" share lengths, as an
+    HSTU batch's features do; "extra" (bfloat16, 2 wide) has its own. Values require grad."""
+    gen = torch.Generator().manual_seed(seed + rank)
+    batch = 5 + rank
+    lengths = torch.randint(0 if rank else 20, 6 if rank else 40, (batch,), generator=gen)
+    extra_lengths = torch.randint(0, 4, (batch,), generator=gen)
+    rows, extra_rows = int(lengths.sum()), int(extra_lengths.sum())
+    sequences = {
+        "items": JaggedTensor(values=torch.randn(rows, DIM, generator=gen).requires_grad_(), lengths=lengths,
+                              weights=torch.rand(rows, generator=gen)),
+        "cats": JaggedTensor(values=torch.randn(rows, DIM, generator=gen).requires_grad_(), lengths=lengths),
+        "extra": JaggedTensor(values=torch.randn(extra_rows, 2, generator=gen).to(torch.bfloat16).requires_grad_(),
+                              lengths=extra_lengths),
+    }
+    labels = torch.rand(batch, generator=gen)
+    num_targets = torch.randint(1, 4, (batch,), generator=gen)
+    return sequences, labels, num_targets
+
+
+class SequenceModule(nn.Module):
+    """Per-sample work only (so balancing cannot change a result): a weighted sum per sample of
+    "items", "cats" doubled row by row, a per-sample sum of "extra"."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.arange(DIM, dtype=torch.float32) / DIM + 0.5)
+        self.seen_samples = 0
+
+    def forward(self, sequences: dict[str, JaggedTensor], labels: torch.Tensor, *, num_targets: torch.Tensor) -> dict:
+        items = sequences["items"]
+        n = items.lengths().numel()
+        self.seen_samples = n
+        scaled = items.values() * self.w * (1 + items.weights().unsqueeze(1))
+        user = torch.zeros(n, DIM).index_add_(0, _segments(items.lengths()), scaled)
+        user = user + labels.unsqueeze(1) + num_targets.unsqueeze(1).float()
+        extra = sequences["extra"]
+        extra_sum = torch.zeros(n, 2, dtype=torch.bfloat16).index_add_(0, _segments(extra.lengths()), extra.values())
+        cats = JaggedTensor(values=sequences["cats"].values() * 2, lengths=sequences["cats"].lengths())
+        return {"user": user, "cats": cats, "extra": extra_sum}
+
+
+def _loss(out: dict) -> torch.Tensor:
+    weights = torch.arange(out["user"].numel(), dtype=torch.float32).view_as(out["user"])  # distinct gradients
+    return (out["user"] * weights).sum() + out["cats"].values().sum() * 3 + out["extra"].float().sum()
+
+
+def hooks_balance_a_sequence_module(info, seed: int) -> dict:
+    """fc.balance on a module taking (sequences, labels, num_targets=...): outputs, input
+    gradients equal to the unbalanced module's bit for bit; the weight's gradient summed over
+    ranks to float rounding. Returns samples computed here before/after and the imbalances."""
+    rank = info.rank
+    module = SequenceModule()
+    sequences, labels, num_targets = make_inputs(rank, seed)
+    ref = module(sequences, labels, num_targets=num_targets)
+    _loss(ref).backward()
+    ref_grads = {k: jt.values().grad.clone() for k, jt in sequences.items()}
+    ref_w = module.w.grad.clone()
+    for jt in sequences.values():
+        jt.values().grad = None
+    module.w.grad = None
+
+    fc.balance(module, COST)
+    out = module(sequences, labels, num_targets=num_targets)
+    computed_here = module.seen_samples
+    _loss(out).backward()
+    assert torch.equal(out["user"], ref["user"])
+    assert torch.equal(out["extra"], ref["extra"])
+    assert torch.equal(out["cats"].values(), ref["cats"].values())
+    assert torch.equal(out["cats"].lengths(), ref["cats"].lengths())
+    for k, jt in sequences.items():
+        assert torch.equal(jt.values().grad, ref_grads[k]), f"gradient of {k} differs"
+    dist.all_reduce(ref_w)
+    w_grad = module.w.grad.clone()
+    dist.all_reduce(w_grad)
+    assert torch.allclose(w_grad, ref_w, rtol=1e-5), (w_grad, ref_w)
+    module.freescale_balance.remove()
+
+    plan = fc.LoadBalancer(COST).plan(sequences["items"].lengths())
+    return {"samples_home": labels.numel(), "samples_computed": computed_here,
+            "imbalance_before": float(plan.imbalance_before), "imbalance_after": float(plan.imbalance_after)}
+
+
+def kjt_bundle_round_trip(info, seed: int) -> int:
+    """dispatch_bundle on a KeyedJaggedTensor (1-D values, weights) and per-sample tensors of
+    three dtypes; the balanced KJT, returned as the output, comes home equal to the input, and so
+    do the per-sample tensors. Returns the samples this rank computed on."""
+    rank = info.rank
+    gen = torch.Generator().manual_seed(seed + rank)
+    batch = 4 + 2 * rank
+    lengths = torch.randint(0, 30 if rank == 0 else 3, (2 * batch,), generator=gen)
+    values = torch.randn(int(lengths.sum()), generator=gen)
+    kjt = KeyedJaggedTensor(keys=["a", "b"], values=values, lengths=lengths, weights=torch.rand(values.numel()))
+    per_sample = {"label": torch.rand(batch, generator=gen), "ts": torch.randint(0, 1 << 40, (batch, 3)),
+                  "flag": torch.rand(batch, generator=gen) > 0.5}
+    lb = fc.LoadBalancer(COST)
+    bundle = lb.dispatch_bundle(kjt, per_sample)
+    assert isinstance(bundle.sequences, KeyedJaggedTensor) and bundle.sequences.keys() == ["a", "b"]
+    assert all(bundle.per_sample[k].dtype == t.dtype for k, t in per_sample.items())
+    home = lb.combine_bundle((bundle.sequences, bundle.per_sample), bundle)
+    back, samples = home
+    assert isinstance(back, KeyedJaggedTensor)
+    for key in ("a", "b"):
+        assert torch.equal(back[key].values(), kjt[key].values())
+        assert torch.equal(back[key].lengths(), kjt[key].lengths())
+        assert torch.equal(back[key].weights(), kjt[key].weights())
+    for k, t in per_sample.items():
+        assert torch.equal(samples[k], t), k
+    return bundle.num_samples
+
+
+def bad_bundles_raise_before_communicating(info) -> list[str]:
+    """Mismatched sample counts, a per-sample tensor of the wrong length, a non-jagged input:
+    ValueError/TypeError naming it, on every rank alike; the balancer still works after."""
+    lb = fc.LoadBalancer(COST)
+    one = JaggedTensor(values=torch.ones(3, 2), lengths=torch.tensor([1, 2]))
+    other = JaggedTensor(values=torch.ones(3, 2), lengths=torch.tensor([1, 1, 1]))
+    messages = []
+    for call in (lambda: lb.dispatch_bundle({"a": one, "b": other}),
+                 lambda: lb.dispatch_bundle({"a": one}, {"label": torch.ones(3)}),
+                 lambda: lb.dispatch_bundle([one]),
+                 lambda: lb.dispatch_bundle({"a": one}, lengths=torch.ones(2))):
+        try:
+            call()
+        except (ValueError, TypeError) as e:
+            messages.append(str(e))
+        else:
+            raise AssertionError("accepted")
+    bundle = lb.dispatch_bundle({"a": one})
+    assert torch.equal(lb.combine_bundle(bundle.sequences["a"], bundle).values(), one.values())
+    return messages

@@ -1,0 +1,144 @@
+"""Balancing a TorchRec batch as one bundle: the EmbeddingCollection's output (a dict of
+JaggedTensors, or a KeyedJaggedTensor) and per-sample tensors of any dtype (labels, timestamps,
+num_targets) move under one plan, where FreeScale balances: after the embedding AllToAll, before
+the sequence module; outputs come home the same way, gradients follow through autograd.
+
+TorchRec is not a dependency: JaggedTensor-like objects are recognised by their methods (values(),
+lengths(), weights_or_none()) and rebuilt with their own type.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+
+from freescale_comm.dispatch import DispatchHandle, combine, dispatch, dispatch_like
+from freescale_comm.planner import RebalancePlan
+
+
+def is_jagged(x: object) -> bool:
+    """A TorchRec JaggedTensor (or alike): values(), lengths(), weights_or_none()."""
+    return all(callable(getattr(x, m, None)) for m in ("values", "lengths", "weights_or_none")) and not is_keyed_jagged(x)
+
+
+def is_keyed_jagged(x: object) -> bool:
+    """A TorchRec KeyedJaggedTensor (or alike): to_dict(), keys() and a from_jt_dict constructor."""
+    return callable(getattr(x, "to_dict", None)) and callable(getattr(x, "keys", None)) and \
+        callable(getattr(type(x), "from_jt_dict", None))
+
+
+def is_sequence_batch(x: object) -> bool:
+    """What dispatch_bundle takes as `sequences`: a KJT, or a non-empty dict of JaggedTensors."""
+    return is_keyed_jagged(x) or (isinstance(x, dict) and len(x) > 0 and all(is_jagged(v) for v in x.values()))
+
+
+def _jagged(like: Any, values: torch.Tensor, lengths: torch.Tensor, weights: Optional[torch.Tensor]) -> Any:
+    """A jagged tensor of `like`'s type."""
+    return type(like)(values=values, lengths=lengths, weights=weights)
+
+
+@dataclass(frozen=True)
+class BalancedBundle:
+    """The samples this rank computes on after LoadBalancer.dispatch_bundle, all under one plan
+    (ordered by source rank, then original order)."""
+
+    sequences: Any  # as given: dict of JaggedTensors or a KeyedJaggedTensor, balanced
+    per_sample: dict[str, torch.Tensor]  # name -> [samples here, ...]
+    source_ranks: torch.Tensor  # int64 [samples here]
+    sample_handle: DispatchHandle  # combines per-sample outputs ([samples here, ...])
+    handles: dict[str, DispatchHandle]  # feature -> combines row outputs laid out as that feature
+    home_lengths: dict[str, torch.Tensor]  # feature -> its lengths before balancing
+    plan: RebalancePlan  # the plan every rank computed
+
+    @property
+    def num_samples(self) -> int:
+        return self.source_ranks.numel()
+
+
+def dispatch_bundle(sequences: Any, per_sample: dict[str, torch.Tensor], cost_lengths: torch.Tensor,
+                    dest: torch.Tensor, plan: RebalancePlan, group: Any, priority: int) -> BalancedBundle:
+    """Moves every feature of `sequences` and every per-sample tensor to `dest` (int64 [samples]).
+    Features with equal lengths share one dispatch's counts; weights and per-sample tensors ride
+    on handles already made (one AllToAll each)."""
+    jts = sequences.to_dict() if is_keyed_jagged(sequences) else sequences
+    ones = torch.ones(cost_lengths.numel(), dtype=torch.int64, device=cost_lengths.device)
+    # The per-sample handle: a dispatch of nothing per sample (only the counts move).
+    first = dispatch(torch.empty(ones.numel(), 0, device=cost_lengths.device), ones, dest, group=group,
+                     priority=priority)
+    handles: dict[str, DispatchHandle] = {}
+    balanced: dict[str, Any] = {}
+    made: list[tuple[torch.Tensor, DispatchHandle, torch.Tensor]] = []  # (lengths, handle, received lengths)
+    for name, jt in jts.items():
+        lengths = jt.lengths().long()
+        found = next((m for m in made if torch.equal(m[0], lengths)), None)
+        if found is None:
+            res = dispatch(jt.values(), lengths, dest, group=group, priority=priority)
+            found = (lengths, res.handle, res.lengths)
+            made.append(found)
+            values = res.values
+        else:
+            values = dispatch_like(jt.values(), found[1], priority=priority)
+        weights = jt.weights_or_none()
+        if weights is not None:
+            weights = dispatch_like(weights, found[1], priority=priority)
+        handles[name] = found[1]
+        balanced[name] = _jagged(jt, values, found[2], weights)
+    moved = {name: dispatch_like(t, first.handle, priority=priority) for name, t in per_sample.items()}
+    out = type(sequences).from_jt_dict(balanced) if is_keyed_jagged(sequences) else balanced
+    home = {name: jt.lengths().long() for name, jt in jts.items()}
+    return BalancedBundle(out, moved, first.source_ranks, first.handle, handles, home, plan)
+
+
+def combine_bundle(output: Any, bundle: BalancedBundle, priority: int = 0) -> Any:
+    """Sends `output` (computed on the bundle's samples) home. A tensor with one row per sample
+    → per-sample handle; a JaggedTensor → the feature whose lengths it has; a tensor with as many
+    rows as a feature (all such features alike) → that feature's handle; dicts, lists and tuples
+    → each entry (a dict key naming a feature picks it); anything else is returned as is."""
+    return _combine(output, bundle, priority, None)
+
+
+def _feature_for_rows(rows: int, bundle: BalancedBundle, what: str) -> str:
+    names = [n for n, h in bundle.handles.items() if h.rows_received == rows]
+    distinct = {id(bundle.handles[n]) for n in names}
+    if len(distinct) == 1:
+        return names[0]
+    if not names:
+        raise ValueError(f"{what} has {rows} rows: neither one per sample ({bundle.num_samples}) nor the rows of a "
+                         f"feature ({ {n: h.rows_received for n, h in bundle.handles.items()} }); return per-sample "
+                         "rows or a JaggedTensor")
+    raise ValueError(f"{what} has {rows} rows, as features {names} of different lengths do; return a JaggedTensor "
+                     "or a dict keyed by feature so freescale knows which it follows")
+
+
+def _combine(output: Any, bundle: BalancedBundle, priority: int, feature: Optional[str]) -> Any:
+    if isinstance(output, torch.Tensor):
+        if output.dim() >= 1 and output.shape[0] == bundle.num_samples and feature is None:
+            return combine(output, bundle.sample_handle, priority=priority)
+        name = feature if feature is not None else _feature_for_rows(output.shape[0] if output.dim() else -1,
+                                                                      bundle, "an output tensor")
+        return combine(output, bundle.handles[name], priority=priority)
+    if is_jagged(output):
+        lengths = output.lengths().long()
+        names = [feature] if feature is not None else list(bundle.handles)
+        for name in names:
+            handle = bundle.handles[name]
+            if torch.equal(handle.recv_lengths, lengths):
+                weights = output.weights_or_none()
+                return _jagged(output, combine(output.values(), handle, priority=priority), bundle.home_lengths[name],
+                               None if weights is None else combine(weights, handle, priority=priority))
+        raise ValueError("an output JaggedTensor has lengths unlike every balanced feature's; freescale can send "
+                         "home only outputs laid out as an input feature or one row per sample")
+    if is_keyed_jagged(output):
+        return type(output).from_jt_dict(_combine(output.to_dict(), bundle, priority, None))
+    if isinstance(output, dict):
+        return {k: _combine(v, bundle, priority, k if k in bundle.handles and not _per_sample(v, bundle) else None)
+                for k, v in output.items()}
+    if isinstance(output, (list, tuple)):
+        return type(output)(_combine(v, bundle, priority, None) for v in output)
+    return output
+
+
+def _per_sample(x: Any, bundle: BalancedBundle) -> bool:
+    return isinstance(x, torch.Tensor) and x.dim() >= 1 and x.shape[0] == bundle.num_samples
