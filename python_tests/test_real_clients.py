@@ -113,3 +113,14 @@ def test_bad_bundles_raise_naming_the_problem():
     assert first == second
     for needle, message in zip(["sample counts", "per_sample['label']", "sequences must be", "lengths must be"], first):
         assert needle in message, message
+
+
+@pytest.mark.timeout(600)
+def test_the_torchrec_balancing_example_runs_and_both_runs_agree():
+    _need("torchrec")
+    done = subprocess.run([sys.executable, str(HERE.parent / "examples" / "torchrec_balanced_hstu.py"), "--ranks", "2",
+                           "--steps", "3", "--max-len", "96"], capture_output=True, text=True, timeout=550)
+    assert done.returncode == 0, done.stderr[-3000:]
+    found = re.search(r"largest loss difference over ranks and steps: (\S+)", done.stdout)
+    assert found and float(found.group(1)) < 1e-5, done.stdout
+    assert "imbalance max/mean per step" in done.stdout and "planner's imbalance" in done.stdout, done.stdout

@@ -17,7 +17,14 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from freescale_comm.bundle import BalancedBundle, combine_bundle, dispatch_bundle, is_keyed_jagged, is_sequence_batch
+from freescale_comm.bundle import (
+    BalancedBundle,
+    combine_bundle,
+    dispatch_bundle,
+    is_keyed_jagged,
+    is_sequence_batch,
+    resolved,
+)
 from freescale_comm.dispatch import DispatchHandle, check_jagged_batch, combine, dispatch
 from freescale_comm.planner import CostModel, RebalancePlan, plan_rebalance
 
@@ -101,6 +108,7 @@ class LoadBalancer:
         (labels, timestamps, num_targets) that move with their samples. A sample's cost is
         `lengths` (int64 [B]) if given, else its longest feature. Returns the bundle this rank
         computes on; combine_bundle sends outputs home."""
+        sequences = resolved(sequences)
         if not is_sequence_batch(sequences):
             raise TypeError("sequences must be a KeyedJaggedTensor or a non-empty dict of JaggedTensors (an "
                             f"EmbeddingCollection's output), got {type(sequences).__name__}")
@@ -149,17 +157,21 @@ class _BalanceHooks:
         # Balanced first input -> what sends the outputs home (a dispatch handle or a bundle),
         # until the forward hook does.
         self._pending: list[tuple[Any, Any]] = []
+        self.last_plan: Optional[RebalancePlan] = None  # the plan of the latest forward (loads, imbalance)
         self._hooks = [module.register_forward_pre_hook(self._before, with_kwargs=True),
                        module.register_forward_hook(self._after, with_kwargs=True)]
 
     def _before(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         self._pending = [(ref, h) for ref, h in self._pending if ref() is not None]  # a forward that raised
+        args = tuple(resolved(a) for a in args)  # TorchRec's lazy outputs: what they stand for
+        kwargs = {k: resolved(a) for k, a in kwargs.items()}
         if args and is_sequence_batch(args[0]):
             return self._before_bundle(args, kwargs)
         if len(args) < 2:
             raise TypeError("a module balanced by fc.balance takes (values, lengths, ...) or (sequences, ...) "
                             "positionally, sequences being an EmbeddingCollection's output")
         batch = self.balancer.dispatch(args[0], args[1])
+        self.last_plan = batch.plan
         self._pending.append((weakref.ref(batch.values), batch.handle))
         return (batch.values, batch.lengths, *args[2:]), kwargs
 
@@ -175,6 +187,7 @@ class _BalanceHooks:
             if isinstance(a, torch.Tensor) and a.dim() >= 1 and a.shape[0] == samples:
                 per_sample[f"kw_{k}"] = a
         bundle = self.balancer.dispatch_bundle(args[0], per_sample)
+        self.last_plan = bundle.plan
         sequences = bundle.sequences if is_keyed_jagged(bundle.sequences) else _BalancedDict(bundle.sequences)
         new_args = tuple(bundle.per_sample.get(f"arg{i}", a) for i, a in enumerate(args[1:], start=1))
         new_kwargs = {k: bundle.per_sample.get(f"kw_{k}", a) for k, a in kwargs.items()}

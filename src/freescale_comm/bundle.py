@@ -18,6 +18,13 @@ from freescale_comm.dispatch import DispatchHandle, combine, dispatch, dispatch_
 from freescale_comm.planner import RebalancePlan
 
 
+def resolved(x: Any) -> Any:
+    """`x`, or what it stands for if it is a TorchRec LazyAwaitable (sharded modules return them;
+    they resolve on first use, which a forward pre-hook would otherwise be)."""
+    wait = getattr(type(x), "_wait_async", None)
+    return wait(x) if callable(wait) else x
+
+
 def is_jagged(x: object) -> bool:
     """A TorchRec JaggedTensor (or alike): values(), lengths(), weights_or_none()."""
     return all(callable(getattr(x, m, None)) for m in ("values", "lengths", "weights_or_none")) and not is_keyed_jagged(x)
