@@ -7,6 +7,7 @@
 #include "cpp/device_transports.h"
 #include "cpp/host_transport.h"
 #include "cpp/peer_liveness.h"
+#include "cpp/timeouts.h"
 #include "cpp/transport_select.h"
 
 namespace freescale {
@@ -87,7 +88,7 @@ std::shared_ptr<OpState> Communicator::all_to_all(const uint8_t* send, uint8_t* 
       if (closed) throw Error(ErrorCode::kInvalidUsage, "all_to_all on a closed communicator");
       throw CommError(code, "the communicator failed earlier and cannot run more ops: " + why);
     }
-    auto deadline = Clock::now() + std::chrono::milliseconds(config_.timeout_ms);
+    auto deadline = Clock::now() + capped_timeout_ms(config_.timeout_ms);
     op = std::make_shared<OpState>(next_seq_, priority, send, recv, std::move(layout), deadline);
     op->stream = stream;
     transport_->on_submit(*op, mark);
@@ -135,7 +136,7 @@ void Communicator::close() {
 
 bool Communicator::wait(const std::shared_ptr<OpState>& op, std::chrono::microseconds timeout) {
   using std::chrono::microseconds;
-  const bool bounded = timeout.count() >= 0;
+  const bool bounded = timeout.count() >= 0 && timeout < kForeverTimeout;
   const auto until = Clock::now() + (bounded ? timeout : microseconds(0));
   auto left = [&] { return std::max(microseconds(0), std::chrono::duration_cast<microseconds>(until - Clock::now())); };
   auto keep_going = [&] { return !op->is_completed() && !closed() && (!bounded || Clock::now() < until); };

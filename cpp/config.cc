@@ -1,10 +1,13 @@
 #include "cpp/config.h"
 
+#include <cctype>
 #include <cerrno>
 #include <cmath>
 #include <cstdlib>
+#include <limits>
 
 #include "cpp/errors.h"
+#include "cpp/timeouts.h"
 
 namespace freescale {
 namespace {
@@ -25,10 +28,14 @@ bool read_u64(const char* name, uint64_t* out, bool allow_suffix) {
       default: break;
     }
   }
-  if (errno != 0 || end == raw || *end != '\0' || raw[0] == '-') {
+  // strtoull skips leading blanks and negates a '-': " -1" would read as 2^64 - 1.
+  if (errno != 0 || end == raw || *end != '\0' || !std::isdigit(static_cast<unsigned char>(raw[0]))) {
     throw InvalidArgument(std::string(name) + "='" + raw + "' is not a non-negative integer" +
                           (allow_suffix ? " (a K, M or G suffix is allowed)" : "") +
                           "; fix or unset it");
+  }
+  if (value > std::numeric_limits<uint64_t>::max() / scale) {
+    throw InvalidArgument(std::string(name) + "='" + raw + "' does not fit in 64 bits; fix or unset it");
   }
   *out = static_cast<uint64_t>(value) * scale;
   return true;
@@ -48,7 +55,7 @@ Config Config::from_env() {
       throw InvalidArgument(std::string("FREESCALE_TIMEOUT_S='") + raw +
                             "' must be a positive number of seconds; fix or unset it");
     }
-    c.timeout_ms = static_cast<uint64_t>(std::ceil(seconds * 1000.0));
+    c.timeout_ms = timeout_ms_from_seconds(seconds);
   }
   if (const char* raw = std::getenv("FREESCALE_TRANSPORT"); raw != nullptr && *raw != '\0') {
     c.transport = raw;
@@ -61,6 +68,10 @@ void Config::validate() const {
   if (chunk_bytes < 4096 || chunk_bytes > (1ull << 30)) {
     throw InvalidArgument("chunk_bytes (FREESCALE_CHUNK_BYTES) = " + std::to_string(chunk_bytes) +
                           " must be between 4 KiB and 1 GiB");
+  }
+  if (arena_bytes > kMaxArenaBytes) {
+    throw InvalidArgument("arena_bytes (FREESCALE_ARENA_BYTES) = " + std::to_string(arena_bytes) +
+                          " is above the 64 GiB a rank may stage; use a smaller value (the default is 4 MiB)");
   }
   if (arena_bytes < 2 * chunk_bytes) {
     throw InvalidArgument("arena_bytes (FREESCALE_ARENA_BYTES) = " + std::to_string(arena_bytes) +

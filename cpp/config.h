@@ -14,6 +14,7 @@ struct Config {
   // larger ops stream through it with flow control. Default 4 MiB (small enough to stay in
   // cache), at least 2 chunks per peer.
   uint64_t arena_bytes = 4ull << 20;
+  static constexpr uint64_t kMaxArenaBytes = 64ull << 30;  // validate() refuses more
   // FREESCALE_TIMEOUT_S: an op not complete after this long fails with CommError on every rank.
   // 0 = not set in the environment: the caller (the group's timeout) decides. Milliseconds.
   uint64_t timeout_ms = 0;

@@ -22,8 +22,8 @@ void Scheduler::submit(Transfer t) {
 int64_t Scheduler::effective_priority(const Transfer& t, Clock::time_point now) const {
   auto waited = std::chrono::duration_cast<std::chrono::microseconds>(now - t.submitted);
   int64_t levels = waited.count() <= 0 ? 0 : waited.count() / aging_quantum_.count();
-  int64_t base = t.priority;
-  if (levels > std::numeric_limits<int64_t>::max() - base) return std::numeric_limits<int64_t>::max();
+  int64_t base = t.priority;  // int32 range; levels >= 0: only a positive base can overflow the sum
+  if (base > 0 && levels > std::numeric_limits<int64_t>::max() - base) return std::numeric_limits<int64_t>::max();
   return base + levels;
 }
 

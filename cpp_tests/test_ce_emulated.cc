@@ -182,13 +182,10 @@ TEST(CeEmulatedStreams, SixtyFourUserStreams) {
 TEST(CeEmulatedFailures, SplitMismatchByBytesWithEqualChunkCountsFailsEveryRank) {
   auto outcomes = run_forked_ranks(3, [](int rank, Bootstrap& bootstrap) -> std::string {
     EmulatedDevice device;
-    auto comm = ce_communicator(bootstrap, small_config(), device);
     auto counts = uniform_counts(3, 1000);
-    Exchange x(counts, rank);
-    if (rank == 1) {  // sends 800 bytes to rank 0, which expects 1000: one chunk either way
-      counts[1][0] = 800;
-      x = Exchange(counts, rank);
-    }
+    if (rank == 1) counts[1][0] = 800;  // sends 800 bytes to rank 0, which expects 1000: one chunk either way
+    Exchange x(counts, rank);  // outlives the transport's queued device work
+    auto comm = ce_communicator(bootstrap, small_config(), device);
     return expect_comm_error([&] { comm->wait(comm->all_to_all(x.send.data(), x.recv.data(), x.layout, 0, true), kForever); });
   });
   expect_all_ok(outcomes);
@@ -223,10 +220,10 @@ TEST(CeEmulatedFailures, CloseWithOpsPendingReleasesTheUsersStream) {
   auto outcomes = run_forked_ranks(2, [](int rank, Bootstrap& bootstrap) -> std::string {
     EmulatedDevice device;
     Stream user = device.create_stream();
+    std::vector<std::unique_ptr<Exchange>> xs;  // outlives the transport's queued device work
     auto comm = ce_communicator(bootstrap, small_config(), device);
     std::string result;
     if (rank == 0) {  // 70 ops the peer never matches: 64 admitted, 6 waiting for the window
-      std::vector<std::unique_ptr<Exchange>> xs;
       std::vector<std::shared_ptr<OpState>> ops;
       for (int i = 0; i < 70; ++i) {
         xs.push_back(std::make_unique<Exchange>(uniform_counts(2, 4096), rank, i));

@@ -2,6 +2,8 @@
 
 #include "cpp/config.h"
 #include "cpp/errors.h"
+#include "cpp/op_state.h"
+#include "cpp/timeouts.h"
 
 namespace freescale {
 
@@ -54,6 +56,35 @@ TEST(Config, BadEnvironmentNamesTheVariable) {
   EXPECT_THROW(Config::from_env(), InvalidArgument);
   unsetenv("FREESCALE_CHUNK_BYTES");
   unsetenv("FREESCALE_TIMEOUT_S");
+}
+
+// Issue 22 item 10: each of these was accepted (as 1 GiB, 2^64 - 1 and 64 TiB).
+TEST(Config, OverflowingNegativeAndHugeSizesAreRefusedNamingTheVariable) {
+  for (const char* raw : {"17179869185G", " -1", "\t-5M", "18446744073709551616", "+7", "65536G"}) {
+    setenv("FREESCALE_ARENA_BYTES", raw, 1);
+    try {
+      Config c = Config::from_env();
+      ADD_FAILURE() << "FREESCALE_ARENA_BYTES='" << raw << "' accepted as " << c.arena_bytes;
+    } catch (const InvalidArgument& e) {
+      EXPECT_NE(std::string(e.what()).find("FREESCALE_ARENA_BYTES"), std::string::npos) << e.what();
+    }
+  }
+  setenv("FREESCALE_ARENA_BYTES", "64G", 1);
+  EXPECT_EQ(Config::from_env().arena_bytes, 64ull << 30);
+  unsetenv("FREESCALE_ARENA_BYTES");
+}
+
+// Issue 22 item 5: seconds * 1000 cast to uint64 was UB past ~1.8e16 s, and a deadline of
+// now + that many milliseconds overflowed the clock (an immediate TIMEOUT).
+TEST(Config, TimeoutsBeyondACenturyMeanNoTimeout) {
+  setenv("FREESCALE_TIMEOUT_S", "1e30", 1);
+  Config c = Config::from_env();
+  unsetenv("FREESCALE_TIMEOUT_S");
+  EXPECT_EQ(capped_timeout_ms(c.timeout_ms), kForeverTimeout);
+  EXPECT_EQ(capped_timeout_ms(~0ull), kForeverTimeout);
+  EXPECT_GT(Clock::now() + capped_timeout_ms(~0ull), Clock::now() + std::chrono::hours(24 * 365 * 99));
+  EXPECT_EQ(timeout_from_seconds(1e10).count(), -1);
+  EXPECT_EQ(timeout_from_seconds(2.5).count(), 2500000);
 }
 
 TEST(Config, ArenaMustHoldTwoChunks) {

@@ -192,10 +192,10 @@ TEST(NvshmemEmulatedFailures, CloseWithOpsPendingReleasesTheUsersStream) {
     EmulatedDevice device(kSmallQueue);
     EmulatedShmem shmem(device);
     Stream user = device.create_stream();
+    std::vector<std::unique_ptr<Exchange>> xs;  // outlives the transport's queued device work
     auto comm = nvshmem_communicator(bootstrap, small_config(), device, shmem);
     std::string result;
     if (rank == 0) {
-      std::vector<std::unique_ptr<Exchange>> xs;
       std::vector<std::shared_ptr<OpState>> ops;
       for (int i = 0; i < 70; ++i) {
         xs.push_back(std::make_unique<Exchange>(uniform_counts(2, 4096), rank, i));

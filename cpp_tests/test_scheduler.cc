@@ -98,6 +98,22 @@ TEST(Scheduler, EffectivePriorityGrowsOneLevelPerQuantum) {
   EXPECT_EQ(s.effective_priority(t, t0 - milliseconds(5)), 3);
 }
 
+// Issue 22 item 7: the overflow guard computed INT64_MAX - base, itself an overflow for any
+// negative base (UBSan: "signed integer overflow"; at -O0 priority -1 sorted first).
+TEST(Scheduler, NegativePrioritiesSortBelowZeroAndAgeUp) {
+  Scheduler s(kMiB, milliseconds(1));
+  auto t0 = Clock::now();
+  EXPECT_EQ(s.effective_priority(make_transfer(1, -1, t0), t0), -1);
+  EXPECT_EQ(s.effective_priority(make_transfer(1, -2147483647 - 1, t0), t0 + milliseconds(3)), -2147483645);
+  EXPECT_EQ(s.effective_priority(make_transfer(1, 2147483647, t0), t0 + milliseconds(2)), 2147483649);
+  s.submit(make_transfer(100, -1, t0));
+  s.submit(make_transfer(200, 0, t0));
+  s.submit(make_transfer(300, -40, t0));
+  std::vector<int64_t> order;
+  while (s.pending() > 0) order.push_back(step(s, t0));
+  EXPECT_EQ(order, (std::vector<int64_t>{200, 100, 300}));
+}
+
 TEST(Scheduler, SkipsTransfersThatAreNotReady) {
   Scheduler s(kMiB, milliseconds(1000));
   auto t0 = Clock::now();

@@ -186,3 +186,34 @@ def wait_releases_the_gil(info) -> int:
     stop.set()
     t.join()
     return ticks - before
+
+
+def in_place_and_lazy_views_as_gloo(info, elements: int) -> list[str]:
+    """Issue 22 item 6. In place (input is output, as gloo allows): the result gloo gives. A lazy
+    conjugate input: its values, conjugated. A conjugate output: refused before communicating.
+    Returns the cases checked."""
+    rank, world = info.rank, info.world_size
+    comm = fc.Communicator()
+    gen = torch.Generator().manual_seed(rank)
+    x = torch.randn(elements * world, generator=gen)
+    want = torch.empty_like(x)
+    dist.all_to_all_single(want, x.clone())  # gloo (default group)
+    y = x.clone()
+    comm.all_to_all_single(y, y)
+    assert torch.equal(y, want), f"in place: {int((y != want).sum())} of {y.numel()} elements wrong"
+    z = x.clone()
+    comm.all_to_all_single(z[: elements * world // 2 * 2].view(-1, 2), z[: elements * world // 2 * 2].view(-1, 2))
+    c = torch.complex(torch.randn(4 * world, generator=gen), torch.randn(4 * world, generator=gen))
+    want_c = torch.empty_like(c)
+    dist.all_to_all_single(want_c, c.conj().resolve_conj())
+    got = torch.empty_like(c)
+    comm.all_to_all_single(got, c.conj())
+    assert torch.equal(got, want_c), "a lazy conjugate was sent unconjugated"
+    try:
+        comm.all_to_all_single(torch.empty_like(c).conj(), c)
+    except ValueError as e:
+        assert "conjugate" in str(e), e
+    else:
+        raise AssertionError("a conjugate output view was accepted")
+    comm.close()
+    return ["in_place", "conj_input", "conj_output_refused"]

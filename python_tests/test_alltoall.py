@@ -3,7 +3,12 @@
 import pytest
 
 from freescale_comm.testing import spawn
-from rank_programs import alltoall_matches_gloo, bad_inputs_raise_before_communicating, wait_releases_the_gil
+from rank_programs import (
+    alltoall_matches_gloo,
+    bad_inputs_raise_before_communicating,
+    in_place_and_lazy_views_as_gloo,
+    wait_releases_the_gil,
+)
 
 
 @pytest.mark.parametrize("world", [2, 3, 4])
@@ -21,3 +26,8 @@ def test_blocking_wait_releases_the_gil():
     ticks = spawn(wait_releases_the_gil, 2)
     # Rank 0 blocked ~1 s; a thread sleeping 1 ms per tick must have run well over 100 times.
     assert ticks[0] > 100
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_in_place_and_conjugate_views_behave_as_gloo(world):
+    assert spawn(in_place_and_lazy_views_as_gloo, world, 400_000) == [["in_place", "conj_input", "conj_output_refused"]] * world

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Builds and runs the C++ tests (GoogleTest via ctest; the CUDA transports run there on the emulated
-# device), checks that a plain `pip install .` builds and imports, then runs the Python tests
+# device), then again under ASan + UBSan, checks that a plain `pip install .` builds and imports, then runs the Python tests
 # (pytest) against the installed package. Run scripts/setup.sh first on a fresh machine.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -8,5 +8,13 @@ cmake -S . -B build/ctest -DFREESCALE_BUILD_TESTS=ON -DCMAKE_BUILD_TYPE=Release 
 cmake --build build/ctest -j2 >> build-ctest.log 2>&1 || { cat build-ctest.log; exit 1; }
 rm -f build-ctest.log
 ctest --test-dir build/ctest --output-on-failure
+# GoogleTest again under ASan + UBSan, any report failing the run (CUDA off: the emulated device
+# still runs the transports' logic, which needs no nvcc).
+cmake -S . -B build/asan -DFREESCALE_BUILD_TESTS=ON -DFREESCALE_BUILD_PYTHON=OFF -DFREESCALE_CUDA=OFF \
+  -DCMAKE_BUILD_TYPE=RelWithDebInfo "-DCMAKE_CXX_FLAGS=-fsanitize=address,undefined -fno-sanitize-recover=all -fno-omit-frame-pointer" \
+  > build-asan.log 2>&1 || { cat build-asan.log; exit 1; }
+cmake --build build/asan -j2 >> build-asan.log 2>&1 || { cat build-asan.log; exit 1; }
+rm -f build-asan.log
+ctest --test-dir build/asan --output-on-failure
 bash scripts/check_plain_install.sh
 FREESCALE_REQUIRE_CLIENTS=1 python3 -m pytest python_tests -q -p no:cacheprovider

@@ -12,6 +12,7 @@
 #include "cpp/bindings/bindings.h"
 #include "cpp/bootstrap.h"
 #include "cpp/communicator.h"
+#include "cpp/timeouts.h"
 #include "cpp/config.h"
 #include "cpp/layout.h"
 #include "cpp/op_state.h"
@@ -53,7 +54,7 @@ class PyBootstrap : public Bootstrap {
 std::chrono::microseconds to_timeout(std::optional<double> seconds) {
   if (!seconds) return std::chrono::microseconds(-1);
   if (!std::isfinite(*seconds) || *seconds < 0) throw InvalidArgument("timeout must be a non-negative number of seconds");
-  return std::chrono::microseconds(static_cast<int64_t>(*seconds * 1e6));
+  return timeout_from_seconds(*seconds);
 }
 
 }  // namespace

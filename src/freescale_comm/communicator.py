@@ -54,6 +54,14 @@ def _check_tensor(t: object, name: str) -> torch.Tensor:
     return t
 
 
+def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """True if the bytes of contiguous tensors `a` and `b` intersect."""
+    if a.numel() == 0 or b.numel() == 0 or a.device != b.device:
+        return False
+    a0, b0 = a.data_ptr(), b.data_ptr()
+    return a0 < b0 + b.numel() * b.element_size() and b0 < a0 + a.numel() * a.element_size()
+
+
 def check_priority(priority: object) -> int:
     """`priority` as an int32 (larger = sooner); TypeError / ValueError otherwise."""
     if isinstance(priority, bool) or not isinstance(priority, int):
@@ -193,7 +201,14 @@ class Communicator:
         world = self.world_size
         in_splits = _split_sizes(input_split_sizes, input.shape[0], world, "input_split_sizes", "input")
         out_splits = _split_sizes(output_split_sizes, output.shape[0], world, "output_split_sizes", "output")
-        source = input if input.is_contiguous() else input.contiguous()
+        if output.is_conj() or output.is_neg():
+            raise ValueError("output is a lazy conjugate (or negated) view, whose memory holds other values than it "
+                             "shows: receive into a plain tensor and conjugate that (gloo refuses such views too)")
+        source = input.resolve_conj().resolve_neg()  # a lazy view's memory holds the unconjugated values
+        if not source.is_contiguous():
+            source = source.contiguous()
+        elif _overlap(source, output):
+            source = source.clone()  # in place (as gloo allows): what is sent must not change while received into
         layout = _core.AllToAllLayout.packed([s * row_bytes_in for s in in_splits], [s * row_bytes_out for s in out_splits])
         return self._submit(output, source, layout, priority, async_op, op_name)
 
