@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import datetime
 import os
 import signal
 import threading
@@ -217,3 +218,19 @@ def in_place_and_lazy_views_as_gloo(info, elements: int) -> list[str]:
         raise AssertionError("a conjugate output view was accepted")
     comm.close()
     return ["in_place", "conj_input", "conj_output_refused"]
+
+
+def huge_timeouts_mean_no_timeout(info) -> list[str]:
+    """Issue 22 item 5: FREESCALE_TIMEOUT_S=1e10 (set by the test), wait(timeout=1e10) and a group
+    timeout of ~2700 years used to overflow into an immediate TIMEOUT. Each op here completes."""
+    world = info.world_size
+    x = torch.arange(4.0 * world)
+    comm = fc.Communicator()  # FREESCALE_TIMEOUT_S=1e10
+    work = comm.all_to_all_single(torch.empty_like(x), x, async_op=True)
+    work.wait(timeout=1e10)
+    comm.close()
+    checked = ["env", "wait"]
+    pg = dist.new_group(backend="freescale", timeout=datetime.timedelta(days=10**6))
+    dist.all_to_all_single(torch.empty_like(x), x, group=pg)
+    checked.append("group")
+    return checked

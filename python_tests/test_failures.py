@@ -5,7 +5,7 @@ import signal
 import pytest
 
 from freescale_comm.testing import run_ranks
-from rank_programs import disagreeing_splits, killed_mid_op, peer_never_joins
+from rank_programs import disagreeing_splits, huge_timeouts_mean_no_timeout, killed_mid_op, peer_never_joins
 
 
 @pytest.mark.timeout(120)
@@ -31,3 +31,8 @@ def test_peer_that_never_joins_times_out():
     results = run_ranks(peer_never_joins, 2, timeout_s=60, env={"FREESCALE_TIMEOUT_S": "1"})
     assert results[0].error is None, results[0].error
     assert results[0].value == "TIMEOUT"
+
+
+def test_timeouts_beyond_a_century_wait_instead_of_failing_at_once():
+    results = run_ranks(huge_timeouts_mean_no_timeout, 2, timeout_s=120, env={"FREESCALE_TIMEOUT_S": "1e10"})
+    assert [r.value for r in results] == [["env", "wait", "group"]] * 2, results
