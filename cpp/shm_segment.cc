@@ -45,12 +45,15 @@ ShmSegment ShmSegment::create(size_t bytes) {
     ShmSegment seg;
     seg.name_ = name;
     seg.owner_linked_ = true;
-    if (ftruncate(fd, static_cast<off_t>(bytes)) != 0) {
-      int err = errno;
+    // ftruncate alone reserves nothing: a write past what /dev/shm holds would be a SIGBUS. Reserve
+    // every page now, so a small /dev/shm (Docker's 64 MiB) fails here, on every rank, by name.
+    int err = ftruncate(fd, static_cast<off_t>(bytes)) != 0 ? errno : posix_fallocate(fd, 0, static_cast<off_t>(bytes));
+    if (err != 0) {
       close(fd);
       shm_unlink(name.c_str());
-      throw SystemError("ftruncate of shared segment " + name + " to " + std::to_string(bytes) +
-                            " bytes (is /dev/shm full? lower FREESCALE_ARENA_BYTES)", err);
+      throw SystemError("reserving " + std::to_string(bytes) + " bytes of shared memory for " + name +
+                            " (/dev/shm is too small or full: lower FREESCALE_ARENA_BYTES, or give the container "
+                            "more /dev/shm, e.g. docker --shm-size)", err);
     }
     try {
       seg.data_ = map_fd(fd, bytes, name);

@@ -234,3 +234,16 @@ def huge_timeouts_mean_no_timeout(info) -> list[str]:
     dist.all_to_all_single(torch.empty_like(x), x, group=pg)
     checked.append("group")
     return checked
+
+
+def arena_bigger_than_dev_shm(info, nbytes: int) -> str:
+    """Run (by the test) where /dev/shm holds less than the arenas: returns the CommError's code
+    and message, or what happened instead."""
+    world = info.world_size
+    try:
+        comm = fc.Communicator()
+        x = torch.ones(nbytes // 4 * world)
+        comm.all_to_all_single(torch.empty_like(x), x)
+    except fc.CommError as e:
+        return f"{e.code}: {e}"
+    return "no error"

@@ -1,11 +1,18 @@
 """Collective failures: CommError on every surviving rank, never a hang, nothing left behind."""
 
+import json
+import os
 import signal
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
 from freescale_comm.testing import run_ranks
 from rank_programs import disagreeing_splits, huge_timeouts_mean_no_timeout, killed_mid_op, peer_never_joins
+
+HERE = Path(__file__).resolve().parent
 
 
 @pytest.mark.timeout(120)
@@ -36,3 +43,24 @@ def test_peer_that_never_joins_times_out():
 def test_timeouts_beyond_a_century_wait_instead_of_failing_at_once():
     results = run_ranks(huge_timeouts_mean_no_timeout, 2, timeout_s=120, env={"FREESCALE_TIMEOUT_S": "1e10"})
     assert [r.value for r in results] == [["env", "wait", "group"]] * 2, results
+
+
+def test_arenas_bigger_than_dev_shm_fail_setup_on_every_rank_instead_of_sigbus():
+    """Issue 22 item 2. A private 8 MiB /dev/shm (a mount namespace: needs root, else skipped)
+    under 16 MiB arenas: without reserving the pages, the first write past 8 MiB was a SIGBUS."""
+    shell = ("mount -t tmpfs -o size=8m tmpfs /dev/shm && exec \"$0\" -c 'import json, rank_programs as rp; "
+             "from freescale_comm.testing import run_ranks; "
+             "print(json.dumps([[r.value, r.error, r.exitcode] for r in run_ranks(rp.arena_bigger_than_dev_shm, 2, "
+             "32 << 20, timeout_s=60)]))'")
+    env = dict(os.environ, PYTHONPATH=str(HERE), FREESCALE_ARENA_BYTES="16M")
+    try:
+        done = subprocess.run(["unshare", "--mount", "sh", "-c", shell, sys.executable], capture_output=True, text=True,
+                              env=env, timeout=120)
+    except FileNotFoundError:
+        pytest.skip("no unshare(1) here")
+    if done.returncode != 0 and "mount" in done.stderr and "RankFailure" not in done.stderr:
+        pytest.skip(f"cannot mount a private /dev/shm here: {done.stderr.strip()[-200:]}")
+    assert done.returncode == 0, done.stderr[-3000:]
+    for value, error, exitcode in json.loads(done.stdout.strip().splitlines()[-1]):
+        assert error is None and value.startswith("SYSTEM") and "FREESCALE_ARENA_BYTES" in value and "/dev/shm" in value, \
+            (value, error, exitcode)
