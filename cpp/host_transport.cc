@@ -92,6 +92,16 @@ HostTransport::HostTransport(Bootstrap& bootstrap, const Config& config, bool in
   for (int p = 0; p < world_; ++p) {
     peers_[p].pid = all[p].pid;
     if (p == rank_) continue;
+    // What a peer announces sizes the mapping of its segment: bound it before any arithmetic.
+    if (all[p].slot_payload < 4096 || all[p].slot_payload > (1ull << 30) || all[p].slots_per_ring == 0 ||
+        all[p].slots_per_ring > (Config::kMaxArenaBytes >> 12)) {
+      if (attach_error.empty()) {  // reported through the allgather below: every rank fails together
+        attach_error = "rank " + std::to_string(p) + " announced " + std::to_string(all[p].slots_per_ring) +
+                       " slots of " + std::to_string(all[p].slot_payload) +
+                       " bytes per ring, out of range (another freescale_comm build?)";
+      }
+      continue;
+    }
     peers_[p].layout = HostSegmentLayout{world_, p, all[p].slots_per_ring, all[p].slot_payload, inline_payload};
     try {
       peers_[p].segment = ShmSegment::attach(all[p].segment, peers_[p].layout.num_bytes());
@@ -249,8 +259,16 @@ bool HostTransport::drain_from(int src) {
   uint64_t first = tail;
   for (; tail < head; ++tail) {
     SlotHeader* slot = peer.layout.slot(peer.segment.data(), rank_, tail);
-    if (slot->seq >= posted) break;  // sent ahead of our post: it waits for our program order
-    deliver(src, *slot, slot_payload(src, tail, slot));
+    SlotHeader h;
+    std::memcpy(&h, slot, sizeof h);  // read once: the peer can rewrite its shared memory at any time
+    if (h.seq >= posted) break;  // sent ahead of our post: it waits for our program order
+    if (h.bytes > peer.layout.slot_payload) {
+      throw CommError(ErrorCode::kCommError,
+                      "rank " + std::to_string(src) + " wrote a chunk header claiming " + std::to_string(h.bytes) +
+                          " bytes into a slot of " + std::to_string(peer.layout.slot_payload) +
+                          ": its shared memory is corrupt (or it runs another freescale_comm build)");
+    }
+    deliver(src, h, slot_payload(src, tail, slot));
     release_slot(src, tail);
   }
   return tail != first;
