@@ -119,7 +119,7 @@ void Communicator::close() {
   kick_progress_thread();
   if (thread_.joinable()) thread_.join();
   // A driving waiter lets go once it sees closed_; then this thread owns the progress state.
-  std::lock_guard<std::timed_mutex> hold(progress_mu_);
+  std::lock_guard<ProgressLock> hold(progress_mu_);
   std::deque<std::shared_ptr<OpState>> leftover;
   {
     std::lock_guard<std::mutex> lock(mu_);
@@ -136,6 +136,14 @@ void Communicator::close() {
 
 bool Communicator::wait(const std::shared_ptr<OpState>& op, std::chrono::microseconds timeout) {
   using std::chrono::microseconds;
+  if (!op->is_completed() && progress_mu_.held_by_this_thread()) {
+    // A done-callback (run by the thread driving progress) blocking on a pending op: nothing
+    // would drive that op while this thread waits.
+    throw Error(ErrorCode::kInvalidUsage,
+                "wait() on pending op #" + std::to_string(op->seq) +
+                    " from a done-callback of the same communicator: callbacks run on the thread that drives "
+                    "its progress, which cannot block; chain the work with then() or wait on another thread");
+  }
   const bool bounded = timeout.count() >= 0 && timeout < kForeverTimeout;
   const auto until = Clock::now() + (bounded ? timeout : microseconds(0));
   auto left = [&] { return std::max(microseconds(0), std::chrono::duration_cast<microseconds>(until - Clock::now())); };
@@ -146,7 +154,7 @@ bool Communicator::wait(const std::shared_ptr<OpState>& op, std::chrono::microse
     while (keep_going()) {
       // The progress thread lets go within a round; another waiter may hold on longer while it
       // drives (completing our op too): look at ours again every kDriverRetry.
-      std::unique_lock<std::timed_mutex> hold(progress_mu_, std::defer_lock);
+      std::unique_lock<ProgressLock> hold(progress_mu_, std::defer_lock);
       if (!hold.try_lock_for(kDriverRetry)) continue;
       while (keep_going()) {
         uint32_t epoch = transport_->activity_epoch();
@@ -232,7 +240,7 @@ void Communicator::check_health(Clock::time_point now) {
   transport_->check_peers();
 }
 
-void Communicator::fail_all(ErrorCode code, const std::string& message) {
+void Communicator::fail_all(ErrorCode code, const std::string& message, int culprit) {
   std::deque<std::shared_ptr<OpState>> leftover;
   {
     std::lock_guard<std::mutex> lock(mu_);
@@ -243,7 +251,7 @@ void Communicator::fail_all(ErrorCode code, const std::string& message) {
     }
     leftover.swap(submissions_);
   }
-  transport_->abort(code);
+  transport_->abort(code, culprit);
   scheduler_.drain();
   for (auto& op : waiting_) active_.push_back(op);
   for (auto& op : leftover) active_.push_back(op);
@@ -259,7 +267,7 @@ void Communicator::progress_loop() {
       kick_cv_.wait(lock, [this] { return kicked_; });
       kicked_ = false;
     }
-    std::lock_guard<std::timed_mutex> hold(progress_mu_);
+    std::lock_guard<ProgressLock> hold(progress_mu_);
     if (closed()) return;
     // Drive until a waiter takes over or nothing is left; then sleep until kicked again.
     while (drivers_.load() == 0 && !closed()) {
@@ -297,9 +305,9 @@ bool Communicator::progress_round() {
     }
     return moved;
   } catch (const Error& e) {
-    fail_all(e.code(), e.message());
+    fail_all(e.code(), e.message(), e.culprit());
   } catch (const std::exception& e) {
-    fail_all(ErrorCode::kInternal, e.what());
+    fail_all(ErrorCode::kInternal, e.what(), -1);
   }
   return true;
 }

@@ -23,6 +23,7 @@
 #include "cpp/config.h"
 #include "cpp/layout.h"
 #include "cpp/op_state.h"
+#include "cpp/progress_lock.h"
 #include "cpp/scheduler.h"
 #include "cpp/transport.h"
 
@@ -82,7 +83,7 @@ class Communicator {
   void admit();
   bool send_round();
   void check_health(Clock::time_point now);
-  void fail_all(ErrorCode code, const std::string& message);
+  void fail_all(ErrorCode code, const std::string& message, int culprit);
 
   int rank_;
   int world_;
@@ -98,7 +99,7 @@ class Communicator {
   ErrorCode broken_code_ = ErrorCode::kCommError;
   std::string broken_message_;
 
-  std::timed_mutex progress_mu_;          // held by the thread running progress rounds
+  ProgressLock progress_mu_;          // held by the thread running progress rounds
   std::atomic<int> drivers_{0};       // threads in wait() that want progress_mu_
   std::atomic<int64_t> unfinished_{0}; // ops submitted and not completed
   std::mutex kick_mu_;           // guards kicked_

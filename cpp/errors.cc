@@ -20,8 +20,11 @@ const char* error_code_name(ErrorCode code) {
   return "UNKNOWN";
 }
 
-Error::Error(ErrorCode code, const std::string& message)
-    : std::runtime_error("[" + std::string(error_code_name(code)) + "] " + message), code_(code), message_(message) {}
+Error::Error(ErrorCode code, const std::string& message, int culprit)
+    : std::runtime_error("[" + std::string(error_code_name(code)) + "] " + message),
+      code_(code),
+      message_(message),
+      culprit_(culprit) {}
 
 SystemError::SystemError(const std::string& what, int err)
     : Error(ErrorCode::kSystem, what + " failed: " + std::strerror(err) + " (errno " + std::to_string(err) + ")") {}

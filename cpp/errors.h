@@ -24,14 +24,17 @@ const char* error_code_name(ErrorCode code);
 
 class Error : public std::runtime_error {
  public:
-  Error(ErrorCode code, const std::string& message);
+  // culprit: the rank at the root of the failure (which died, disagreed, ...), -1 if unknown.
+  Error(ErrorCode code, const std::string& message, int culprit = -1);
   ErrorCode code() const { return code_; }
+  int culprit() const { return culprit_; }
   // The message without the "[CODE] " prefix that what() carries.
   const std::string& message() const { return message_; }
 
  private:
   ErrorCode code_;
   std::string message_;
+  int culprit_;
 };
 
 // Bad arguments: raised before any communication.
@@ -43,7 +46,7 @@ class InvalidArgument : public Error {
 // Collective failures: peer died, mismatch between ranks, timeout. Raised on every survivor.
 class CommError : public Error {
  public:
-  CommError(ErrorCode code, const std::string& message) : Error(code, message) {}
+  CommError(ErrorCode code, const std::string& message, int culprit = -1) : Error(code, message, culprit) {}
 };
 
 // An OS call failed; `what` names the call, errno is appended.

@@ -23,7 +23,8 @@ struct alignas(64) RankControl {
   std::atomic<int32_t> abort_code;   // ErrorCode that made this rank abort (valid once aborted)
   std::atomic<uint64_t> posted_ops;  // ops this rank has posted (seq < posted_ops); only increases
   uint64_t magic;                    // kHostSegmentMagic, written before the segment is shared
-  char pad[32];
+  std::atomic<int32_t> abort_culprit;  // the rank at the root of the abort, -1 unknown (valid once aborted)
+  char pad[28];
 };
 static_assert(sizeof(RankControl) == 64, "RankControl crosses processes");
 

@@ -7,6 +7,7 @@
 #include <new>
 #include <sstream>
 
+#include "cpp/peer_abort.h"
 #include "cpp/peer_liveness.h"
 
 namespace freescale {
@@ -226,7 +227,8 @@ void HostTransport::deliver(int src, const SlotHeader& h, const uint8_t* payload
     throw CommError(ErrorCode::kSizeMismatch,
                     "all_to_all op #" + std::to_string(h.seq) + ": rank " + std::to_string(rank_) + " expected " +
                         std::to_string(expected) + " bytes from rank " + std::to_string(src) + ", which sends " +
-                        std::to_string(h.total) + " bytes: the ranks' split sizes disagree");
+                        std::to_string(h.total) + " bytes: the ranks' split sizes disagree",
+                    src);
   }
   // recv_done counts accepted bytes (landing may lag: recv_finished says when all landed).
   if (h.offset != op.recv_done[src] || h.bytes > expected - h.offset || op.recv_finished[src] ||
@@ -311,15 +313,15 @@ void HostTransport::check_peers() {
         throw CommError(died ? ErrorCode::kPeerDied : ErrorCode::kCommError,
                         "rank " + std::to_string(p) + " (pid " + std::to_string(peers_[p].pid) + ") " +
                             (died ? "died" : "closed its communicator") + " while op #" + std::to_string(seq) +
-                            " was pending");
+                            " was pending",
+                        p);
       }
     }
   }
   if (aborted < 0) return;
-  auto code = static_cast<ErrorCode>(peers_[aborted].control()->abort_code.load());
-  throw CommError(ErrorCode::kPeerAborted, "rank " + std::to_string(aborted) + " aborted the communicator (" +
-                                               error_code_name(code) + "), so rank " + std::to_string(rank_) +
-                                               " fails too");
+  const RankControl* control = peers_[aborted].control();
+  throw_peer_abort(aborted, static_cast<ErrorCode>(control->abort_code.load()), control->abort_culprit.load(), rank_,
+                   [this](int r) { return peers_[r].pid; });
 }
 
 uint32_t HostTransport::activity_epoch() const {
@@ -332,9 +334,10 @@ void HostTransport::wait_for_activity(uint32_t epoch, std::chrono::microseconds 
 
 void HostTransport::wake() { peers_[rank_].control()->doorbell.ring(); }
 
-void HostTransport::abort(ErrorCode code) {
+void HostTransport::abort(ErrorCode code, int culprit) {
   RankControl* control = peers_[rank_].control();
   control->abort_code.store(static_cast<int32_t>(code));
+  control->abort_culprit.store(culprit);
   control->state.store(kRankAborted, std::memory_order_release);
   ring_all();
 }

@@ -38,7 +38,7 @@ class HostTransport : public Transport {
   uint32_t activity_epoch() const override;
   void wait_for_activity(uint32_t epoch, std::chrono::microseconds timeout) override;
   void wake() override;
-  void abort(ErrorCode code) override;
+  void abort(ErrorCode code, int culprit) override;
   void close() override;
 
  protected:

@@ -22,6 +22,8 @@
 
 #include <cstdint>
 
+#include "cpp/errors.h"
+
 namespace freescale {
 
 constexpr int kNvshmemLanes = 4;
@@ -36,7 +38,18 @@ inline int nvshmem_lane(int32_t priority) {
 
 // notice values (see the arena above).
 constexpr uint64_t kNvshmemNoticeClosed = 1;
-constexpr uint64_t kNvshmemNoticeAbortBase = 2;
+constexpr uint64_t kNvshmemNoticeAbortBase = 2;  // + code + 256 * (culprit + 1): see nvshmem_abort_notice
+
+// The notice of an abort with `code` because of rank `culprit` (-1: unknown), and back.
+inline uint64_t nvshmem_abort_notice(ErrorCode code, int culprit) {
+  return kNvshmemNoticeAbortBase + static_cast<uint64_t>(code) + 256 * static_cast<uint64_t>(culprit + 1);
+}
+inline ErrorCode nvshmem_notice_code(uint64_t notice) {
+  return static_cast<ErrorCode>((notice - kNvshmemNoticeAbortBase) % 256);
+}
+inline int nvshmem_notice_culprit(uint64_t notice) {
+  return static_cast<int>((notice - kNvshmemNoticeAbortBase) / 256) - 1;
+}
 
 struct NvshmemArenaLayout {
   static constexpr uint64_t kSlotAlign = 512;  // bytes: DMA-friendly slot starts

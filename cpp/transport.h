@@ -58,8 +58,10 @@ class Transport {
   // Wakes this rank's progress thread. Any thread.
   virtual void wake() = 0;
 
-  // Tells peers this rank failed (they raise kPeerAborted) / left cleanly.
-  virtual void abort(ErrorCode code) = 0;
+  // Tells peers this rank failed with `code` because of rank `culprit` (-1: unknown) / left
+  // cleanly. Peers raise the root cause: kPeerDied naming the culprit if it died, else
+  // kPeerAborted naming this rank, the code and the culprit.
+  virtual void abort(ErrorCode code, int culprit) = 0;
   virtual void close() = 0;
 };
 

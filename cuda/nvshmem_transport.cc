@@ -44,6 +44,7 @@
 #include "cpp/layout.h"
 #include "cpp/nvshmem_layout.h"
 #include "cpp/op_state.h"
+#include "cpp/peer_abort.h"
 #include "cpp/peer_liveness.h"
 #include "cpp/transfer.h"
 #include "cuda/device_util.h"
@@ -94,7 +95,7 @@ class NvshmemTransport final : public Transport {
   uint32_t activity_epoch() const override { return epoch_.load(std::memory_order_acquire); }
   void wait_for_activity(uint32_t epoch, std::chrono::microseconds timeout) override;
   void wake() override;
-  void abort(ErrorCode code) override { notify_peers(kNvshmemNoticeAbortBase + static_cast<uint64_t>(code)); }
+  void abort(ErrorCode code, int culprit) override { notify_peers(nvshmem_abort_notice(code, culprit)); }
   void close() override { notify_peers(kNvshmemNoticeClosed); }
 
  private:
@@ -413,7 +414,8 @@ void NvshmemTransport::push_receives(const std::shared_ptr<OpState>& op, int src
           throw CommError(ErrorCode::kSizeMismatch,
                           "all_to_all op #" + std::to_string(op->seq) + ": rank " + std::to_string(rank_) + " expected " +
                               std::to_string(bytes) + " bytes from rank " + std::to_string(src) + ", which sends " +
-                              std::to_string(audit_mirror_[slot]) + " bytes: the ranks' split sizes disagree");
+                              std::to_string(audit_mirror_[slot]) + " bytes: the ranks' split sizes disagree",
+                          src);
         }
         recv_parts_[{op->seq, src}].audited = true;
         part_checked(op, src, lane);
@@ -517,29 +519,25 @@ void NvshmemTransport::check_peers() {
   for (int p = 0; p < world_; ++p) {
     const uint64_t notice = notice_mirror_[p];
     if (p == rank_ || notice < kNvshmemNoticeAbortBase || (dead >= 0 && p != dead)) continue;
-    auto code = static_cast<ErrorCode>(notice - kNvshmemNoticeAbortBase);
-    throw CommError(ErrorCode::kPeerAborted, "rank " + std::to_string(p) + " aborted the communicator (" +
-                                                 error_code_name(code) + "), so rank " + std::to_string(rank_) +
-                                                 " fails too");
+    throw_peer_abort(p, nvshmem_notice_code(notice), nvshmem_notice_culprit(notice), rank_, [this](int r) { return pids_[r]; });
   }
   if (dead >= 0) {
     throw CommError(ErrorCode::kPeerDied, "rank " + std::to_string(dead) + " (pid " + std::to_string(pids_[dead]) +
-                                              ") died while an op that needs it was pending");
+                                              ") died while an op that needs it was pending",
+                    dead);
   }
   for (int p = 0; p < world_; ++p) {
     const uint64_t notice = notice_mirror_[p];
     if (p == rank_ || notice < kNvshmemNoticeAbortBase) continue;
-    auto code = static_cast<ErrorCode>(notice - kNvshmemNoticeAbortBase);
-    throw CommError(ErrorCode::kPeerAborted, "rank " + std::to_string(p) + " aborted the communicator (" +
-                                                 error_code_name(code) + "), so rank " + std::to_string(rank_) +
-                                                 " fails too");
+    throw_peer_abort(p, nvshmem_notice_code(notice), nvshmem_notice_culprit(notice), rank_, [this](int r) { return pids_[r]; });
   }
   for (int p = 0; p < world_; ++p) {
     if (p == rank_ || notice_mirror_[p] != kNvshmemNoticeClosed) continue;
     for (const auto& [seq, op] : started_) {
       if (!op->is_completed() && op->needs_peer(p)) {
         throw CommError(ErrorCode::kCommError, "rank " + std::to_string(p) + " closed its communicator while op #" +
-                                                   std::to_string(seq) + " was pending");
+                                                   std::to_string(seq) + " was pending",
+                        p);
       }
     }
   }

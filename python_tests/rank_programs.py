@@ -247,3 +247,29 @@ def arena_bigger_than_dev_shm(info, nbytes: int) -> str:
     except fc.CommError as e:
         return f"{e.code}: {e}"
     return "no error"
+
+
+def wait_inside_a_done_callback(info) -> str:
+    """Issue 22 item 3: a done-callback of op A blocking on op B of the same communicator (B
+    pending: rank 1 joins it a second later) used to hang for good, its timeout ignored. Now the
+    wait raises InvalidUsageError inside the callback, which fails the chained future. Returns
+    what rank 0's chained future held."""
+    comm = fc.Communicator()
+    x = torch.arange(4.0 * info.world_size)
+    a = comm.all_to_all_single(torch.empty_like(x), x, async_op=True)
+    if info.rank == 1:
+        a.wait()
+        time.sleep(1.0)
+        comm.all_to_all_single(torch.empty_like(x), x)
+        comm.close()
+        return "joined"
+    b = comm.all_to_all_single(torch.empty_like(x), x, async_op=True)
+    chained = a.get_future().then(lambda _: b.wait(timeout=30))
+    try:
+        chained.wait()
+        outcome = "the callback's wait returned"
+    except Exception as e:  # noqa: BLE001 - torch wraps what the callback raised
+        outcome = f"{type(e).__name__}: {e}"
+    b.wait()
+    comm.close()
+    return outcome

@@ -10,7 +10,13 @@ from pathlib import Path
 import pytest
 
 from freescale_comm.testing import run_ranks
-from rank_programs import disagreeing_splits, huge_timeouts_mean_no_timeout, killed_mid_op, peer_never_joins
+from rank_programs import (
+    disagreeing_splits,
+    huge_timeouts_mean_no_timeout,
+    killed_mid_op,
+    peer_never_joins,
+    wait_inside_a_done_callback,
+)
 
 HERE = Path(__file__).resolve().parent
 
@@ -64,3 +70,9 @@ def test_arenas_bigger_than_dev_shm_fail_setup_on_every_rank_instead_of_sigbus()
     for value, error, exitcode in json.loads(done.stdout.strip().splitlines()[-1]):
         assert error is None and value.startswith("SYSTEM") and "FREESCALE_ARENA_BYTES" in value and "/dev/shm" in value, \
             (value, error, exitcode)
+
+
+def test_a_blocking_wait_inside_a_done_callback_raises_instead_of_hanging():
+    rank0, rank1 = [r.value for r in run_ranks(wait_inside_a_done_callback, 2, timeout_s=60)]
+    assert rank1 == "joined"
+    assert "done-callback" in rank0 and "then()" in rank0, rank0
