@@ -17,14 +17,14 @@ namespace {
 struct Announcement {
   std::string error;     // non-empty: this rank could not create its segment
   std::string identity;  // host_identity()
-  int pid = 0;
+  ProcessId process;
   std::string segment;   // shm name
   uint64_t slots_per_ring = 0;
   uint64_t slot_payload = 0;
 
   std::string encode() const {
     std::ostringstream out;
-    out << error << '\n' << identity << '\n' << pid << '\n' << segment << '\n' << slots_per_ring << '\n' << slot_payload << '\n';
+    out << error << '\n' << identity << '\n' << process.encode() << '\n' << segment << '\n' << slots_per_ring << '\n' << slot_payload << '\n';
     return out.str();
   }
   static Announcement decode(const std::string& blob, int from) {
@@ -36,7 +36,7 @@ struct Announcement {
       throw CommError(ErrorCode::kCommError, "host transport setup: malformed announcement from rank " +
                                                  std::to_string(from) + " (different freescale_comm versions?)");
     }
-    a.pid = std::stoi(pid);
+    a.process = ProcessId::decode(pid);
     a.slots_per_ring = std::stoull(slots);
     a.slot_payload = std::stoull(payload);
     return a;
@@ -53,7 +53,7 @@ HostTransport::HostTransport(Bootstrap& bootstrap, const Config& config, bool in
       taken_(static_cast<size_t>(bootstrap.size()), 0) {
   Announcement mine;
   mine.identity = host_identity();
-  mine.pid = static_cast<int>(getpid());
+  mine.process = this_process();
   mine.slot_payload = config.chunk_bytes;
   HostSegmentLayout layout{world_, rank_, 0, config.chunk_bytes, inline_payload};
   if (world_ > 1) {
@@ -91,7 +91,7 @@ HostTransport::HostTransport(Bootstrap& bootstrap, const Config& config, bool in
 
   std::string attach_error;
   for (int p = 0; p < world_; ++p) {
-    peers_[p].pid = all[p].pid;
+    peers_[p].process = all[p].process;
     if (p == rank_) continue;
     // What a peer announces sizes the mapping of its segment: bound it before any arithmetic.
     if (all[p].slot_payload < 4096 || all[p].slot_payload > (1ull << 30) || all[p].slots_per_ring == 0 ||
@@ -303,7 +303,7 @@ void HostTransport::check_peers() {
   for (int p = 0; p < world_; ++p) {
     if (p == rank_) continue;
     bool closed = peers_[p].control()->state.load(std::memory_order_acquire) == kRankClosed;
-    bool died = !process_alive(peers_[p].pid);
+    bool died = !process_alive(peers_[p].process);
     if (!closed && !died) continue;
     drain_from(p);  // what it sent before leaving is still valid
     confirm_received();
@@ -311,7 +311,7 @@ void HostTransport::check_peers() {
     for (const auto& [seq, op] : posted_) {
       if (op->needs_peer(p) || aborted >= 0) {
         throw CommError(died ? ErrorCode::kPeerDied : ErrorCode::kCommError,
-                        "rank " + std::to_string(p) + " (pid " + std::to_string(peers_[p].pid) + ") " +
+                        "rank " + std::to_string(p) + " (pid " + std::to_string(peers_[p].process.pid) + ") " +
                             (died ? "died" : "closed its communicator") + " while op #" + std::to_string(seq) +
                             " was pending",
                         p);
@@ -321,7 +321,7 @@ void HostTransport::check_peers() {
   if (aborted < 0) return;
   const RankControl* control = peers_[aborted].control();
   throw_peer_abort(aborted, static_cast<ErrorCode>(control->abort_code.load()), control->abort_culprit.load(), rank_,
-                   [this](int r) { return peers_[r].pid; });
+                   [this](int r) { return peers_[r].process.pid; });
 }
 
 uint32_t HostTransport::activity_epoch() const {

@@ -14,6 +14,7 @@
 #include "cpp/bootstrap.h"
 #include "cpp/config.h"
 #include "cpp/host_layout.h"
+#include "cpp/peer_liveness.h"
 #include "cpp/shm_segment.h"
 #include "cpp/transport.h"
 
@@ -80,7 +81,7 @@ class HostTransport : public Transport {
   struct Peer {
     ShmSegment segment;        // the peer's segment (ours for self)
     HostSegmentLayout layout;  // its layout
-    int pid = 0;
+    ProcessId process;  // for liveness checks
     RankControl* control() const { return layout.control(segment.data()); }
     bool received(uint64_t seq) const {
       return layout.received(segment.data())->received[seq % kOpWindow].load(std::memory_order_acquire) >= seq + 1;

@@ -124,7 +124,7 @@ class NvshmemTransport final : public Transport {
   uint64_t chunk_bytes_;
   NvshmemArenaLayout layout_;
   uint8_t* arena_ = nullptr;  // symmetric: the same offsets address every rank's arena
-  std::vector<int> pids_;     // [world] pids of ranks on this host, -1 for others
+  std::vector<ProcessId> procs_;  // [world] ranks on this host (pid -1 for others)
   bool took_ = false;         // this transport holds the process's NVSHMEM
 
   std::vector<SteppedStream> send_, recv_, audit_;  // [pair]
@@ -159,7 +159,7 @@ NvshmemTransport::NvshmemTransport(Bootstrap& bootstrap, const Config& config, D
       device_(config.cuda_device),
       chunk_bytes_(config.chunk_bytes),
       layout_(NvshmemArenaLayout::plan(world_, config.chunk_bytes, kOpWindow)),
-      pids_(static_cast<size_t>(world_), -1),
+      procs_(static_cast<size_t>(world_)),
       send_(static_cast<size_t>(world_ * kNvshmemLanes)),
       recv_(static_cast<size_t>(world_ * kNvshmemLanes)),
       audit_(static_cast<size_t>(world_ * kNvshmemLanes)),
@@ -208,7 +208,7 @@ NvshmemTransport::NvshmemTransport(Bootstrap& bootstrap, const Config& config, D
   }
   // Step 1: chunk sizes, placement and pids.
   std::vector<std::string> got =
-      announce(code, error, std::to_string(chunk_bytes_) + "\n" + host_identity() + "\n" + std::to_string(getpid()));
+      announce(code, error, std::to_string(chunk_bytes_) + "\n" + host_identity() + "\n" + this_process().encode());
   bool one_host = true;
   for (int p = 0; p < world_; ++p) {
     std::istringstream in(got[p]);
@@ -222,7 +222,7 @@ NvshmemTransport::NvshmemTransport(Bootstrap& bootstrap, const Config& config, D
                             "; set one value everywhere");
     }
     if (host == host_identity()) {
-      pids_[p] = std::stoi(pid);
+      procs_[p] = ProcessId::decode(pid);
     } else {
       one_host = false;
     }
@@ -497,7 +497,7 @@ void NvshmemTransport::check_peers() {
   // root cause (e.g. it detected a split mismatch and exited): read the notices now, then.
   int dead = -1;
   for (int p = 0; p < world_ && dead < 0; ++p) {
-    if (p == rank_ || pids_[p] < 0 || process_alive(pids_[p])) continue;
+    if (p == rank_ || procs_[p].pid < 0 || process_alive(procs_[p])) continue;
     for (const auto& [seq, op] : started_) {
       if (!op->is_completed() && op->needs_peer(p)) dead = p;
     }
@@ -519,17 +519,17 @@ void NvshmemTransport::check_peers() {
   for (int p = 0; p < world_; ++p) {
     const uint64_t notice = notice_mirror_[p];
     if (p == rank_ || notice < kNvshmemNoticeAbortBase || (dead >= 0 && p != dead)) continue;
-    throw_peer_abort(p, nvshmem_notice_code(notice), nvshmem_notice_culprit(notice), rank_, [this](int r) { return pids_[r]; });
+    throw_peer_abort(p, nvshmem_notice_code(notice), nvshmem_notice_culprit(notice), rank_, [this](int r) { return procs_[r].pid; });
   }
   if (dead >= 0) {
-    throw CommError(ErrorCode::kPeerDied, "rank " + std::to_string(dead) + " (pid " + std::to_string(pids_[dead]) +
+    throw CommError(ErrorCode::kPeerDied, "rank " + std::to_string(dead) + " (pid " + std::to_string(procs_[dead].pid) +
                                               ") died while an op that needs it was pending",
                     dead);
   }
   for (int p = 0; p < world_; ++p) {
     const uint64_t notice = notice_mirror_[p];
     if (p == rank_ || notice < kNvshmemNoticeAbortBase) continue;
-    throw_peer_abort(p, nvshmem_notice_code(notice), nvshmem_notice_culprit(notice), rank_, [this](int r) { return pids_[r]; });
+    throw_peer_abort(p, nvshmem_notice_code(notice), nvshmem_notice_culprit(notice), rank_, [this](int r) { return procs_[r].pid; });
   }
   for (int p = 0; p < world_; ++p) {
     if (p == rank_ || notice_mirror_[p] != kNvshmemNoticeClosed) continue;
