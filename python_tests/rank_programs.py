@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import atexit
 import datetime
 import os
 import signal
@@ -271,5 +272,54 @@ def wait_inside_a_done_callback(info) -> str:
     except Exception as e:  # noqa: BLE001 - torch wraps what the callback raised
         outcome = f"{type(e).__name__}: {e}"
     b.wait()
+    comm.close()
+    return outcome
+
+
+def fork_after_communicator(info) -> dict:
+    """Issue 22 item 1: a child forked after fc.Communicator() used to hang (or abort) in its
+    atexit close, and a child calling close() told the parent's peers this rank left. Now the
+    child is refused clearly if it uses the parent's communicator and exits cleanly; the parent's
+    group goes on. Returns the child's outcome and the parent's next op's result."""
+    comm = fc.Communicator()
+    x = torch.arange(4.0 * info.world_size) + info.rank
+    comm.all_to_all_single(torch.empty_like(x), x)
+    outcome = {}
+    if info.rank == 0:
+        read, write = os.pipe()
+        child = os.fork()
+        if child == 0:  # the child: use, close, exit (atexit handlers run)
+            os.close(read)
+            try:
+                comm.all_to_all_single(torch.empty_like(x), x)
+                said = "used the parent's communicator"
+            except fc.InvalidUsageError as e:
+                said = "refused" if "forked" in str(e) else f"refused without saying why: {e}"
+            comm.close()
+            os.write(write, said.encode())
+            os.close(write)
+            atexit._run_exitfuncs()  # what interpreter exit runs (freescale's close-all among them)
+            os._exit(0)  # not sys.exit: the test harness in this (copied) process would report it as rank 0
+        os.close(write)
+        deadline = time.monotonic() + 30
+        status = None
+        while time.monotonic() < deadline:
+            done, status = os.waitpid(child, os.WNOHANG)
+            if done:
+                break
+            time.sleep(0.05)
+        else:
+            os.kill(child, signal.SIGKILL)
+            os.waitpid(child, 0)
+            status = "hung"
+        outcome["child"] = os.read(read, 200).decode()
+        outcome["child_exit"] = status if status == "hung" else os.waitstatus_to_exitcode(status)
+        os.close(read)
+    dist.barrier()  # (gloo) the child is gone before the next op
+    out = torch.empty_like(x)
+    comm.all_to_all_single(out, x)
+    want = torch.empty_like(x)
+    dist.all_to_all_single(want, x)
+    outcome["next_op_ok"] = bool(torch.equal(out, want))
     comm.close()
     return outcome

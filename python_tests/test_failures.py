@@ -76,3 +76,53 @@ def test_a_blocking_wait_inside_a_done_callback_raises_instead_of_hanging():
     rank0, rank1 = [r.value for r in run_ranks(wait_inside_a_done_callback, 2, timeout_s=60)]
     assert rank1 == "joined"
     assert "done-callback" in rank0 and "then()" in rank0, rank0
+
+
+CTRL_C_PROGRAM = """
+import os, signal, sys, threading, time, datetime
+import torch, torch.distributed as dist
+import freescale_comm as fc
+rank = int(sys.argv[1])
+dist.init_process_group("gloo", init_method="tcp://127.0.0.1:" + sys.argv[2], rank=rank, world_size=2,
+                        timeout=datetime.timedelta(seconds=120))
+comm = fc.Communicator()
+x = torch.ones(8)
+if rank == 1:
+    time.sleep(30)  # never joins in time: rank 0 blocks
+    sys.exit(0)
+threading.Timer(1.0, lambda: os.kill(os.getpid(), signal.SIGINT)).start()
+try:
+    comm.all_to_all_single(torch.empty_like(x), x)
+    print("completed")
+except KeyboardInterrupt:
+    print("interrupted")
+except fc.CommError as e:
+    print("CommError", e.code)
+sys.stdout.flush()
+os._exit(0)
+"""
+
+
+def test_ctrl_c_ends_a_blocked_wait():
+    """Issue 22 item 9: SIGINT while an op blocks (its peer is 30 s late; the timeout is 120 s)
+    raises KeyboardInterrupt instead of being ignored until the op ends."""
+    from freescale_comm.testing import free_port
+
+    port = str(free_port())
+    procs = [subprocess.Popen([sys.executable, "-c", CTRL_C_PROGRAM, str(r), port], stdout=subprocess.PIPE, text=True)
+             for r in range(2)]
+    try:
+        out0, _ = procs[0].communicate(timeout=25)  # well before the peer wakes up or the op times out
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+    assert out0.strip() == "interrupted", out0
+
+
+def test_a_forked_child_leaves_its_parents_communicator_alone():
+    from rank_programs import fork_after_communicator
+
+    results = [r.value for r in run_ranks(fork_after_communicator, 2, timeout_s=90)]
+    assert results[0] == {"child": "refused", "child_exit": 0, "next_op_ok": True}, results
+    assert results[1] == {"next_op_ok": True}, results

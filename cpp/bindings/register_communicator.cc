@@ -4,18 +4,19 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cmath>
-#include <thread>
 #include <optional>
+#include <thread>
 
 #include "cpp/bindings/bindings.h"
 #include "cpp/bootstrap.h"
 #include "cpp/communicator.h"
-#include "cpp/timeouts.h"
 #include "cpp/config.h"
 #include "cpp/layout.h"
 #include "cpp/op_state.h"
+#include "cpp/timeouts.h"
 
 namespace py = pybind11;
 
@@ -57,6 +58,32 @@ std::chrono::microseconds to_timeout(std::optional<double> seconds) {
   return timeout_from_seconds(*seconds);
 }
 
+// Blocks until `wait_for(slice)` returns true or `timeout` (-1: none) passed, in slices with the
+// GIL released: between slices, a Python signal handler that raised (Ctrl-C: KeyboardInterrupt)
+// ends the wait within kSignalSlice. The op itself goes on.
+template <class WaitFor>
+bool wait_honouring_signals(std::chrono::microseconds timeout, WaitFor&& wait_for) {
+  constexpr std::chrono::microseconds kSignalSlice{200000};
+  using Clock = std::chrono::steady_clock;
+  const bool bounded = timeout.count() >= 0;
+  const auto until = Clock::now() + (bounded ? timeout : std::chrono::microseconds(0));
+  while (true) {
+    auto slice = kSignalSlice;
+    if (bounded) {
+      slice = std::min(slice, std::max(std::chrono::microseconds(0),
+                                       std::chrono::duration_cast<std::chrono::microseconds>(until - Clock::now())));
+    }
+    bool done;
+    {
+      py::gil_scoped_release release;
+      done = wait_for(slice);
+    }
+    if (done) return true;
+    if (bounded && Clock::now() >= until) return false;
+    if (PyErr_CheckSignals() != 0) throw py::error_already_set();
+  }
+}
+
 }  // namespace
 
 void register_communicator(py::module_& m) {
@@ -90,9 +117,13 @@ void register_communicator(py::module_& m) {
       .def_readonly("seq", &OpState::seq)
       .def_readonly("priority", &OpState::priority)
       .def(
-          "wait", [](OpState& op, std::optional<double> timeout_s) { return op.wait(to_timeout(timeout_s)); },
-          py::arg("timeout_s") = py::none(), py::call_guard<py::gil_scoped_release>(),
-          "Blocks (GIL released) until done; False if timeout_s passed first; raises CommError if it failed.")
+          "wait",
+          [](OpState& op, std::optional<double> timeout_s) {
+            return wait_honouring_signals(to_timeout(timeout_s), [&op](std::chrono::microseconds s) { return op.wait(s); });
+          },
+          py::arg("timeout_s") = py::none(),
+          "Blocks (GIL released; Ctrl-C honoured) until done; False if timeout_s passed first; raises CommError if "
+          "it failed.")
       .def("is_completed", &OpState::is_completed)
       .def("failed", &OpState::failed)
       .def("rethrow_if_failed", &OpState::rethrow_if_failed)
@@ -161,13 +192,20 @@ void register_communicator(py::module_& m) {
       .def(
           "wait",
           [](Communicator& c, const std::shared_ptr<OpState>& op, std::optional<double> timeout_s) {
-            auto timeout = to_timeout(timeout_s);
-            py::gil_scoped_release release;
-            return c.wait(op, timeout);
+            return wait_honouring_signals(to_timeout(timeout_s),
+                                          [&c, &op](std::chrono::microseconds s) { return c.wait(op, s); });
           },
           py::arg("work"), py::arg("timeout_s") = py::none(),
-          "Like Work.wait, but drives progress on the calling thread (GIL released) while it waits.")
+          "Like Work.wait, but drives progress on the calling thread (GIL released; Ctrl-C honoured) while it waits.")
       .def("close", &Communicator::close, py::call_guard<py::gil_scoped_release>())
+      .def(
+          "abandon_after_fork",
+          [](const std::shared_ptr<Communicator>& self) {
+            // In a forked child: the parent's progress thread does not exist here and its locks
+            // may be held, so this copy must never close, join or destruct. Kept alive for good.
+            new std::shared_ptr<Communicator>(self);
+          },
+          "Forked child only: this copy of the parent's communicator is never closed or destroyed.")
       .def_property_readonly("closed", &Communicator::closed);
 }
 

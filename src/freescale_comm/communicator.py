@@ -7,6 +7,7 @@ import atexit
 import datetime
 import math
 import operator
+import os
 import threading
 import weakref
 from collections.abc import Sequence
@@ -23,6 +24,17 @@ SplitSizes = Optional[Union[Sequence[int], torch.Tensor]]
 
 _live: "weakref.WeakSet[Communicator]" = weakref.WeakSet()
 _live_lock = threading.Lock()
+
+
+def _abandon_in_forked_child() -> None:
+    """After fork(), in the child: every communicator belongs to the parent (its progress threads
+    and shared memory are the parent's). The child never closes them (closing would tell the
+    parent's peers this rank left) and refuses to use them."""
+    for comm in list(_live):  # no lock: the child has one thread, and a parent's thread may have held it
+        comm._abandon_after_fork()
+
+
+os.register_at_fork(after_in_child=_abandon_in_forked_child)
 
 
 @atexit.register
@@ -132,6 +144,8 @@ class Communicator:
         self._cuda_cores: dict[int, Any] = {}  # device index -> core moving that GPU's tensors
         if config.transport in ("ce", "nvshmem"):
             config.transport = "host"  # the knob picks the GPU transport; CPU tensors take host
+        self._owner_pid = os.getpid()
+        self._forked_from: Optional[int] = None  # set in a forked child: the parent's pid
         self._core = _core.Communicator(bootstrap, config)
         self._inflight: list[Work] = []  # async ops whose tensors must outlive the caller's refs
         with _live_lock:
@@ -236,6 +250,7 @@ class Communicator:
         after the current stream's work so far; unless async_op, the current stream then waits
         for it (the CPU does not). Under torch.profiler, the op is a range from submission to
         completion named by `op_name`, its priority and bytes."""
+        self._check_not_forked()
         if not torch.autograd.profiler._is_profiler_enabled:
             return self._submit_now(output, input, layout, priority, async_op)
         name = f"freescale:{op_name} priority={priority} send={sum(layout.send_bytes)}B recv={sum(layout.recv_bytes)}B"
@@ -266,8 +281,23 @@ class Communicator:
             work.wait()
         return work
 
+    def _abandon_after_fork(self) -> None:
+        self._forked_from = self._owner_pid
+        for core in (self._core, *self._cuda_cores.values()):
+            core.abandon_after_fork()
+        self._inflight = []
+
+    def _check_not_forked(self) -> None:
+        if self._forked_from is not None:
+            raise _core.InvalidUsageError(
+                f"this Communicator belongs to process {self._forked_from}, which forked this one (pid {os.getpid()}); "
+                "a forked child cannot use its parent's communicators: create new ones in the child (with its own group)"
+            )
+
     def close(self) -> None:
         """Stops the progress threads; pending ops fail with CommError. Idempotent."""
+        if self._forked_from is not None:
+            return  # the parent's: left alone
         for core in self._cuda_cores.values():
             core.close()
         self._core.close()
