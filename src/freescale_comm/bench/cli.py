@@ -50,6 +50,14 @@ def _parser() -> argparse.ArgumentParser:
     d.add_argument("--iters", type=int, default=5, help="timed iterations (default 5)")
     d.add_argument("--warmup", type=int, default=2, help="untimed iterations")
     _outputs(d)
+    so = sub.add_parser("soak", help="N ranks x M random all_to_all_single ops (11 dtypes, 0..max bytes per peer, "
+                                     "priorities, async waits out of order, strided inputs), every byte checked")
+    so.add_argument("--ranks", type=int, default=4, help="processes on this host (default 4)")
+    so.add_argument("--ops", type=int, default=2000, help="ops per rank (default 2000)")
+    so.add_argument("--seed", type=int, default=0, help="seed of the op list (the same on every rank)")
+    so.add_argument("--max-bytes", type=_size, default=1 << 20, help="largest block one rank sends another (default 1M)")
+    so.add_argument("--window", type=int, default=80, help="async ops in flight at most (default 80)")
+    _outputs(so, progress=False)
     pl = sub.add_parser("planner", help="load-balancing plans: freescale vs none, LPT and Karmarkar-Karp")
     pl.add_argument("--ranks", type=int, default=256, help="ranks to balance across (default 256)")
     pl.add_argument("--samples", type=int, default=64, help="samples per rank (default 64)")
@@ -341,6 +349,19 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(dispatch.summary(rows))
         if args.json:
             write_json(args.json, "dispatch", rows, ranks=args.ranks, rows_total=args.rows, dim=args.dim)
+    elif args.bench == "soak":
+        from freescale_comm.bench import soak
+        from freescale_comm.bench.report import write_json
+
+        if args.ranks < 2 or args.ops < 1 or args.window < 0:
+            print("freescale-bench: need --ranks >= 2, --ops >= 1 and --window >= 0", file=sys.stderr)
+            return 2
+        rows = soak.run(args.ranks, args.ops, args.seed, args.max_bytes, args.window)
+        print(soak.summary(rows, args.ranks, args.ops, args.seed))
+        if args.json:
+            write_json(args.json, "soak", rows, ranks=args.ranks, ops=args.ops, seed=args.seed)
+        if any(r["wrong_bytes"] for r in rows):
+            return 1
     elif args.bench == "overlap":
         return run_overlap(args)
     elif args.bench == "planner":
