@@ -34,26 +34,53 @@ void* map_fd(int fd, size_t bytes, const std::string& name) {
   return p;
 }
 
+// Reserves every page of the file behind `fd` (a write past what the memory behind it holds would
+// be a SIGBUS later); on failure closes `fd` and throws, naming `name`.
+void reserve(int fd, size_t bytes, const std::string& name) {
+  int err = ftruncate(fd, static_cast<off_t>(bytes)) != 0 ? errno : posix_fallocate(fd, 0, static_cast<off_t>(bytes));
+  if (err != 0) {
+    close(fd);
+    throw SystemError("reserving " + std::to_string(bytes) + " bytes of shared memory for " + name +
+                          " (too little memory, or /dev/shm too small or full: lower FREESCALE_ARENA_BYTES, or give "
+                          "the container more, e.g. docker --shm-size)", err);
+  }
+}
+
 }  // namespace
 
 ShmSegment ShmSegment::create(size_t bytes) {
+  // Preferred: an anonymous memory file that peers open through /proc/<pid>/fd/<fd>. It has no
+  // name anywhere, so nothing outlives this process, whenever it dies.
+  int fd = memfd_create("freescale-arena", MFD_CLOEXEC);
+  if (fd >= 0) {
+    ShmSegment seg;
+    seg.name_ = "/proc/" + std::to_string(getpid()) + "/fd/" + std::to_string(fd);
+    reserve(fd, bytes, "an arena");
+    void* p = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+    if (p == MAP_FAILED) {
+      int err = errno;
+      close(fd);
+      throw SystemError("mmap of a shared arena", err);
+    }
+    seg.data_ = p;
+    seg.size_ = bytes;
+    seg.fd_ = fd;  // open until every peer has opened it (unlink)
+    return seg;
+  }
+  // No memfd (kernels before 3.17): a named POSIX segment, unlinked once every peer attached.
   for (int attempt = 0; attempt < 8; ++attempt) {
     std::string name = random_name();
-    int fd = shm_open(name.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600);
+    fd = shm_open(name.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600);
     if (fd < 0 && errno == EEXIST) continue;
     if (fd < 0) throw SystemError("shm_open(" + name + ")", errno);
     ShmSegment seg;
     seg.name_ = name;
     seg.owner_linked_ = true;
-    // ftruncate alone reserves nothing: a write past what /dev/shm holds would be a SIGBUS. Reserve
-    // every page now, so a small /dev/shm (Docker's 64 MiB) fails here, on every rank, by name.
-    int err = ftruncate(fd, static_cast<off_t>(bytes)) != 0 ? errno : posix_fallocate(fd, 0, static_cast<off_t>(bytes));
-    if (err != 0) {
-      close(fd);
+    try {
+      reserve(fd, bytes, name);
+    } catch (...) {
       shm_unlink(name.c_str());
-      throw SystemError("reserving " + std::to_string(bytes) + " bytes of shared memory for " + name +
-                            " (/dev/shm is too small or full: lower FREESCALE_ARENA_BYTES, or give the container "
-                            "more /dev/shm, e.g. docker --shm-size)", err);
+      throw;
     }
     try {
       seg.data_ = map_fd(fd, bytes, name);
@@ -68,8 +95,13 @@ ShmSegment ShmSegment::create(size_t bytes) {
 }
 
 ShmSegment ShmSegment::attach(const std::string& name, size_t bytes) {
-  int fd = shm_open(name.c_str(), O_RDWR, 0600);
-  if (fd < 0) throw SystemError("shm_open(" + name + ") of a peer's segment", errno);
+  const bool by_fd = name.rfind("/proc/", 0) == 0;  // a peer's memfd, else a POSIX name
+  int fd = by_fd ? open(name.c_str(), O_RDWR | O_CLOEXEC) : shm_open(name.c_str(), O_RDWR, 0600);
+  if (fd < 0) {
+    throw SystemError((by_fd ? "open(" : "shm_open(") + name + ") of a peer's arena" +
+                          (by_fd ? " (ranks must run as one user, with /proc mounted)" : ""),
+                      errno);
+  }
   struct stat st {};
   if (fstat(fd, &st) != 0 || static_cast<size_t>(st.st_size) < bytes) {
     close(fd);
@@ -92,6 +124,7 @@ ShmSegment& ShmSegment::operator=(ShmSegment&& other) noexcept {
     data_ = std::exchange(other.data_, nullptr);
     size_ = std::exchange(other.size_, 0);
     owner_linked_ = std::exchange(other.owner_linked_, false);
+    fd_ = std::exchange(other.fd_, -1);
   }
   return *this;
 }
@@ -102,6 +135,10 @@ void ShmSegment::unlink() {
   if (owner_linked_) {
     shm_unlink(name_.c_str());
     owner_linked_ = false;
+  }
+  if (fd_ >= 0) {  // peers hold their own descriptors or mappings now
+    close(fd_);
+    fd_ = -1;
   }
 }
 

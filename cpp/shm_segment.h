@@ -1,5 +1,7 @@
-// A POSIX shared-memory segment: created 0600 under an unguessable name, unlinked as soon as every
-// peer has attached (so a crash leaves nothing in /dev/shm), unmapped on destruction.
+// Shared memory between the ranks of one host: an anonymous memory file (memfd) that peers open
+// through /proc/<owner pid>/fd/<fd> (nothing named anywhere: a crash, even during setup, leaves
+// nothing behind); where memfd is missing, a POSIX segment created 0600 under an unguessable name
+// and unlinked once every peer attached. Unmapped on destruction.
 #pragma once
 
 #include <cstddef>
@@ -10,9 +12,9 @@ namespace freescale {
 class ShmSegment {
  public:
   ShmSegment() = default;
-  // New zero-filled segment of `bytes`; the name is random (128 bits from the OS).
+  // New zero-filled segment of `bytes`, every page reserved (SystemError if memory is short).
   static ShmSegment create(size_t bytes);
-  // Maps a peer's segment; throws SystemError if it is gone or smaller than `bytes`.
+  // Maps a peer's segment by its name(); throws SystemError if it is gone or smaller than `bytes`.
   static ShmSegment attach(const std::string& name, size_t bytes);
 
   ShmSegment(ShmSegment&& other) noexcept;
@@ -21,7 +23,8 @@ class ShmSegment {
   ShmSegment& operator=(const ShmSegment&) = delete;
   ~ShmSegment();
 
-  // Removes the name (owner only; idempotent). The mapping stays valid.
+  // Once every peer attached: drops the name / the descriptor peers opened it by (owner only;
+  // idempotent). The mapping stays valid.
   void unlink();
   void* data() const { return data_; }
   size_t size() const { return size_; }
@@ -32,7 +35,8 @@ class ShmSegment {
   std::string name_;
   void* data_ = nullptr;
   size_t size_ = 0;
-  bool owner_linked_ = false;  // we created it and have not unlinked it yet
+  bool owner_linked_ = false;  // we created a POSIX name and have not unlinked it yet
+  int fd_ = -1;                // our memfd, open until unlink()
 };
 
 }  // namespace freescale

@@ -201,6 +201,18 @@ TEST(HostTransport, PeerThatNeverJoinsTimesOut) {
   expect_all_ok(outcomes);
 }
 
+// Issue 22 item 8: a segment was named in /dev/shm from its creation until every peer had
+// attached; a rank killed in between (here: waiting for a peer that never joins) left it behind.
+TEST(HostTransport, ARankKilledDuringSetupLeavesNothingBehind) {
+  auto outcomes = run_forked_ranks(2, [](int rank, Bootstrap& bootstrap) -> std::string {
+    if (rank == 1) pause();  // never joins: rank 0 made its segment and waits in the setup allgather
+    Communicator comm(bootstrap, small_config());
+    return "";
+  }, std::chrono::seconds(1));  // then both are SIGKILLed
+  EXPECT_TRUE(outcomes[0].timed_out);
+  EXPECT_TRUE(testing::leftover_segments(outcomes).empty()) << testing::leftover_segments(outcomes)[0];
+}
+
 TEST(HostTransport, InvalidLayoutThrowsBeforeCommunicating) {
   auto outcomes = run_forked_ranks(2, [](int rank, Bootstrap& bootstrap) -> std::string {
     Communicator comm(bootstrap, small_config());

@@ -238,13 +238,18 @@ def huge_timeouts_mean_no_timeout(info) -> list[str]:
 
 
 def arena_bigger_than_dev_shm(info, nbytes: int) -> str:
-    """Run (by the test) where /dev/shm holds less than the arenas: returns the CommError's code
-    and message, or what happened instead."""
+    """Run (by the test) where /dev/shm holds less than the arenas: "no error" if an AllToAll of
+    `nbytes` per peer went through intact, else the CommError's code and message."""
     world = info.world_size
     try:
         comm = fc.Communicator()
-        x = torch.ones(nbytes // 4 * world)
-        comm.all_to_all_single(torch.empty_like(x), x)
+        x = torch.arange(nbytes // 4 * world, dtype=torch.int32) + info.rank
+        out = torch.empty_like(x)
+        comm.all_to_all_single(out, x)
+        want = torch.empty_like(x)
+        dist.all_to_all_single(want, x)
+        if not torch.equal(out, want):
+            return "wrong bytes"
     except fc.CommError as e:
         return f"{e.code}: {e}"
     return "no error"

@@ -51,9 +51,11 @@ def test_timeouts_beyond_a_century_wait_instead_of_failing_at_once():
     assert [r.value for r in results] == [["env", "wait", "group"]] * 2, results
 
 
-def test_arenas_bigger_than_dev_shm_fail_setup_on_every_rank_instead_of_sigbus():
+def test_arenas_bigger_than_dev_shm_work_and_never_sigbus():
     """Issue 22 item 2. A private 8 MiB /dev/shm (a mount namespace: needs root, else skipped)
-    under 16 MiB arenas: without reserving the pages, the first write past 8 MiB was a SIGBUS."""
+    under 16 MiB arenas and 32 MiB per peer: the first write past 8 MiB used to be a SIGBUS (a
+    rank died). Arenas are memfds now, reserved at creation: /dev/shm's size does not bound them
+    (Docker's 64 MiB default included), and memory too short for them fails setup by name."""
     shell = ("mount -t tmpfs -o size=8m tmpfs /dev/shm && exec \"$0\" -c 'import json, rank_programs as rp; "
              "from freescale_comm.testing import run_ranks; "
              "print(json.dumps([[r.value, r.error, r.exitcode] for r in run_ranks(rp.arena_bigger_than_dev_shm, 2, "
@@ -67,15 +69,7 @@ def test_arenas_bigger_than_dev_shm_fail_setup_on_every_rank_instead_of_sigbus()
     if done.returncode != 0 and "mount" in done.stderr and "RankFailure" not in done.stderr:
         pytest.skip(f"cannot mount a private /dev/shm here: {done.stderr.strip()[-200:]}")
     assert done.returncode == 0, done.stderr[-3000:]
-    for value, error, exitcode in json.loads(done.stdout.strip().splitlines()[-1]):
-        assert error is None and value.startswith("SYSTEM") and "FREESCALE_ARENA_BYTES" in value and "/dev/shm" in value, \
-            (value, error, exitcode)
-
-
-def test_a_blocking_wait_inside_a_done_callback_raises_instead_of_hanging():
-    rank0, rank1 = [r.value for r in run_ranks(wait_inside_a_done_callback, 2, timeout_s=60)]
-    assert rank1 == "joined"
-    assert "done-callback" in rank0 and "then()" in rank0, rank0
+    assert json.loads(done.stdout.strip().splitlines()[-1]) == [["no error", None, 0]] * 2, done.stdout
 
 
 CTRL_C_PROGRAM = """
