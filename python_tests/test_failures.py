@@ -77,6 +77,7 @@ import os, signal, sys, threading, time, datetime
 import torch, torch.distributed as dist
 import freescale_comm as fc
 rank = int(sys.argv[1])
+signal.signal(signal.SIGINT, signal.default_int_handler)  # as in a terminal (a background job starts with it ignored)
 dist.init_process_group("gloo", init_method="tcp://127.0.0.1:" + sys.argv[2], rank=rank, world_size=2,
                         timeout=datetime.timedelta(seconds=120))
 comm = fc.Communicator()
