@@ -111,10 +111,14 @@ class Work:
         (stream_wait takes no lock: safe on the progress thread). Not the completing thread's
         current stream: on the default stream the events would also wait for unrelated work."""
         assert self._device is not None
-        side = _side_stream(self._device)
-        self._comm.stream_wait(self._handle, side.cuda_stream)
-        with torch.cuda.device(self._device), torch.cuda.stream(side):
-            future.set_result(self._result)
+        try:
+            side = _side_stream(self._device)
+            self._comm.stream_wait(self._handle, side.cuda_stream)
+            with torch.cuda.device(self._device), torch.cuda.stream(side):
+                future.set_result(self._result)
+        except Exception as e:  # noqa: BLE001 - on the progress thread: the future must still complete
+            if not future.done():
+                future.set_exception(e)
 
 
 _side_streams: dict[int, "torch.cuda.Stream"] = {}
