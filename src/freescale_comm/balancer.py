@@ -21,6 +21,7 @@ from freescale_comm.bundle import (
     BalancedBundle,
     combine_bundle,
     dispatch_bundle,
+    has_rows_per_sample,
     is_keyed_jagged,
     is_sequence_batch,
     resolved,
@@ -124,7 +125,7 @@ class LoadBalancer:
             item_bytes += math.prod(jt.values().shape[1:]) * jt.values().element_size()
         per_sample = dict(per_sample or {})
         for name, t in per_sample.items():
-            if not isinstance(t, torch.Tensor) or t.dim() == 0 or t.shape[0] != batch:
+            if not has_rows_per_sample(t, batch):
                 shape = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
                 raise ValueError(f"per_sample[{name!r}] must be a tensor with one row per sample ({batch}), got {shape}")
         if lengths is None:
@@ -181,10 +182,10 @@ class _BalanceHooks:
         samples = next(iter(jts.values())).lengths().numel()
         per_sample = {}
         for i, a in enumerate(args[1:], start=1):
-            if isinstance(a, torch.Tensor) and a.dim() >= 1 and a.shape[0] == samples:
+            if has_rows_per_sample(a, samples):
                 per_sample[f"arg{i}"] = a
         for k, a in kwargs.items():
-            if isinstance(a, torch.Tensor) and a.dim() >= 1 and a.shape[0] == samples:
+            if has_rows_per_sample(a, samples):
                 per_sample[f"kw_{k}"] = a
         bundle = self.balancer.dispatch_bundle(args[0], per_sample)
         self.last_plan = bundle.plan

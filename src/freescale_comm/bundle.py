@@ -36,6 +36,11 @@ def is_keyed_jagged(x: object) -> bool:
         callable(getattr(type(x), "from_jt_dict", None))
 
 
+def has_rows_per_sample(x: object, samples: int) -> bool:
+    """A tensor with one row (dim-0 entry) per sample."""
+    return isinstance(x, torch.Tensor) and x.dim() >= 1 and x.shape[0] == samples
+
+
 def is_sequence_batch(x: object) -> bool:
     """What dispatch_bundle takes as `sequences`: a KJT, or a non-empty dict of JaggedTensors."""
     return is_keyed_jagged(x) or (isinstance(x, dict) and len(x) > 0 and all(is_jagged(v) for v in x.values()))
@@ -121,7 +126,7 @@ def _feature_for_rows(rows: int, bundle: BalancedBundle, what: str) -> str:
 
 def _combine(output: Any, bundle: BalancedBundle, priority: int, feature: Optional[str]) -> Any:
     if isinstance(output, torch.Tensor):
-        if output.dim() >= 1 and output.shape[0] == bundle.num_samples and feature is None:
+        if feature is None and has_rows_per_sample(output, bundle.num_samples):
             return combine(output, bundle.sample_handle, priority=priority)
         name = feature if feature is not None else _feature_for_rows(output.shape[0] if output.dim() else -1,
                                                                       bundle, "an output tensor")
@@ -140,12 +145,9 @@ def _combine(output: Any, bundle: BalancedBundle, priority: int, feature: Option
     if is_keyed_jagged(output):
         return type(output).from_jt_dict(_combine(output.to_dict(), bundle, priority, None))
     if isinstance(output, dict):
-        return {k: _combine(v, bundle, priority, k if k in bundle.handles and not _per_sample(v, bundle) else None)
+        return {k: _combine(v, bundle, priority,
+                            k if k in bundle.handles and not has_rows_per_sample(v, bundle.num_samples) else None)
                 for k, v in output.items()}
     if isinstance(output, (list, tuple)):
         return type(output)(_combine(v, bundle, priority, None) for v in output)
     return output
-
-
-def _per_sample(x: Any, bundle: BalancedBundle) -> bool:
-    return isinstance(x, torch.Tensor) and x.dim() >= 1 and x.shape[0] == bundle.num_samples

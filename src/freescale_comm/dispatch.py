@@ -216,11 +216,9 @@ def _dispatch_cuda(values: torch.Tensor, lengths: torch.Tensor, dest_ranks: torc
     return DispatchResult(out, recv_lengths, source_ranks, handle)
 
 
-def combine(values: torch.Tensor, handle: DispatchHandle, *, priority: int = 0) -> torch.Tensor:
-    """Returns rows of the samples a dispatch delivered here to their home ranks, in their
-    original order: `values` holds one row-block per received sample (the dispatch's lengths;
-    any trailing shape). Collective over the dispatch's group. Autograd flows back through
-    dispatch's movement."""
+def _check_for_handle(values: object, handle: object, priority: object) -> tuple[torch.Tensor, int]:
+    """Local checks of rows moved on an earlier dispatch's handle (combine, dispatch_like): the
+    handle, the values, the priority, the device, the communicator still open."""
     if not isinstance(handle, DispatchHandle):
         raise TypeError(f"handle must be the .handle of an fc.dispatch result, got {type(handle).__name__}")
     values = _check_values(values)
@@ -228,9 +226,18 @@ def combine(values: torch.Tensor, handle: DispatchHandle, *, priority: int = 0) 
     plan_device = handle.recv_lengths.device
     if values.device != plan_device:
         raise ValueError(f"values is on {values.device}, but the dispatch behind this handle moved tensors of "
-                         f"{plan_device}; combine them there (.to({str(plan_device)!r}))")
+                         f"{plan_device}; move them there (.to({str(plan_device)!r}))")
     if handle.comm.closed:
         raise ValueError("handle belongs to a communicator that was closed (its group was destroyed); dispatch again")
+    return values, priority
+
+
+def combine(values: torch.Tensor, handle: DispatchHandle, *, priority: int = 0) -> torch.Tensor:
+    """Returns rows of the samples a dispatch delivered here to their home ranks, in their
+    original order: `values` holds one row-block per received sample (the dispatch's lengths;
+    any trailing shape). Collective over the dispatch's group. Autograd flows back through
+    dispatch's movement."""
+    values, priority = _check_for_handle(values, handle, priority)
     if values.shape[0] != handle.rows_received:
         raise ValueError(
             f"values has {values.shape[0]} rows, but the dispatch behind this handle delivered {handle.rows_received} "
@@ -246,15 +253,7 @@ def dispatch_like(values: torch.Tensor, handle: DispatchHandle, *, priority: int
     trailing shape). Collective over its group; one AllToAll (the counts are known). Returns the
     rows received, as that dispatch's result orders them; autograd flows back through combine's
     movement."""
-    if not isinstance(handle, DispatchHandle):
-        raise TypeError(f"handle must be the .handle of an fc.dispatch result, got {type(handle).__name__}")
-    values = _check_values(values)
-    priority = check_priority(priority)
-    if values.device != handle.recv_lengths.device:
-        raise ValueError(f"values is on {values.device}, but the dispatch behind this handle moved tensors of "
-                         f"{handle.recv_lengths.device}; move them there with .to()")
-    if handle.comm.closed:
-        raise ValueError("handle belongs to a communicator that was closed (its group was destroyed); dispatch again")
+    values, priority = _check_for_handle(values, handle, priority)
     if values.shape[0] != handle.rows_sent:
         raise ValueError(f"values has {values.shape[0]} rows, but the dispatch behind this handle sent {handle.rows_sent} "
                          "from this rank; pass rows laid out as that dispatch's values")
