@@ -1,11 +1,14 @@
 #include "cpp/peer_liveness.h"
 
+#include <errno.h>
+#include <fcntl.h>
 #include <limits.h>
 #include <unistd.h>
 
 #include <cstdio>
 #include <cstring>
 #include <fstream>
+#include <optional>
 #include <sstream>
 #include <string>
 #include <vector>
@@ -14,17 +17,37 @@ namespace freescale {
 
 namespace {
 
+// The whole of a small /proc file, or nullopt if it cannot be read. Plain read(2): a process that
+// is reaped between open and read fails the read with ESRCH, which std::filebuf would throw.
+std::optional<std::string> read_proc_file(const char* path) {
+  int fd = open(path, O_RDONLY | O_CLOEXEC);
+  if (fd < 0) return std::nullopt;
+  std::string text;
+  char buf[1024];
+  for (;;) {
+    ssize_t n = read(fd, buf, sizeof(buf));
+    if (n < 0 && errno == EINTR) continue;
+    if (n < 0) {
+      close(fd);
+      return std::nullopt;
+    }
+    if (n == 0) break;
+    text.append(buf, static_cast<size_t>(n));
+  }
+  close(fd);
+  return text;
+}
+
 // The fields of /proc/<pid>/stat after "pid (comm)": [0] is the state letter (field 3). Empty if
 // the process is gone.
 std::vector<std::string> stat_fields(int pid) {
   char path[64];
   std::snprintf(path, sizeof(path), "/proc/%d/stat", pid);
-  std::ifstream in(path);
-  if (!in) return {};
-  std::string stat((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
-  auto close = stat.rfind(')');  // comm may hold spaces and parentheses: the fields follow the last ')'
-  if (close == std::string::npos) return {};
-  std::istringstream rest(stat.substr(close + 1));
+  auto stat = read_proc_file(path);
+  if (!stat) return {};
+  auto close_paren = stat->rfind(')');  // comm may hold spaces and ')': the fields follow the last ')'
+  if (close_paren == std::string::npos) return {};
+  std::istringstream rest(stat->substr(close_paren + 1));
   std::vector<std::string> fields;
   for (std::string f; rest >> f;) fields.push_back(f);
   return fields;
