@@ -6,24 +6,38 @@ Cost of a sample of L items: quadratic·L² + linear·L + constant (HSTU attenti
 L). Objective, in order: minimize the largest rank load; then the bytes moved. A sample stays
 on its home rank unless moving it lowers the largest load.
 
-The method ("shed, fill, polish"):
-1. shed: every rank above the target (the lower bound max(mean load, largest sample)) gives up
-   samples worth its excess, longest first (cost grows faster than bytes, so long samples shed
-   the most work per byte moved), the last one chosen by best fit so it overshoots least;
-2. fill: the shed samples go, largest cost first, to the rank with the most room (LPT);
-3. polish: while it lowers the largest load, the most loaded rank hands its sample closest to
+The method ("settle the big, shed, fill"), LPT's quality at a fraction of its bytes:
+1. big samples (cost > target/16), as LPT would place them first: each rank keeps its dearest
+   ones while they fit under the target; the rest go, dearest first, to the rank with the least
+   big load. Heavy tails are decided here: which rank holds how many of the giants.
+2. shed: every rank above the target gives up small samples, dearest first (cost grows faster
+   than bytes, so they shed the most work per byte moved), then the dearest that still fits the
+   rest, then the cheapest that covers it;
+3. fill: the shed samples, dearest first, to the least loaded rank (LPT); where one would end
+   above the target, that rank displaces cheaper samples of its own back into the pool (the best
+   single cover, else dearest first). Every sample is placed before any cheaper one, as in LPT,
+   but home samples stay where they fit;
+4. polish: while it lowers the largest load, the most loaded rank hands its sample closest to
    half the gap to the least loaded rank.
+Where that ends more than LPT_CHECK above the lower bound (coarse inputs: few samples, or a
+bound out of reach), LPT's own plan is computed and taken if better, its bins relabelled so
+that most bytes stay home. A plan whose largest load is not below the input's moves nothing.
+
+Determinism: every order is a sort on distinct integer keys (or a stable sort), so any NumPy
+build on any CPU gives the same plan.
 """
 
 from __future__ import annotations
 
+import bisect
 import heapq
+import math
 from dataclasses import dataclass
 from typing import Sequence
 
 import numpy as np
 
-__all__ = ["CostModel", "RebalancePlan", "plan_rebalance"]
+__all__ = ["CostModel", "RebalancePlan", "plan_rebalance", "lpt_bins"]
 
 
 @dataclass(frozen=True)
@@ -136,6 +150,13 @@ def _check_lengths(lengths_per_rank: Sequence[np.ndarray | Sequence[int]]) -> li
     return out
 
 
+# A sample costing more than this share of the target is "big": placed first, as LPT would.
+BIG_SHARE = 1 / 16
+# A plan ending more than this (relative) above the lower bound is checked against LPT's, and
+# LPT's is taken if better by more than the tolerance: never more than this worse than LPT.
+LPT_CHECK = 0.002
+
+
 def plan_rebalance(lengths_per_rank: Sequence[np.ndarray | Sequence[int]], *, cost_model: CostModel,
                    bytes_per_item: int = 1, tolerance: float = 1e-4) -> RebalancePlan:
     """Plans where each rank's samples go (see the module docstring for the method). A max load
@@ -148,84 +169,219 @@ def plan_rebalance(lengths_per_rank: Sequence[np.ndarray | Sequence[int]], *, co
         raise ValueError(f"bytes_per_item must be an int >= 0 (bytes of one embedded item), got {bytes_per_item!r}")
     lengths = _check_lengths(lengths_per_rank)
     world = len(lengths)
-    costs = [cost_model.cost(L) for L in lengths]
-    before = np.array([c.sum() for c in costs], dtype=np.float64)
-    largest = max((float(c.max()) for c in costs if c.size), default=0.0)
-    bound = max(float(before.mean()), largest)
-    dest = [np.full(L.size, r, dtype=np.int64) for r, L in enumerate(lengths)]
-
-    good_enough = bound * (1 + tolerance)
-    if world > 1 and before.max() > good_enough:
-        loads = before.copy()
-        movers = _shed(lengths, costs, loads, bound)
-        _fill(movers, costs, dest, loads)
-        _polish(costs, dest, loads, good_enough)
-
-    after = np.zeros(world)
-    for r in range(world):
-        np.add.at(after, dest[r], costs[r])
-    moved = [dest[r] != r for r in range(world)]
+    items = _Items(lengths, cost_model)
+    before = items.loads(items.home)
+    bound = max(math.fsum(before.tolist()) / world, float(items.cost.max(initial=0.0)))
+    holder = items.home
+    if world > 1 and before.max() > bound * (1 + tolerance):
+        planned = _Planner(items, bound, tolerance).run()
+        peak = items.loads(planned).max()
+        if peak > bound * (1 + LPT_CHECK):  # the bound may be out of reach; LPT may do better
+            lpt = lpt_placement(items.cost, items.home, items.length, world)
+            if items.loads(lpt).max() * (1 + tolerance) < peak:
+                planned, peak = lpt, items.loads(lpt).max()
+        if peak < before.max():  # never worse: otherwise nothing moves
+            holder = planned
+    after = items.loads(holder)
+    moved = holder != items.home
     return RebalancePlan(
-        dest=dest,
+        dest=[a.copy() for a in np.split(holder, items.starts[1:-1])],
         loads_before=before,
         loads_after=after,
         lower_bound=bound,
-        moved_samples=int(sum(int(m.sum()) for m in moved)),
-        moved_bytes=int(sum(int(lengths[r][moved[r]].sum()) for r in range(world)) * bytes_per_item),
+        moved_samples=int(moved.sum()),
+        moved_bytes=int(items.length[moved].sum()) * bytes_per_item,
     )
 
 
-def _shed(lengths: list[np.ndarray], costs: list[np.ndarray], loads: np.ndarray, target: float) -> list[tuple[int, int]]:
-    """(rank, sample) pairs each overloaded rank gives up; updates loads."""
-    movers: list[tuple[int, int]] = []
-    for r in np.flatnonzero(loads > target):
-        excess = loads[r] - target
-        c = costs[r]
-        # Most cost per item first: the fewest bytes for the work shed. Ties: lower index first.
-        order = np.lexsort((np.arange(c.size), -(c / np.maximum(lengths[r], 1))))
-        taken = np.cumsum(c[order])
-        k = int(np.searchsorted(taken, excess))  # order[:k] leave excess > 0 still to shed
-        chosen = list(order[:k])
-        rest = excess - (taken[k - 1] if k else 0.0)
-        remaining = order[k:]
-        if rest > 0 and remaining.size:
-            # Best fit for the rest: the cheapest remaining sample that covers it, else the dearest.
-            rc = c[remaining]
-            cover = rc >= rest
-            pick = remaining[np.argmin(np.where(cover, rc, np.inf))] if cover.any() else remaining[np.argmax(rc)]
-            # Shedding more than twice the rest would overshoot more than it fixes.
-            if c[pick] < 2 * rest:
-                chosen.append(pick)
-        for i in chosen:
-            movers.append((int(r), int(i)))
-            loads[r] -= c[i]
-    return movers
+class _Items:
+    """Every rank's samples in one flat array, rank by rank: length, cost, home rank."""
+
+    def __init__(self, lengths: list[np.ndarray], cost_model: CostModel) -> None:
+        self.world = len(lengths)
+        sizes = np.array([L.size for L in lengths], dtype=np.int64)
+        self.starts = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)  # [world + 1]
+        self.length = np.concatenate(lengths) if sizes.sum() else np.zeros(0, dtype=np.int64)
+        self.cost = cost_model.cost(self.length)
+        self.home = np.repeat(np.arange(self.world, dtype=np.int64), sizes)
+
+    def loads(self, holder: np.ndarray, mask: np.ndarray | None = None) -> np.ndarray:
+        """float64 [world]: the cost each rank holds (of the masked samples). Sequential sums:
+        the same bits on every machine."""
+        if mask is None:
+            return np.bincount(holder, weights=self.cost, minlength=self.world)
+        return np.bincount(holder[mask], weights=self.cost[mask], minlength=self.world)
+
+    def sorted_by_rank(self, idx: np.ndarray, dearest_first: bool) -> np.ndarray:
+        """idx ordered by (home rank, length, index), length descending or ascending. Cost never
+        falls as length grows, so this is also a cost order. Keys are distinct integers, so every
+        sort algorithm gives this one order."""
+        L = self.length[idx]
+        span = int(self.length.max(initial=0)) + 1
+        n = max(int(self.length.size), 1)
+        if self.world * span * n >= 2**62:  # no room for one integer key: a stable lexsort
+            return idx[np.lexsort((idx, -L if dearest_first else L, self.home[idx]))]
+        key = (self.home[idx] * span + (span - 1 - L if dearest_first else L)) * n + idx
+        return idx[np.argsort(key)]
+
+    def dearest_first(self, idx: np.ndarray) -> np.ndarray:
+        """idx ordered by (length descending, index): LPT's order."""
+        n = max(int(self.length.size), 1)
+        span = int(self.length.max(initial=0)) + 1
+        if span * n >= 2**62:
+            return idx[np.lexsort((idx, -self.length[idx]))]
+        return idx[np.argsort((span - 1 - self.length[idx]) * n + idx)]
 
 
-def _fill(movers: list[tuple[int, int]], costs: list[np.ndarray], dest: list[np.ndarray], loads: np.ndarray) -> None:
-    """Largest mover first to the least loaded rank (its home allowed if that is least loaded)."""
-    movers.sort(key=lambda m: (-costs[m[0]][m[1]], m[0], m[1]))
-    heap = [(float(loads[r]), r) for r in range(loads.size)]
-    heapq.heapify(heap)
-    for home, i in movers:
-        load, r = heapq.heappop(heap)
-        c = float(costs[home][i])
-        dest[home][i] = r
-        loads[r] += c
-        heapq.heappush(heap, (load + c, r))
+def _within_rank_prefix(order: np.ndarray, items: _Items, room: np.ndarray) -> np.ndarray:
+    """For `order` grouped by rank: True for the samples whose running cost, counted from the
+    start of their rank's group, stays within room[rank]. Zero-cost samples are never taken."""
+    if order.size == 0:
+        return np.zeros(0, dtype=bool)
+    c = items.cost[order]
+    r = items.home[order]
+    cum = np.cumsum(c)
+    group_start = np.searchsorted(r, r, side="left")
+    within = cum - (cum - c)[group_start]
+    return (within <= room[r]) & (c > 0)
 
 
-def _polish(costs: list[np.ndarray], dest: list[np.ndarray], loads: np.ndarray, good_enough: float,
+class _Planner:
+    """The four phases of the module docstring over flat arrays; run() returns the holder of
+    every sample (int64 [n])."""
+
+    def __init__(self, items: _Items, bound: float, tolerance: float) -> None:
+        self.items = items
+        self.bound = bound
+        self.slack = bound * tolerance
+        self.good = bound + self.slack
+        self.holder = items.home.copy()
+        self.big = items.cost > BIG_SHARE * bound
+
+    def run(self) -> np.ndarray:
+        loads = self._settle_big()
+        pool, held = self._shed(loads)
+        self._fill(pool, held, loads)
+        _polish(self.items.cost, self.holder, loads, self.good)
+        return self.holder
+
+    def _settle_big(self) -> np.ndarray:
+        """Phase 1; returns every rank's load (big ones as placed, small ones at home)."""
+        items = self.items
+        big = np.flatnonzero(self.big)
+        order = items.sorted_by_rank(big, dearest_first=True)
+        keep = _within_rank_prefix(order, items, np.full(items.world, self.good))
+        big_load = np.bincount(items.home[order[keep]], weights=items.cost[order[keep]], minlength=items.world)
+        heap = list(zip(big_load.tolist(), range(items.world)))
+        heapq.heapify(heap)
+        over = items.dearest_first(order[~keep])
+        for i, c in zip(over.tolist(), items.cost[over].tolist()):
+            load, r = heapq.heappop(heap)
+            self.holder[i] = r
+            heapq.heappush(heap, (load + c, r))
+        return self.items.loads(self.holder)
+
+    def _shed(self, loads: np.ndarray) -> tuple[list[tuple[float, int]], "_HeldSmall"]:
+        """Phase 2: the shed samples as a heap of (-cost, index); updates loads."""
+        items = self.items
+        small = np.flatnonzero(~self.big)
+        order = items.sorted_by_rank(small, dearest_first=True)
+        excess = np.maximum(loads - self.bound, 0.0)
+        take = _within_rank_prefix(order, items, excess)
+        shed = order[take]
+        is_shed = np.zeros(items.cost.size, dtype=bool)
+        is_shed[shed] = True
+        loads -= items.loads(items.home, is_shed)
+        held = _HeldSmall(items, small[~is_shed[small] & (items.cost[small] > 0)])  # cost 0: never moves
+        pool = list(zip((-items.cost[shed]).tolist(), shed.tolist()))
+        for r in np.flatnonzero(loads > self.good).tolist():
+            rest = float(loads[r]) - self.bound
+            while rest > self.slack:
+                taken = held.take_dearest_within(r, rest)  # the dearest that still fits the rest
+                if taken is None:
+                    break
+                pool.append((-taken[0], taken[1]))
+                rest -= taken[0]
+            if rest > self.slack:
+                taken = held.take_cheapest(r)  # all left cost more than the rest: the cheapest covers it
+                if taken is not None:
+                    pool.append((-taken[0], taken[1]))
+                    rest -= taken[0]
+            loads[r] = self.bound + rest
+        heapq.heapify(pool)
+        return pool, held
+
+    def _fill(self, pool: list[tuple[float, int]], held: "_HeldSmall", loads: np.ndarray) -> None:
+        """Phase 3: dearest first to the least loaded rank, which displaces cheaper samples of its
+        own if it would end above the target. A placed sample is never displaced (only cheaper
+        ones are, and they come later), so every sample moves at most once."""
+        ranks = list(zip(loads.tolist(), range(self.items.world)))
+        heapq.heapify(ranks)
+        while pool:
+            neg_cost, i = heapq.heappop(pool)
+            load, r = heapq.heappop(ranks)
+            new = load - neg_cost
+            if new > self.good:
+                for c, j in held.displace(r, need=new - self.bound, below=-neg_cost):
+                    new -= c
+                    heapq.heappush(pool, (-c, j))
+            self.holder[i] = r
+            loads[r] = new
+            heapq.heappush(ranks, (new, r))
+
+
+class _HeldSmall:
+    """The small samples each rank still holds at home, cheapest first: parallel lists of cost
+    and index, built for a rank when first needed."""
+
+    def __init__(self, items: _Items, idx: np.ndarray) -> None:
+        order = items.sorted_by_rank(idx, dearest_first=False)
+        self._cost = items.cost[order].tolist()
+        self._index = order.tolist()
+        self._bounds = np.searchsorted(items.home[order], np.arange(items.world + 1)).tolist()
+        self._lists: dict[int, tuple[list[float], list[int]]] = {}
+
+    def _of(self, r: int) -> tuple[list[float], list[int]]:
+        lists = self._lists.get(r)
+        if lists is None:
+            a, b = self._bounds[r], self._bounds[r + 1]
+            lists = self._lists[r] = (self._cost[a:b], self._index[a:b])
+        return lists
+
+    def _pop(self, r: int, j: int) -> tuple[float, int]:
+        costs, index = self._of(r)
+        return costs.pop(j), index.pop(j)
+
+    def take_dearest_within(self, r: int, budget: float) -> tuple[float, int] | None:
+        j = bisect.bisect_right(self._of(r)[0], budget) - 1
+        return self._pop(r, j) if j >= 0 else None
+
+    def take_cheapest(self, r: int) -> tuple[float, int] | None:
+        return self._pop(r, 0) if self._of(r)[0] else None
+
+    def displace(self, r: int, need: float, below: float) -> list[tuple[float, int]]:
+        """Samples of r strictly cheaper than `below` freeing `need`: the cheapest single one that
+        covers it, else the dearest first until covered (or none left)."""
+        costs = self._of(r)[0]
+        k = bisect.bisect_left(costs, below)
+        j = bisect.bisect_left(costs, need, 0, k)
+        if j < k:
+            return [self._pop(r, j)]
+        out: list[tuple[float, int]] = []
+        freed = 0.0
+        while k > 0 and freed < need:
+            k -= 1
+            out.append(self._pop(r, k))
+            freed += out[-1][0]
+        return out
+
+
+def _polish(cost: np.ndarray, holder: np.ndarray, loads: np.ndarray, good_enough: float,
             max_steps: int | None = None) -> None:
-    """Moves single samples from the most to the least loaded rank while the max is above
-    good_enough and a move lowers it. Each move strictly lowers Σ load², so it cannot cycle."""
+    """Phase 4: moves single samples from the most to the least loaded rank while the max is
+    above good_enough and a move lowers it. Each move strictly lowers Σ load², so it cannot cycle."""
     world = loads.size
     max_steps = 8 * world if max_steps is None else max_steps
-    # Which samples each rank now holds: (home rank, index) pairs, as arrays per holder.
-    home_of = np.concatenate([np.full(d.size, r, dtype=np.int64) for r, d in enumerate(dest)])
-    index_of = np.concatenate([np.arange(d.size, dtype=np.int64) for d in dest])
-    flat_cost = np.concatenate(costs)
-    holder = np.concatenate(dest)
     for _ in range(max_steps):
         hi = int(np.argmax(loads))
         lo = int(np.argmin(loads))
@@ -233,13 +389,42 @@ def _polish(costs: list[np.ndarray], dest: list[np.ndarray], loads: np.ndarray, 
         if gap <= 0 or loads[hi] <= good_enough:
             return
         held = np.flatnonzero(holder == hi)
-        c = flat_cost[held]
+        c = cost[held]
         useful = (c > 0) & (c < gap)
         if not useful.any():
             return
         # Closest to half the gap: the new max of the pair is as low as it gets.
         best = held[useful][np.argmin(np.abs(c[useful] - gap / 2))]
         holder[best] = lo
-        dest[home_of[best]][index_of[best]] = lo
-        loads[hi] -= flat_cost[best]
-        loads[lo] += flat_cost[best]
+        loads[hi] -= cost[best]
+        loads[lo] += cost[best]
+
+
+def lpt_bins(cost: np.ndarray, world: int) -> np.ndarray:
+    """Longest Processing Time from scratch: every sample, dearest first (ties: lower index), to
+    the least loaded of `world` bins (ties: lower bin). int64 [n]: each sample's bin."""
+    order = np.lexsort((np.arange(cost.size), -cost))
+    bins = np.empty(cost.size, dtype=np.int64)
+    heap = [(0.0, b) for b in range(world)]
+    for i, c in zip(order.tolist(), cost[order].tolist()):
+        load, b = heapq.heappop(heap)
+        bins[i] = b
+        heapq.heappush(heap, (load + c, b))
+    return bins
+
+
+def lpt_placement(cost: np.ndarray, home: np.ndarray, length: np.ndarray, world: int) -> np.ndarray:
+    """LPT's bins given to ranks greedily by the bytes (Σ length) that stay home (largest first;
+    ties: lower bin, then rank). int64 [n]: each sample's rank."""
+    bins = lpt_bins(cost, world)
+    pairs, where = np.unique(bins * world + home, return_inverse=True)
+    stay = np.bincount(where.ravel(), weights=length.astype(np.float64), minlength=pairs.size)
+    rank_of_bin = np.full(world, -1, dtype=np.int64)
+    taken = np.zeros(world, dtype=bool)
+    for p in pairs[np.lexsort((pairs, -stay))].tolist():
+        b, r = divmod(p, world)
+        if rank_of_bin[b] < 0 and not taken[r]:
+            rank_of_bin[b] = r
+            taken[r] = True
+    rank_of_bin[rank_of_bin < 0] = np.flatnonzero(~taken)
+    return rank_of_bin[bins]

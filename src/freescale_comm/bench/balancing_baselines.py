@@ -12,6 +12,8 @@ import heapq
 
 import numpy as np
 
+from freescale_comm.planner import lpt_bins
+
 
 def _flat(costs: list[np.ndarray]) -> tuple[np.ndarray, list[int]]:
     sizes = [c.size for c in costs]
@@ -27,16 +29,8 @@ def none(costs: list[np.ndarray]) -> list[np.ndarray]:
 
 
 def lpt(costs: list[np.ndarray]) -> list[np.ndarray]:
-    world = len(costs)
     flat, sizes = _flat(costs)
-    order = np.lexsort((np.arange(flat.size), -flat))
-    dest = np.empty(flat.size, dtype=np.int64)
-    heap = [(0.0, r) for r in range(world)]
-    for i in order.tolist():
-        load, r = heapq.heappop(heap)
-        dest[i] = r
-        heapq.heappush(heap, (load + float(flat[i]), r))
-    return _split(dest, sizes)
+    return _split(lpt_bins(flat, len(costs)), sizes)
 
 
 def kk(costs: list[np.ndarray]) -> list[np.ndarray]:

@@ -61,8 +61,10 @@ def _parser() -> argparse.ArgumentParser:
     pl = sub.add_parser("planner", help="load-balancing plans: freescale vs none, LPT and Karmarkar-Karp")
     pl.add_argument("--ranks", type=int, default=256, help="ranks to balance across (default 256)")
     pl.add_argument("--samples", type=int, default=64, help="samples per rank (default 64)")
-    pl.add_argument("--workload", default="kuairand", help="kuairand | ml20m | zipf (default kuairand)")
-    pl.add_argument("--seed", type=int, default=0, help="workload seed")
+    pl.add_argument("--workload", default="kuairand",
+                    help="kuairand | ml20m | zipf | heavy_zipf, several comma-separated, or all (default kuairand)")
+    pl.add_argument("--seed", type=int, default=0, help="workload seed (the first of a sweep)")
+    pl.add_argument("--seeds", type=int, default=1, help="seeds to sweep; the table gives each figure's worst case")
     pl.add_argument("--repeats", type=int, default=20, help="plans timed per method; the median is reported")
     pl.add_argument("--bytes-per-item", type=int, default=512, help="bytes of one embedded item (default 128 float32)")
     _outputs(pl)
@@ -368,16 +370,23 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         from freescale_comm.bench import planner, workloads
         from freescale_comm.bench.report import write_json
 
-        if args.ranks < 1 or args.samples < 1 or args.repeats < 1 or args.workload not in workloads.WORKLOADS:
-            print(f"freescale-bench: need --ranks, --samples, --repeats >= 1 and --workload in {sorted(workloads.WORKLOADS)}",
-                  file=sys.stderr)
+        names = list(workloads.WORKLOADS) if args.workload == "all" else args.workload.split(",")
+        if (args.ranks < 1 or args.samples < 1 or args.repeats < 1 or args.seeds < 1
+                or not all(n in workloads.WORKLOADS for n in names)):
+            print(f"freescale-bench: need --ranks, --samples, --repeats, --seeds >= 1 and --workload in "
+                  f"{sorted(workloads.WORKLOADS)} (comma-separated) or all", file=sys.stderr)
             return 2
-        rows = planner.run(args.ranks, args.samples, args.workload, args.seed, args.repeats, args.bytes_per_item,
-                           not args.no_progress)
-        print(planner.table(rows, f"planner, {args.ranks} ranks x {args.samples} samples, {args.workload}, HSTU cost"))
+        rows = []
+        for name in names:
+            per_seed = [planner.run(args.ranks, args.samples, name, args.seed + k, args.repeats, args.bytes_per_item,
+                                    not args.no_progress) for k in range(args.seeds)]
+            rows += per_seed[0] if args.seeds == 1 else planner.worst_over_seeds(per_seed)
+        seeds = f"seed {args.seed}" if args.seeds == 1 else f"worst of seeds {args.seed}..{args.seed + args.seeds - 1}"
+        print(planner.table(rows, f"planner, {args.ranks} ranks x {args.samples} samples, HSTU cost, {seeds}"))
         print(planner.summary(rows))
         if args.json:
-            write_json(args.json, "planner", rows, ranks=args.ranks, samples=args.samples, workload=args.workload)
+            write_json(args.json, "planner", rows, ranks=args.ranks, samples=args.samples, workloads=names,
+                       seed=args.seed, seeds=args.seeds)
     elif args.bench == "e2e":
         return run_e2e(args)
     elif args.bench == "simulate":

@@ -1,8 +1,12 @@
 """freescale-bench planner: balance quality, bytes moved and planning time of freescale's
-planner against no balancing, LPT from scratch and Karmarkar–Karp repartition (the anchors).
+planner against no balancing, LPT from scratch and Karmarkar–Karp repartition (the anchors),
+per workload, over one seed or the worst case of a sweep of seeds.
 
 straggler_pct estimates the idle share of a step whose time is the largest rank load: the mean
-over ranks of (max load − load) / max load. Loads come from CostModel.hstu (FLOPs)."""
+over ranks of (max load − load) / max load. Loads come from CostModel.hstu (FLOPs). The "×LPT"
+columns compare with LPT on the same batch: max load, bytes moved, plan time. Every method is
+timed `repeats` times per batch (median), except KK, timed once: it takes seconds at 1024 ranks
+and only anchors balance and bytes."""
 
 from __future__ import annotations
 
@@ -34,8 +38,18 @@ def _metrics(method: str, lengths: list[np.ndarray], costs: list[np.ndarray], de
     }
 
 
+def _versus_lpt(rows: list[dict[str, Any]]) -> None:
+    """Adds max load, bytes and plan time relative to LPT's on the same batch."""
+    lpt = next(r for r in rows if r["method"] == "lpt")
+    for r in rows:
+        r["load_vs_lpt"] = r["imbalance"] / lpt["imbalance"]
+        r["bytes_vs_lpt"] = r["moved_bytes"] / lpt["moved_bytes"] if lpt["moved_bytes"] else float("nan")
+        r["time_vs_lpt"] = r["plan_ms"] / lpt["plan_ms"] if lpt["plan_ms"] > 0 else float("nan")
+
+
 def run(ranks: int, samples: int, workload: str, seed: int, repeats: int, bytes_per_item: int,
         progress: bool) -> list[dict[str, Any]]:
+    """One batch (`workload`, `seed`): a row per method."""
     from freescale_comm.bench import balancing_baselines, workloads
     from freescale_comm.planner import CostModel, plan_rebalance
 
@@ -58,35 +72,61 @@ def run(ranks: int, samples: int, workload: str, seed: int, repeats: int, bytes_
     if progress:
         from tqdm import tqdm
 
-        bar = tqdm(total=len(METHODS) * repeats, desc="planner", unit="plan", leave=False)
+        bar = tqdm(total=len(METHODS), desc=f"planner {workload} seed {seed}", unit="method", leave=False)
     rows = []
     for method in METHODS:
         times, dest = [], None
-        for _ in range(repeats):
+        for _ in range(1 if method == "kk" else repeats):
             t0 = time.perf_counter()
             dest = planners[method]()
             times.append(time.perf_counter() - t0)
-            if bar is not None:
-                bar.update(1)
         rows.append(_metrics(method, lengths, costs, dest, bytes_per_item, bound, times))
+        if bar is not None:
+            bar.update(1)
     if bar is not None:
         bar.close()
+    _versus_lpt(rows)
+    for r in rows:
+        r.update(workload=workload, seed=seed)
     return rows
 
 
+def worst_over_seeds(per_seed: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
+    """One row per method: the worst of each figure over the seeds (and the mean imbalance)."""
+    out = []
+    for i, method in enumerate(METHODS):
+        rows = [seed_rows[i] for seed_rows in per_seed]
+        assert all(r["method"] == method for r in rows)
+        worst = {"method": method, "workload": rows[0]["workload"], "seeds": len(rows),
+                 "mean_imbalance": float(np.mean([r["imbalance"] for r in rows]))}
+        for key in ("imbalance", "lower_bound", "straggler_pct", "moved_samples", "moved_bytes", "plan_ms",
+                    "load_vs_lpt", "bytes_vs_lpt", "time_vs_lpt"):
+            values = [r[key] for r in rows if r[key] == r[key]]  # NaN (no LPT bytes) left out
+            worst[key] = max(values) if values else float("nan")
+        out.append(worst)
+    return out
+
+
 def table(rows: list[dict[str, Any]], title: str) -> str:
-    header = (f"{'method':<10} {'imbalance':>9} {'bound':>7} {'straggler%':>10} {'moved':>7} "
-              f"{'moved MiB':>10} {'plan_ms':>9}")
+    """rows: one batch's (run) or a sweep's worst cases (worst_over_seeds)."""
+    header = (f"{'workload':<11} {'method':<10} {'imbalance':>9} {'bound':>7} {'straggler%':>10} {'moved':>7} "
+              f"{'moved MiB':>10} {'plan_ms':>9} {'load×LPT':>9} {'bytes×LPT':>9} {'time×LPT':>8}")
     lines = [f"# {title}", header, "-" * len(header)]
     for r in rows:
-        lines.append(f"{r['method']:<10} {r['imbalance']:>9.4f} {r['lower_bound']:>7.4f} {r['straggler_pct']:>10.2f} "
-                     f"{r['moved_samples']:>7d} {r['moved_bytes'] / 2**20:>10.1f} {r['plan_ms']:>9.2f}")
+        lines.append(f"{r['workload']:<11} {r['method']:<10} {r['imbalance']:>9.4f} {r['lower_bound']:>7.4f} "
+                     f"{r['straggler_pct']:>10.2f} {r['moved_samples']:>7d} {r['moved_bytes'] / 2**20:>10.1f} "
+                     f"{r['plan_ms']:>9.2f} {r['load_vs_lpt']:>9.5f} {r['bytes_vs_lpt']:>9.3f} {r['time_vs_lpt']:>8.2f}")
     return "\n".join(lines)
 
 
 def summary(rows: list[dict[str, Any]]) -> str:
-    by = {r["method"]: r for r in rows}
-    ours, kk = by["freescale"], by["kk"]
-    share = ours["moved_bytes"] / kk["moved_bytes"] if kk["moved_bytes"] else float("nan")
-    return (f"# freescale: imbalance {ours['imbalance']:.4f} (kk {kk['imbalance']:.4f}, lpt {by['lpt']['imbalance']:.4f}), "
-            f"moving {100 * share:.1f}% of kk's bytes, planned in {ours['plan_ms']:.2f} ms")
+    """One line per workload: freescale against LPT and KK (a sweep: each figure's worst case)."""
+    lines = []
+    for workload in dict.fromkeys(r["workload"] for r in rows):
+        by = {r["method"]: r for r in rows if r["workload"] == workload}
+        ours = by["freescale"]
+        lines.append(f"# {workload}: freescale imbalance {ours['imbalance']:.4f} (lpt {by['lpt']['imbalance']:.4f}, "
+                     f"kk {by['kk']['imbalance']:.4f}); max load {ours['load_vs_lpt']:.5f}× LPT's, "
+                     f"{100 * ours['bytes_vs_lpt']:.1f}% of LPT's bytes, planned in {ours['plan_ms']:.2f} ms "
+                     f"({ours['time_vs_lpt']:.2f}× LPT's time)")
+    return "\n".join(lines)

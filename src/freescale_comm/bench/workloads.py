@@ -3,7 +3,9 @@
 kuairand: log-normal matched to KuaiRand-27K user histories (median 8,591, mean 11,796, min 100),
 truncated at 21,000 items like FreeScale's maximum UIH length. ml20m: MovieLens-20M user
 activity, log-normal with s=1.609, loc=19.07, scale=43.1. zipf: Zipf(α) lengths capped at
-max_len (NVIDIA recsys-examples' HSTU balancing benchmark: α=1.2, max 4096).
+max_len (NVIDIA recsys-examples' HSTU balancing benchmark: α=1.2, max 4096). heavy_zipf: a heavier
+tail, 20 × Zipf(1.3) capped at 21,000 items: about one sample in ten is at the cap, so a rank's
+load is a handful of giants plus change (issue 23's case, where balancing stops early).
 All return int64 NumPy arrays of `samples` lengths; the same seed gives the same lengths.
 """
 
@@ -13,7 +15,7 @@ import math
 
 import numpy as np
 
-__all__ = ["WORKLOADS", "kuairand", "ml20m", "zipf", "generate", "scale_lengths", "step_lengths", "overlapping_ids"]
+__all__ = ["WORKLOADS", "kuairand", "ml20m", "zipf", "heavy_zipf", "generate", "scale_lengths", "step_lengths", "overlapping_ids"]
 
 KUAIRAND_MEDIAN = 8591
 KUAIRAND_MEAN = 11796
@@ -52,7 +54,20 @@ def zipf(samples: int, *, seed: int = 0, alpha: float = 1.2, max_len: int = 4096
     return np.minimum(raw, max_len).astype(np.int64)
 
 
-WORKLOADS = {"kuairand": kuairand, "ml20m": ml20m, "zipf": zipf}
+def heavy_zipf(samples: int, *, seed: int = 0, alpha: float = 1.3, scale: int = 20,
+               max_len: int = MAX_UIH_LEN) -> np.ndarray:
+    """scale × Zipf(alpha) lengths, capped at max_len (in [scale, max_len])."""
+    _check(samples)
+    if alpha <= 1:
+        raise ValueError(f"alpha must be > 1 for a Zipf law, got {alpha}")
+    if not isinstance(scale, (int, np.integer)) or scale < 1:
+        raise ValueError(f"scale must be an int >= 1, got {scale!r}")
+    raw = np.random.default_rng(seed).zipf(alpha, samples)
+    # Cap before scaling: Zipf draws reach 2**63 - 1, and scale × that wraps around.
+    return np.minimum(np.minimum(raw, -(-max_len // scale)) * scale, max_len).astype(np.int64)
+
+
+WORKLOADS = {"kuairand": kuairand, "ml20m": ml20m, "zipf": zipf, "heavy_zipf": heavy_zipf}
 
 
 def generate(name: str, samples: int, *, seed: int = 0, **kwargs) -> np.ndarray:
