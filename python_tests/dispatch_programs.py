@@ -146,3 +146,32 @@ def bad_inputs_raise_before_communicating(info, device: str = "cpu") -> list[str
     assert torch.equal(back, values)
     dist.barrier()
     return messages
+
+
+def side_communicator_lets_the_group_go(info) -> dict:
+    """fc.dispatch over a gloo group builds a freescale Communicator on it (kept for the next
+    call). After dist.destroy_process_group the group must die then, as torch intends: a group
+    kept alive into interpreter shutdown keeps gloo's worker threads running, and one of them,
+    dropping the last work's tensors, takes the GIL while Python finalizes and aborts the process
+    ("terminate called without an active exception", seen ~1 run in 8 at exit)."""
+    import gc
+    import weakref
+
+    from freescale_comm._bootstrap import GroupBootstrap
+
+    rank, world = info.rank, info.world_size
+    values, lengths = torch.arange(6.0).reshape(3, 2), torch.tensor([1, 2], dtype=torch.int64)
+    out = fc.dispatch(values, lengths, torch.tensor([(rank + 1) % world] * 2))
+    comm = out.handle.comm
+    group = weakref.ref(dist.group.WORLD)
+    bootstrap = GroupBootstrap(dist.group.WORLD)
+    dist.destroy_process_group()
+    gc.collect()
+    report = {"group_alive": group() is not None, "comm_group": comm.group is not None}
+    try:
+        bootstrap.allgather(b"x")
+        report["bootstrap_error"] = None
+    except RuntimeError as e:
+        report["bootstrap_error"] = str(e)
+    comm.close()
+    return report

@@ -3,7 +3,8 @@
 import pytest
 
 from freescale_comm.testing import spawn
-from dispatch_programs import PATTERNS, ROW_CASES, bad_inputs_raise_before_communicating, gradients_match_single_process, roundtrip_is_identity
+from dispatch_programs import (PATTERNS, ROW_CASES, bad_inputs_raise_before_communicating, gradients_match_single_process,
+                               roundtrip_is_identity, side_communicator_lets_the_group_go)
 
 
 @pytest.mark.parametrize("world", [1, 2, 3, 4])
@@ -27,3 +28,11 @@ def test_bad_input_raises_before_communication():
     assert "CPU and CUDA" in messages[0][7]
     assert "another dispatch" in messages[0][9]
     assert "meta" in messages[0][11]
+
+
+def test_destroying_a_gloo_group_dispatch_used_frees_it_then_not_at_interpreter_exit():
+    reports = spawn(side_communicator_lets_the_group_go, 2)
+    for r in reports:
+        assert not r["group_alive"], "the dispatch communicator kept the destroyed group alive"
+        assert not r["comm_group"]
+        assert "destroyed" in r["bootstrap_error"] and "new Communicator" in r["bootstrap_error"]

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import weakref
+
 import torch.distributed as dist
 
 from freescale_comm import _core
@@ -9,13 +11,23 @@ from freescale_comm import _core
 
 class GroupBootstrap(_core.Bootstrap):
     """Exchanges setup blobs through an existing process group's object collectives (any
-    backend). Used only while a communicator is built; data never moves through the group."""
+    backend). Used while a communicator is built (and when it first moves a GPU's tensors); data
+    never moves through the group. Holds the group weakly: dist.destroy_process_group must free
+    it then (a gloo group kept alive into interpreter shutdown aborts the process at exit)."""
 
     def __init__(self, group: dist.ProcessGroup) -> None:
         super().__init__()
-        self._group = group
+        self._group = weakref.ref(group)
         self._rank = dist.get_rank(group)
         self._size = dist.get_world_size(group)
+
+    def group(self) -> dist.ProcessGroup:
+        group = self._group()
+        if group is None:
+            raise RuntimeError(
+                "the process group this communicator bootstraps through was destroyed (dist.destroy_process_group); "
+                "build a new Communicator on a live group")
+        return group
 
     def rank(self) -> int:
         return self._rank
@@ -25,7 +37,7 @@ class GroupBootstrap(_core.Bootstrap):
 
     def allgather(self, blob: bytes) -> list[bytes]:
         out: list[object] = [None] * self._size
-        dist.all_gather_object(out, bytes(blob), group=self._group)
+        dist.all_gather_object(out, bytes(blob), group=self.group())
         return [bytes(b) for b in out]  # type: ignore[arg-type]
 
     def barrier(self) -> None:

@@ -136,7 +136,8 @@ class Communicator:
         return comm
 
     def _start(self, bootstrap: _core.Bootstrap, timeout: datetime.timedelta, group: Optional[dist.ProcessGroup]) -> None:
-        self._group = group
+        # Weak: the communicator must not keep a group alive past dist.destroy_process_group.
+        self._group = weakref.ref(group) if group is not None else None
         config = _core.Config.from_env()  # ValueError naming a malformed FREESCALE_* variable
         if config.timeout_ms == 0:
             config.timeout_ms = max(1, int(timeout.total_seconds() * 1000))
@@ -166,7 +167,8 @@ class Communicator:
 
     @property
     def group(self) -> Optional[dist.ProcessGroup]:
-        return self._group
+        """The group it was built on; None once that group is destroyed (or if built on a store)."""
+        return self._group() if self._group is not None else None
 
     def all_to_all_single(
         self,
