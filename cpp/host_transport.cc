@@ -245,7 +245,7 @@ bool HostTransport::confirm_received() {
     if (op->confirmed || op->recv_parts_left > 0) continue;
     bool all = true;
     for (int p = 0; p < world_ && all; ++p) all = peers_[p].received(seq);
-    if (!all) continue;
+    if (!all || !sends_settled(*op)) continue;
     op->confirmed = true;
     op->part_done();
     any = true;

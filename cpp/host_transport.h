@@ -95,6 +95,10 @@ class HostTransport : public Transport {
   void forget_completed();
   // Confirms posted ops that every rank has received (the op's last part). True if any.
   bool confirm_received();
+  // Whether this rank's own reads of op's send buffer are over (a device transport's copies run
+  // asynchronously). An op is confirmed only then, so its completion never rests on peers'
+  // word alone (a peer's "received" implies it on honest peers, across processes).
+  virtual bool sends_settled(const OpState&) { return true; }
 
   std::vector<Peer> peers_;                             // [world]; peers_[rank_] is our own
   std::vector<uint64_t> filled_;                        // [world] slots written towards peer p

@@ -170,6 +170,26 @@ TEST(NvshmemEmulatedFailures, SplitMismatchByBytesWithEqualChunkCountsFailsEvery
   expect_all_ok(outcomes);
 }
 
+// Seen under TSan's slower timing: rank 0 detected the mismatch, queued its notice to the peers
+// and exited before the notice landed, and rank 2 read a notice copy started before it anyway:
+// "[PEER_DIED] rank 0 died" instead of rank 0's root cause. On a slow device that is every run.
+TEST(NvshmemEmulatedFailures, OnASlowDeviceTheCulpritsNoticeStillBeatsItsDeath) {
+  auto outcomes = run_forked_ranks(3, [](int rank, Bootstrap& bootstrap) -> std::string {
+    EmulatedDevice device(EmulatedDeviceOptions{1, 16, std::chrono::milliseconds(20)});
+    EmulatedShmem shmem(device);
+    auto counts = uniform_counts(3, 1000);
+    if (rank == 1) counts[1][0] = 800;  // rank 0 expects 1000
+    Exchange x(counts, rank);  // outlives the transport's queued device work
+    auto comm = nvshmem_communicator(bootstrap, small_config(/*timeout_ms=*/60000), device, shmem);
+    std::string r = expect_comm_error(
+        [&] { comm->wait(comm->all_to_all(x.send.data(), x.recv.data(), x.layout, 0, true), kForever); },
+        rank == 0 ? ErrorCode::kSizeMismatch : ErrorCode::kPeerAborted);
+    if (rank == 0) _exit(r.empty() ? 0 : 1);  // the culprit leaves at once, as a failing job does
+    return r;
+  });
+  expect_all_ok(outcomes);
+}
+
 TEST(NvshmemEmulatedFailures, KilledRankFailsEverySurvivorWithPeerDied) {
   auto outcomes = run_forked_ranks(3, [](int rank, Bootstrap& bootstrap) -> std::string {
     EmulatedDevice device(kSmallQueue);

@@ -19,6 +19,7 @@
 #include <atomic>
 #include <optional>
 #include <string>
+#include <unordered_map>
 #include <vector>
 
 #include "cpp/ce_arena_layout.h"
@@ -52,6 +53,7 @@ class CeTransport final : public HostTransport {
   const uint8_t* slot_payload(int src, uint64_t index, SlotHeader* slot) const override;
   void release_slot(int src, uint64_t index) override;
   void land(int src, OpState& op, const SlotHeader& h, const uint8_t* payload, bool last) override;
+  bool sends_settled(const OpState& op) override;
 
  private:
   struct Landing {  // a receive part whose last copy was queued
@@ -74,6 +76,9 @@ class CeTransport final : public HostTransport {
   std::vector<DevicePtr> segment_device_;  // [world] device address of each control segment
   SubmitGate gate_;                    // callers' streams: start gate, events, completion flags
   std::vector<Landing> landing_;       // progress thread only
+  // seq -> an event re-recorded after each of that op's send copies: the op's reads of the
+  // caller's send buffer are over once it completed. Progress thread only.
+  std::unordered_map<uint64_t, Event> send_fence_;
 };
 
 CeTransport::CeTransport(Bootstrap& bootstrap, const Config& config, DeviceOps& ops)
@@ -143,6 +148,7 @@ CeTransport::~CeTransport() {
   };
   if (stream_ != 0) quietly([&] { ops_.synchronize(stream_); });
   for (const Landing& l : landing_) quietly([&] { ops_.destroy_event(l.event); });
+  for (const auto& fence : send_fence_) quietly([&] { ops_.destroy_event(fence.second); });
   for (int p = 0; p < world_; ++p) {
     if (p != rank_ && arena_ptr_[p] != nullptr) quietly([&] { ops_.ipc_close(arena_ptr_[p]); });
   }
@@ -175,6 +181,18 @@ void CeTransport::fill_slot(int peer, uint64_t index, SlotHeader*, const OpState
   copies.from_send_block(op, peer, offset, bytes, arena_ptr_[rank_] + arenas_[rank_].slot_offset(peer, index));
   ops_.copy_batch(stream_, copies.batch);
   write_value(rank_, &ring_of(rank_, peer)->head, index + 1);
+  auto fence = send_fence_.try_emplace(op.seq, Event{});
+  if (fence.second) fence.first->second = gate_.take_event();
+  ops_.record_event(fence.first->second, stream_);
+}
+
+bool CeTransport::sends_settled(const OpState& op) {
+  auto it = send_fence_.find(op.seq);
+  if (it == send_fence_.end()) return true;  // nothing sent to a peer (or settled earlier)
+  if (!gate_.event_done(it->second, "a copy of the ce transport failed")) return false;
+  gate_.give_event(it->second);
+  send_fence_.erase(it);
+  return true;
 }
 
 const uint8_t* CeTransport::slot_payload(int src, uint64_t index, SlotHeader*) const {

@@ -28,6 +28,11 @@ class DeviceGuard {
   int previous_ = -1;
 };
 
+// A word of mapped host memory that a device writes asynchronously (cudaHostAlloc'd mirrors):
+// read whole and afresh every time (acquire): never torn, kept in a register or hoisted out of
+// a polling loop, as a plain read may be.
+inline uint64_t read_mapped_word(const uint64_t* word) { return __atomic_load_n(word, __ATOMIC_ACQUIRE); }
+
 // The copies of one chunk between an op's (possibly scattered) buffer and a contiguous slot.
 struct CopyList {
   CopyBatch batch;

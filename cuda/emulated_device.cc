@@ -65,6 +65,29 @@ int open_peer_fd(const std::string& handle, size_t* bytes) {
   return local;
 }
 
+// Moves bytes as a DMA engine does: aligned 8-byte words whole, as relaxed atomic accesses, so
+// a host thread polling mapped memory and concurrent device writes (a flag fill, a peer's put)
+// see whole words, as on the hardware, and TSan sees intended concurrency, not races. Ordering
+// comes from the stream (events, value writes with release). Where source and destination are
+// not equally aligned (bulk data at byte offsets, which nobody polls), a plain copy.
+void dma_copy(void* to, const void* from, size_t bytes) {
+  auto* dst = static_cast<uint8_t*>(to);
+  const auto* src = static_cast<const uint8_t*>(from);
+  if ((reinterpret_cast<uintptr_t>(dst) ^ reinterpret_cast<uintptr_t>(src)) & 7) {
+    std::memcpy(dst, src, bytes);
+    return;
+  }
+  size_t i = 0;
+  for (; i < bytes && (reinterpret_cast<uintptr_t>(dst + i) & 7) != 0; ++i) {
+    __atomic_store_n(dst + i, __atomic_load_n(src + i, __ATOMIC_RELAXED), __ATOMIC_RELAXED);
+  }
+  for (; i + 8 <= bytes; i += 8) {
+    __atomic_store_n(reinterpret_cast<uint64_t*>(dst + i),
+                     __atomic_load_n(reinterpret_cast<const uint64_t*>(src + i), __ATOMIC_RELAXED), __ATOMIC_RELAXED);
+  }
+  for (; i < bytes; ++i) __atomic_store_n(dst + i, __atomic_load_n(src + i, __ATOMIC_RELAXED), __ATOMIC_RELAXED);
+}
+
 template <class T>
 bool compare(const std::atomic<T>* word, T value, WaitCmp cmp) {
   T now = word->load(std::memory_order_acquire);
@@ -98,6 +121,7 @@ struct EmulatedDevice::StreamState {
   std::condition_variable pushed, popped;
   std::deque<Task> queue;
   size_t depth = 0;
+  std::chrono::microseconds latency{0};  // EmulatedDeviceOptions::op_latency
   bool running = false;
   bool stop = false;  // destroyed: drain, then exit
   std::string error;  // sticky
@@ -124,6 +148,7 @@ struct EmulatedDevice::StreamState {
         while (done < task.generation && !task.event->completed.compare_exchange_weak(done, task.generation)) {
         }
       } else if (failed.empty()) {
+        if (latency.count() > 0) std::this_thread::sleep_for(latency);
         try {
           task.run();
         } catch (const Abandoned&) {
@@ -189,6 +214,7 @@ void EmulatedDevice::set_device(int device) {
 Stream EmulatedDevice::create_stream() {
   auto s = std::make_shared<StreamState>();
   s->depth = options_.queue_depth;
+  s->latency = options_.op_latency;
   StreamState* raw = s.get();
   s->thread = std::thread([raw, this] { raw->loop(torn_down_); });
   std::lock_guard<std::mutex> lock(mu_);
@@ -220,6 +246,7 @@ std::shared_ptr<EmulatedDevice::StreamState> EmulatedDevice::stream_of(Stream st
     if (!default_stream_) {
       default_stream_ = std::make_shared<StreamState>();
       default_stream_->depth = options_.queue_depth;
+      default_stream_->latency = options_.op_latency;
       StreamState* raw = default_stream_.get();
       default_stream_->thread = std::thread([raw, this] { raw->loop(torn_down_); });
     }
@@ -334,7 +361,7 @@ bool EmulatedDevice::event_done(Event event, const char* what) {
 void EmulatedDevice::copy_batch(Stream stream, const CopyBatch& batch) {
   if (batch.empty()) return;
   enqueue(stream, [batch] {
-    for (size_t i = 0; i < batch.dsts.size(); ++i) std::memcpy(batch.dsts[i], batch.srcs[i], batch.sizes[i]);
+    for (size_t i = 0; i < batch.dsts.size(); ++i) dma_copy(batch.dsts[i], batch.srcs[i], batch.sizes[i]);
   });
 }
 
@@ -411,7 +438,8 @@ void EmulatedDevice::fill_async(Stream stream, void* ptr, uint8_t byte, size_t b
     auto* words = static_cast<std::atomic<uint64_t>*>(ptr);
     uint64_t value = 0x0101010101010101ull * byte;
     for (size_t i = 0; i < bytes / 8; ++i) words[i].store(value, std::memory_order_release);
-    std::memset(static_cast<uint8_t*>(ptr) + bytes / 8 * 8, byte, bytes % 8);
+    auto* tail = static_cast<uint8_t*>(ptr) + bytes / 8 * 8;
+    for (size_t i = 0; i < bytes % 8; ++i) __atomic_store_n(tail + i, byte, __ATOMIC_RELAXED);
   });
 }
 
@@ -552,7 +580,7 @@ void EmulatedShmem::put_signal_on_stream(void* dest, const void* src, size_t byt
   uint8_t* to = remote(dest, pe);
   auto* word = reinterpret_cast<std::atomic<uint64_t>*>(remote(signal, pe));
   device_.enqueue(stream, [to, src, bytes, word, value, op] {
-    std::memcpy(to, src, bytes);
+    dma_copy(to, src, bytes);
     apply_signal(word, value, op);
   });
 }

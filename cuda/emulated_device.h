@@ -17,6 +17,7 @@
 #pragma once
 
 #include <atomic>
+#include <chrono>
 #include <cstdint>
 #include <functional>
 #include <map>
@@ -32,6 +33,9 @@ namespace freescale {
 struct EmulatedDeviceOptions {
   int devices = 1;          // device_count()
   size_t queue_depth = 64;  // pending operations per stream before enqueue blocks
+  // Each copy / value write / wait starts this long after its stream reaches it: a slow (or
+  // loaded) device, to expose host code that assumes device work lands promptly.
+  std::chrono::microseconds op_latency{0};
 };
 
 class EmulatedDevice final : public DeviceOps {

@@ -410,11 +410,12 @@ void NvshmemTransport::push_receives(const std::shared_ptr<OpState>& op, int src
         ops_.copy_batch(s, batch);
       },
       [this, op, src, lane, slot, bytes] {
-        if (audit_mirror_[slot] != bytes) {
+        const uint64_t announced = read_mapped_word(audit_mirror_ + slot);
+        if (announced != bytes) {
           throw CommError(ErrorCode::kSizeMismatch,
                           "all_to_all op #" + std::to_string(op->seq) + ": rank " + std::to_string(rank_) + " expected " +
                               std::to_string(bytes) + " bytes from rank " + std::to_string(src) + ", which sends " +
-                              std::to_string(audit_mirror_[slot]) + " bytes: the ranks' split sizes disagree",
+                              std::to_string(announced) + " bytes: the ranks' split sizes disagree",
                           src);
         }
         recv_parts_[{op->seq, src}].audited = true;
@@ -513,11 +514,19 @@ void NvshmemTransport::check_peers() {
         nullptr});
   }
   pump(health_, "reading the peers' notices failed");
-  if (dead >= 0) ops_.synchronize(health_.stream);  // a copy only: it never waits on a peer
+  if (dead >= 0) {
+    // The copy in flight may have started before the dead peer's notice landed: read afresh.
+    // Copies only: the health stream never waits on a peer.
+    ops_.synchronize(health_.stream);
+    CopyBatch batch;
+    batch.add(notice_mirror_, word(layout_.notice(0)), sizeof(uint64_t) * world_);
+    ops_.copy_batch(health_.stream, batch);
+    ops_.synchronize(health_.stream);
+  }
   // Root cause: a dead peer's own notice (it failed, told us, and exited), else its death, else
   // any peer's abort (which may be its reaction to that same death).
   for (int p = 0; p < world_; ++p) {
-    const uint64_t notice = notice_mirror_[p];
+    const uint64_t notice = read_mapped_word(notice_mirror_ + p);
     if (p == rank_ || notice < kNvshmemNoticeAbortBase || (dead >= 0 && p != dead)) continue;
     throw_peer_abort(p, nvshmem_notice_code(notice), nvshmem_notice_culprit(notice), rank_, [this](int r) { return procs_[r].pid; });
   }
@@ -527,12 +536,12 @@ void NvshmemTransport::check_peers() {
                     dead);
   }
   for (int p = 0; p < world_; ++p) {
-    const uint64_t notice = notice_mirror_[p];
+    const uint64_t notice = read_mapped_word(notice_mirror_ + p);
     if (p == rank_ || notice < kNvshmemNoticeAbortBase) continue;
     throw_peer_abort(p, nvshmem_notice_code(notice), nvshmem_notice_culprit(notice), rank_, [this](int r) { return procs_[r].pid; });
   }
   for (int p = 0; p < world_; ++p) {
-    if (p == rank_ || notice_mirror_[p] != kNvshmemNoticeClosed) continue;
+    if (p == rank_ || read_mapped_word(notice_mirror_ + p) != kNvshmemNoticeClosed) continue;
     for (const auto& [seq, op] : started_) {
       if (!op->is_completed() && op->needs_peer(p)) {
         throw CommError(ErrorCode::kCommError, "rank " + std::to_string(p) + " closed its communicator while op #" +
@@ -549,6 +558,9 @@ void NvshmemTransport::notify_peers(uint64_t notice) {
     for (int p = 0; p < world_; ++p) {
       if (p != rank_) shmem_.signal_op_on_stream(word(layout_.notice(rank_)), notice, ShmemSignalOp::kSet, p, notice_stream_);
     }
+    // Landed before we return: a failing process often exits right after, and a notice still
+    // queued then is lost (peers would report our death, not its cause). Signal ops only.
+    ops_.synchronize(notice_stream_);
   } catch (...) {
     // Best effort: peers that miss the notice fail by timeout.
   }
