@@ -1,6 +1,7 @@
 // The host transport across forked ranks, through the Communicator (scheduler + progress thread).
 #include <gtest/gtest.h>
 #include <signal.h>
+#include <sys/resource.h>
 #include <unistd.h>
 
 #include <atomic>
@@ -211,6 +212,31 @@ TEST(HostTransport, ARankKilledDuringSetupLeavesNothingBehind) {
   }, std::chrono::seconds(1));  // then both are SIGKILLed
   EXPECT_TRUE(outcomes[0].timed_out);
   EXPECT_TRUE(testing::leftover_segments(outcomes).empty()) << testing::leftover_segments(outcomes)[0];
+}
+
+// Issue 22 item 2: a rank whose shared arena cannot be reserved (too little memory; the file-size
+// limit stands in for a full /dev/shm or a memory cgroup) fails setup on every rank, each naming
+// the fix, instead of a SIGBUS at the first write past what was reserved, or a hang.
+TEST(HostTransport, AnArenaThatCannotBeReservedFailsEveryRankAtSetupNamingTheFix) {
+  auto outcomes = run_forked_ranks(2, [](int rank, Bootstrap& bootstrap) -> std::string {
+    if (rank == 1) {
+      signal(SIGXFSZ, SIG_IGN);  // past the limit: EFBIG instead of a signal
+      rlimit limit{64 * 1024, 64 * 1024};
+      if (setrlimit(RLIMIT_FSIZE, &limit) != 0) return "setrlimit failed";
+    }
+    try {
+      Communicator comm(bootstrap, small_config(/*timeout_ms=*/20000));
+      return "setup succeeded";
+    } catch (const std::exception& e) {
+      const std::string m = e.what();
+      if (m.find("FREESCALE_ARENA_BYTES") == std::string::npos || m.find("shm-size") == std::string::npos) {
+        return "the error does not name the fix: " + m;
+      }
+      if (rank == 0 && m.find("rank 1") == std::string::npos) return "rank 0 does not name rank 1: " + m;
+      return "";
+    }
+  });
+  expect_all_ok(outcomes);
 }
 
 TEST(HostTransport, InvalidLayoutThrowsBeforeCommunicating) {
