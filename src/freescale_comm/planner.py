@@ -6,7 +6,8 @@ Cost of a sample of L items: quadratic·L² + linear·L + constant (HSTU attenti
 L). Objective, in order: minimize the largest rank load; then the bytes moved. A sample stays
 on its home rank unless moving it lowers the largest load.
 
-The method ("settle the big, shed, fill"), LPT's quality at a fraction of its bytes:
+The method ("settle the big, shed, fill"), LPT's quality at a fraction of its bytes; the target
+is the lower bound max(mean load, largest sample):
 1. big samples (cost > target/16), as LPT would place them first: each rank keeps its dearest
    ones while they fit under the target; the rest go, dearest first, to the rank with the least
    big load. Heavy tails are decided here: which rank holds how many of the giants.
@@ -15,8 +16,9 @@ The method ("settle the big, shed, fill"), LPT's quality at a fraction of its by
    rest, then the cheapest that covers it;
 3. fill: the shed samples, dearest first, to the least loaded rank (LPT); where one would end
    above the target, that rank displaces cheaper samples of its own back into the pool (the best
-   single cover, else dearest first). Every sample is placed before any cheaper one, as in LPT,
-   but home samples stay where they fit;
+   single cover, else dearest first). The pool goes dearest first, as in LPT (a displaced
+   sample is cheaper than the one placed, so none moves twice), but home samples stay where
+   they fit;
 4. polish: while it lowers the largest load, the most loaded rank hands its sample closest to
    half the gap to the least loaded rank.
 Where that ends more than LPT_CHECK above the lower bound (coarse inputs: few samples, or a
