@@ -116,6 +116,8 @@ class NvshmemTransport final : public Transport {
   // completes only when every rank received all of it and found the byte counts right).
   void part_checked(const std::shared_ptr<OpState>& op, int src, int lane);
   void notify_peers(uint64_t notice);
+  // Queues on `s` a copy of the notices peers wrote into our arena into notice_mirror_.
+  void copy_notices(Stream s);
   bool any_busy() const;
 
   DeviceOps& ops_;
@@ -504,44 +506,35 @@ void NvshmemTransport::check_peers() {
     }
   }
   // The notices peers wrote into our arena: one asynchronous copy in flight at a time.
-  if (!health_.busy()) {
-    health_.pending.push_back(SteppedStream::Step{
-        [this](Stream s) {
-          CopyBatch batch;
-          batch.add(notice_mirror_, word(layout_.notice(0)), sizeof(uint64_t) * world_);
-          ops_.copy_batch(s, batch);
-        },
-        nullptr});
-  }
+  if (!health_.busy()) health_.pending.push_back(SteppedStream::Step{[this](Stream s) { copy_notices(s); }, nullptr});
   pump(health_, "reading the peers' notices failed");
   if (dead >= 0) {
     // The copy in flight may have started before the dead peer's notice landed: read afresh.
     // Copies only: the health stream never waits on a peer.
     ops_.synchronize(health_.stream);
-    CopyBatch batch;
-    batch.add(notice_mirror_, word(layout_.notice(0)), sizeof(uint64_t) * world_);
-    ops_.copy_batch(health_.stream, batch);
+    copy_notices(health_.stream);
     ops_.synchronize(health_.stream);
   }
+  std::vector<uint64_t> notices(static_cast<size_t>(world_));
+  for (int p = 0; p < world_; ++p) notices[p] = read_mapped_word(notice_mirror_ + p);
+  auto aborted = [&](int p) { return p != rank_ && notices[p] >= kNvshmemNoticeAbortBase; };
+  auto throw_abort_of = [&](int p) {
+    throw_peer_abort(p, nvshmem_notice_code(notices[p]), nvshmem_notice_culprit(notices[p]), rank_,
+                     [this](int r) { return procs_[r].pid; });
+  };
   // Root cause: a dead peer's own notice (it failed, told us, and exited), else its death, else
   // any peer's abort (which may be its reaction to that same death).
-  for (int p = 0; p < world_; ++p) {
-    const uint64_t notice = read_mapped_word(notice_mirror_ + p);
-    if (p == rank_ || notice < kNvshmemNoticeAbortBase || (dead >= 0 && p != dead)) continue;
-    throw_peer_abort(p, nvshmem_notice_code(notice), nvshmem_notice_culprit(notice), rank_, [this](int r) { return procs_[r].pid; });
-  }
+  if (dead >= 0 && aborted(dead)) throw_abort_of(dead);
   if (dead >= 0) {
     throw CommError(ErrorCode::kPeerDied, "rank " + std::to_string(dead) + " (pid " + std::to_string(procs_[dead].pid) +
                                               ") died while an op that needs it was pending",
                     dead);
   }
   for (int p = 0; p < world_; ++p) {
-    const uint64_t notice = read_mapped_word(notice_mirror_ + p);
-    if (p == rank_ || notice < kNvshmemNoticeAbortBase) continue;
-    throw_peer_abort(p, nvshmem_notice_code(notice), nvshmem_notice_culprit(notice), rank_, [this](int r) { return procs_[r].pid; });
+    if (aborted(p)) throw_abort_of(p);
   }
   for (int p = 0; p < world_; ++p) {
-    if (p == rank_ || read_mapped_word(notice_mirror_ + p) != kNvshmemNoticeClosed) continue;
+    if (p == rank_ || notices[p] != kNvshmemNoticeClosed) continue;
     for (const auto& [seq, op] : started_) {
       if (!op->is_completed() && op->needs_peer(p)) {
         throw CommError(ErrorCode::kCommError, "rank " + std::to_string(p) + " closed its communicator while op #" +
@@ -550,6 +543,12 @@ void NvshmemTransport::check_peers() {
       }
     }
   }
+}
+
+void NvshmemTransport::copy_notices(Stream s) {
+  CopyBatch batch;
+  batch.add(notice_mirror_, word(layout_.notice(0)), sizeof(uint64_t) * world_);
+  ops_.copy_batch(s, batch);
 }
 
 void NvshmemTransport::notify_peers(uint64_t notice) {
