@@ -206,6 +206,8 @@ class _Items:
         self.length = np.concatenate(lengths) if sizes.sum() else np.zeros(0, dtype=np.int64)
         self.cost = cost_model.cost(self.length)
         self.home = np.repeat(np.arange(self.world, dtype=np.int64), sizes)
+        self._span = int(self.length.max(initial=0)) + 1  # sort keys: lengths are below it
+        self._n = max(int(self.length.size), 1)            # sort keys: indices are below it
 
     def loads(self, holder: np.ndarray, mask: np.ndarray | None = None) -> np.ndarray:
         """float64 [world]: the cost each rank holds (of the masked samples). Sequential sums:
@@ -214,25 +216,15 @@ class _Items:
             return np.bincount(holder, weights=self.cost, minlength=self.world)
         return np.bincount(holder[mask], weights=self.cost[mask], minlength=self.world)
 
-    def sorted_by_rank(self, idx: np.ndarray, dearest_first: bool) -> np.ndarray:
-        """idx ordered by (home rank, length, index), length descending or ascending. Cost never
-        falls as length grows, so this is also a cost order. Keys are distinct integers, so every
-        sort algorithm gives this one order."""
+    def ordered(self, idx: np.ndarray, *, by_rank: bool, dearest_first: bool) -> np.ndarray:
+        """idx ordered by (home rank if by_rank, length, index), length descending or ascending.
+        Cost never falls as length grows, so this is also a cost order. Keys are distinct
+        integers, so every sort algorithm gives this one order."""
         L = self.length[idx]
-        span = int(self.length.max(initial=0)) + 1
-        n = max(int(self.length.size), 1)
-        if self.world * span * n >= 2**62:  # no room for one integer key: a stable lexsort
-            return idx[np.lexsort((idx, -L if dearest_first else L, self.home[idx]))]
-        key = (self.home[idx] * span + (span - 1 - L if dearest_first else L)) * n + idx
-        return idx[np.argsort(key)]
-
-    def dearest_first(self, idx: np.ndarray) -> np.ndarray:
-        """idx ordered by (length descending, index): LPT's order."""
-        n = max(int(self.length.size), 1)
-        span = int(self.length.max(initial=0)) + 1
-        if span * n >= 2**62:
-            return idx[np.lexsort((idx, -self.length[idx]))]
-        return idx[np.argsort((span - 1 - self.length[idx]) * n + idx)]
+        home = self.home[idx] if by_rank else np.zeros_like(idx)
+        if (self.world if by_rank else 1) * self._span * self._n >= 2**62:  # no room for one integer key
+            return idx[np.lexsort((idx, -L if dearest_first else L, home))]
+        return idx[np.argsort((home * self._span + (self._span - 1 - L if dearest_first else L)) * self._n + idx)]
 
 
 def _within_rank_prefix(order: np.ndarray, items: _Items, room: np.ndarray) -> np.ndarray:
@@ -271,12 +263,12 @@ class _Planner:
         """Phase 1; returns every rank's load (big ones as placed, small ones at home)."""
         items = self.items
         big = np.flatnonzero(self.big)
-        order = items.sorted_by_rank(big, dearest_first=True)
+        order = items.ordered(big, by_rank=True, dearest_first=True)
         keep = _within_rank_prefix(order, items, np.full(items.world, self.good))
         big_load = np.bincount(items.home[order[keep]], weights=items.cost[order[keep]], minlength=items.world)
         heap = list(zip(big_load.tolist(), range(items.world)))
         heapq.heapify(heap)
-        over = items.dearest_first(order[~keep])
+        over = items.ordered(order[~keep], by_rank=False, dearest_first=True)
         for i, c in zip(over.tolist(), items.cost[over].tolist()):
             load, r = heapq.heappop(heap)
             self.holder[i] = r
@@ -287,7 +279,7 @@ class _Planner:
         """Phase 2: the shed samples as a heap of (-cost, index); updates loads."""
         items = self.items
         small = np.flatnonzero(~self.big)
-        order = items.sorted_by_rank(small, dearest_first=True)
+        order = items.ordered(small, by_rank=True, dearest_first=True)
         excess = np.maximum(loads - self.bound, 0.0)
         take = _within_rank_prefix(order, items, excess)
         shed = order[take]
@@ -337,7 +329,7 @@ class _HeldSmall:
     and index, built for a rank when first needed."""
 
     def __init__(self, items: _Items, idx: np.ndarray) -> None:
-        order = items.sorted_by_rank(idx, dearest_first=False)
+        order = items.ordered(idx, by_rank=True, dearest_first=False)
         self._cost = items.cost[order].tolist()
         self._index = order.tolist()
         self._bounds = np.searchsorted(items.home[order], np.arange(items.world + 1)).tolist()
