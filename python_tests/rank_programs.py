@@ -129,24 +129,6 @@ def disagreeing_splits(info) -> str:
     return "no error"
 
 
-def killed_mid_op(info, victim: int) -> str:
-    """The victim SIGKILLs itself during a large all_to_all_single; survivors report the error."""
-    comm = fc.Communicator()
-    world = info.world_size
-    x = torch.ones(world * (4 << 20) // 4)  # 4 MiB per peer
-    out = torch.empty_like(x)
-    work = comm.all_to_all_single(out, x, async_op=True)
-    if info.rank == victim:
-        time.sleep(0.005)
-        os.kill(os.getpid(), signal.SIGKILL)
-    start = time.monotonic()
-    try:
-        work.wait()
-    except fc.CommError as e:
-        return f"{e.code} after {time.monotonic() - start:.2f}s"
-    return "no error"
-
-
 def peer_never_joins(info) -> str:
     """Rank 1 never issues the op: rank 0 times out with CommError (FREESCALE_TIMEOUT_S)."""
     comm = fc.Communicator()

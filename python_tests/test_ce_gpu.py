@@ -4,6 +4,7 @@ import pytest
 
 from freescale_comm.testing import spawn
 import ce_programs
+import failure_path_programs
 
 pytestmark = pytest.mark.gpu
 
@@ -47,3 +48,9 @@ def test_cuda_futures_order_the_stream_that_waits_on_them():
     for wrong in spawn(ce_programs.futures_order_the_waiting_stream, 2, 256 * MiB, backend="freescale",
                        timeout_s=300):
         assert wrong == {"wait": 0, "then": 0, "wait_then_future": 0, "single": 0}
+
+
+def test_ops_on_64_torch_streams_made_before_the_first_op_all_complete():
+    """Checklist item 2: torch's stream pool hands out shared streams; the transport's own
+    streams and events must not depend on any of them staying idle."""
+    assert spawn(failure_path_programs.ops_on_many_streams, 2, 64, timeout_s=300) == [0, 0]

@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 
 from freescale_comm.testing import run_ranks
+from failure_path_programs import close_with_ops_pending, killed_mid_op, mismatch_by_bytes
 from rank_programs import (
     disagreeing_splits,
     huge_timeouts_mean_no_timeout,
-    killed_mid_op,
     peer_never_joins,
     wait_inside_a_done_callback,
 )
@@ -30,13 +30,47 @@ def test_disagreeing_splits_raise_commerror_on_every_rank():
     assert all(c in {"SIZE_MISMATCH", "PEER_ABORTED", "PEER_DIED", "COMM_ERROR"} for c in codes), codes
 
 
-@pytest.mark.timeout(120)
-def test_sigkill_of_one_rank_fails_the_three_survivors():
-    results = run_ranks(killed_mid_op, 4, 3, timeout_s=60, env={"FREESCALE_TIMEOUT_S": "20"})
+# Failure paths on both devices: "cuda" is the copy-engine transport, ranks sharing GPU 0
+# (gpu-checklist item 2: `pytest -m gpu python_tests/test_failures.py`); skipped without CUDA.
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
+MiB = 1 << 20
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_byte_mismatch_fails_every_rank_even_with_equal_chunk_counts(device):
+    """Rank 0 sends rank 1 other bytes than it expects; 1000 vs 800 (and 4 MiB + 1000 vs 4 MiB +
+    800) make the same number of chunks, so only a byte count can tell them apart."""
+    cases = [(1000, 800), (800, 1000), (4 * MiB + 1000, 4 * MiB + 800)]
+    results = run_ranks(mismatch_by_bytes, 3, device, cases, timeout_s=200, env={"FREESCALE_TIMEOUT_S": "30"})
+    assert all(r.error is None for r in results), [r.error for r in results]
+    for r in results:
+        *codes, fresh_works = r.value
+        assert fresh_works == "True", r.value
+        assert len(codes) == len(cases)
+        assert all(c in {"SIZE_MISMATCH", "PEER_ABORTED"} for c in codes), (r.rank, codes)
+    assert results[1].value[:len(cases)] == ["SIZE_MISMATCH"] * len(cases)  # the receiver names it
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("device", DEVICES)
+def test_sigkill_of_one_rank_fails_the_three_survivors(device):
+    results = run_ranks(killed_mid_op, 4, 3, device, timeout_s=120, env={"FREESCALE_TIMEOUT_S": "20"})
     assert results[3].exitcode == -signal.SIGKILL
     for r in results[:3]:
         assert r.error is None, r.error
         assert r.value.split()[0] in {"PEER_DIED", "PEER_ABORTED"}, r.value
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("device", DEVICES)
+def test_close_with_ops_pending_fails_them_and_releases_the_stream(device):
+    """70 queued ops no peer joins (more than the 64 in flight a transport admits), then
+    close(): each wait raises CommError, torch.cuda.synchronize() returns, a new one works."""
+    results = run_ranks(close_with_ops_pending, 2, device, 70, timeout_s=100, env={"FREESCALE_TIMEOUT_S": "60"})
+    assert all(r.error is None for r in results), [r.error for r in results]
+    assert results[0].value == {"codes": ["COMM_ERROR"], "fresh works": True}
+    assert results[1].value == {"codes": [], "fresh works": True}
 
 
 @pytest.mark.timeout(120)

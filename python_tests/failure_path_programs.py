@@ -1,0 +1,144 @@
+"""Failure-path rank programs run on either device: "cpu" (the host transport, in CI) and "cuda"
+(the copy-engine transport, several ranks sharing GPU 0: gpu-checklist item 2). On CUDA each also
+checks that the user's stream is released: `torch.cuda.synchronize()` returns after the failure."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import torch
+import torch.distributed as dist
+
+import freescale_comm as fc
+
+MiB = 1 << 20
+
+
+def _use(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.set_device(0)
+
+
+def _synchronize(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()  # hangs (the rank times out) if a failed op left the stream waiting
+
+
+def _exchange_works(device: str) -> bool:
+    """A fresh Communicator moves one AllToAll right: a failure leaves the process usable."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    with fc.Communicator() as comm:
+        x = torch.arange(2 * world, dtype=torch.int32, device=device) + 100 * rank
+        out = torch.empty_like(x)
+        comm.all_to_all_single(out, x)
+        _synchronize(device)
+    want = torch.cat([torch.arange(2 * rank, 2 * rank + 2, dtype=torch.int32) + 100 * p for p in range(world)])
+    return torch.equal(out.cpu(), want)
+
+
+def mismatch_by_bytes(info, device: str, cases: list[tuple[int, int]]) -> list[str]:
+    """For each (sent, expected) byte count: rank 0 sends `sent` bytes to rank 1, which expects
+    `expected` (every other pair agrees), in a fresh Communicator. Returns each case's CommError
+    code ("no error" if none), then whether a fresh Communicator works afterwards."""
+    _use(device)
+    world, rank = info.world_size, info.rank
+    codes = []
+    for sent, expected in cases:
+        in_splits = [64] * world
+        out_splits = [64] * world
+        if rank == 0:
+            in_splits[1] = sent
+        if rank == 1:
+            out_splits[0] = expected
+        x = torch.ones(sum(in_splits), dtype=torch.uint8, device=device)
+        out = torch.empty(sum(out_splits), dtype=torch.uint8, device=device)
+        with fc.Communicator() as comm:
+            try:
+                comm.all_to_all_single(out, x, out_splits, in_splits)
+                _synchronize(device)
+                codes.append("no error")
+            except fc.CommError as e:
+                codes.append(e.code)
+            _synchronize(device)
+        dist.barrier()
+    return codes + [str(_exchange_works(device))]
+
+
+def killed_mid_op(info, victim: int, device: str = "cpu") -> str:
+    """The victim SIGKILLs itself during a large all_to_all_single (4 MiB per peer); survivors
+    return their CommError's code and how long their wait took."""
+    _use(device)
+    comm = fc.Communicator()
+    world = info.world_size
+    x = torch.ones(world * (4 * MiB) // 4, device=device)
+    out = torch.empty_like(x)
+    comm.all_to_all_single(out[:world], x[:world])  # a CUDA core is built collectively, before the victim dies
+    work = comm.all_to_all_single(out, x, async_op=True)
+    if info.rank == victim:
+        time.sleep(0.005)
+        os.kill(os.getpid(), signal.SIGKILL)
+    start = time.monotonic()
+    try:
+        work.wait()
+        _synchronize(device)
+    except fc.CommError as e:
+        _synchronize(device)
+        return f"{e.code} after {time.monotonic() - start:.2f}s"
+    return "no error"
+
+
+def close_with_ops_pending(info, device: str, ops: int) -> dict:
+    """Rank 0 queues `ops` async AllToAlls (1 MiB per peer) that no peer joins, then closes its
+    Communicator: every op fails with CommError, the current stream is released, and a fresh
+    Communicator works afterwards. Returns the codes seen, and whether that fresh one worked."""
+    _use(device)
+    world = info.world_size
+    comm = fc.Communicator()
+    warm = torch.ones(world, device=device)
+    comm.all_to_all_single(torch.empty_like(warm), warm)  # every rank builds its (CUDA) core together
+    codes: set[str] = set()
+    if info.rank == 0:
+        ins = [torch.full((world * MiB // 4,), float(k), device=device) for k in range(ops)]
+        works = [comm.all_to_all_single(torch.empty_like(x), x, async_op=True) for x in ins]
+        comm.close()
+        for work in works:
+            try:
+                work.wait()
+                codes.add("no error")
+            except fc.CommError as e:
+                codes.add(e.code)
+        _synchronize(device)
+    dist.barrier()  # peers close after rank 0 did, their communicators never used past the warm-up
+    comm.close()
+    return {"codes": sorted(codes), "fresh works": _exchange_works(device)}
+
+
+def ops_on_many_streams(info, streams: int) -> int:
+    """`streams` torch CUDA streams made before the Communicator's first op, one async AllToAll
+    issued on each (its input written on that stream), all waited on together. Returns the wrong
+    elements over all of them."""
+    torch.cuda.set_device(0)
+    world, rank = info.world_size, info.rank
+    made = [torch.cuda.Stream() for _ in range(streams)]
+    comm = fc.Communicator()
+    n = 4096 * world
+    outs, works = [], []
+    for k, stream in enumerate(made):
+        with torch.cuda.stream(stream):
+            x = torch.arange(n, dtype=torch.int32, device="cuda") + (rank * streams + k) * n
+            out = torch.full_like(x, -1)
+            works.append(comm.all_to_all_single(out, x, async_op=True))
+            outs.append(out)
+    for work in works:
+        work.wait()
+    torch.cuda.synchronize()
+    m = n // world
+    wrong = 0
+    for k, out in enumerate(outs):
+        want = torch.cat([torch.arange(rank * m, (rank + 1) * m, dtype=torch.int32, device="cuda")
+                          + (p * streams + k) * n for p in range(world)])
+        wrong += int((out != want).sum())
+    comm.close()
+    return wrong
