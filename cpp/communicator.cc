@@ -128,6 +128,7 @@ void Communicator::close() {
   for (auto& op : waiting_) active_.push_back(op);
   for (auto& op : leftover) active_.push_back(op);
   waiting_.clear();
+  if (!active_.empty() && !was_broken) transport_->quiesce();  // (fail_all quiesced a broken one)
   for (auto& op : active_) op->fail(ErrorCode::kCommError, "the communicator was closed while op #" + std::to_string(op->seq) + " was pending");
   active_.clear();
   scheduler_.drain();
@@ -252,6 +253,7 @@ void Communicator::fail_all(ErrorCode code, const std::string& message, int culp
     leftover.swap(submissions_);
   }
   transport_->abort(code, culprit);
+  transport_->quiesce();  // before the ops fail: their buffers are the callers' once they do
   scheduler_.drain();
   for (auto& op : waiting_) active_.push_back(op);
   for (auto& op : leftover) active_.push_back(op);

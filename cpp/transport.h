@@ -63,6 +63,12 @@ class Transport {
   // kPeerAborted naming this rank, the code and the culprit.
   virtual void abort(ErrorCode code, int culprit) = 0;
   virtual void close() = 0;
+  // Called before pending ops fail (a failure, or close() with ops pending): returns once no
+  // work this transport queued can still read or write a caller's buffer, so a failed op's
+  // buffers are the caller's again once it reports the failure (and a CUDA stream waiting on it
+  // is released only then). Device transports drain their streams, ending any wait they cannot
+  // satisfy; the transport moves nothing more afterwards. Never throws.
+  virtual void quiesce() {}
 };
 
 }  // namespace freescale

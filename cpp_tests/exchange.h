@@ -67,11 +67,25 @@ struct Exchange {
     for (int p = 0; p < world; ++p)
       for (uint64_t i = 0; i < s[p]; ++i) send[layout.send_offsets[p] + i] = pattern(rank, p, i, salt);
   }
+  // "k of n bytes wrong, u never written" for what came from `src`: tells a missed landing from
+  // a misplaced one.
+  std::string wrong_bytes(size_t src, int rank) const {
+    uint64_t wrong = 0, unwritten = 0, n = layout.recv_bytes[src];
+    for (uint64_t i = 0; i < n; ++i) {
+      uint8_t b = recv[layout.recv_offsets[src] + i];
+      if (b == pattern(static_cast<int>(src), rank, i, salt)) continue;
+      ++wrong;
+      unwritten += b == 0xEE;
+    }
+    return std::to_string(wrong) + " of " + std::to_string(n) + " bytes wrong, " + std::to_string(unwritten) +
+           " never written";
+  }
   std::string check(int rank) const {
     for (size_t p = 0; p < layout.recv_bytes.size(); ++p)
       for (uint64_t i = 0; i < layout.recv_bytes[p]; ++i)
         if (recv[layout.recv_offsets[p] + i] != pattern(static_cast<int>(p), rank, i, salt))
-          return "wrong byte " + std::to_string(i) + " from rank " + std::to_string(p);
+          return "op tagged " + std::to_string(salt) + ": wrong byte " + std::to_string(i) + " from rank " + std::to_string(p) +
+                 " (" + wrong_bytes(p, rank) + ")";
     return "";
   }
 };

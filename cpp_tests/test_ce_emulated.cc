@@ -25,6 +25,7 @@ using testing::random_counts;
 using testing::uniform_counts;
 using testing::expect_all_ok;
 using testing::expect_comm_error;
+using testing::FailBy;
 using testing::run_forked_ranks;
 using testing::small_config;
 constexpr std::chrono::microseconds kForever{-1};
@@ -239,6 +240,21 @@ TEST(CeEmulatedFailures, CloseWithOpsPendingReleasesTheUsersStream) {
     return result;
   });
   expect_all_ok(outcomes);
+}
+
+// A failed op's output is the caller's once the failure is reported. Before, copies already
+// queued on the comm stream went on landing in it after close() or a peer's death failed the op.
+TEST(CeEmulatedFailures, NothingWritesAFailedOpsOutputAfterItReportsTheFailure) {
+  for (FailBy how : {FailBy::kClose, FailBy::kPeerKilled}) {
+    auto outcomes = run_forked_ranks(2, [how](int rank, Bootstrap& bootstrap) -> std::string {
+      EmulatedDevice device(testing::slow_on_rank_0(rank));
+      Exchange x(testing::one_way_counts(), rank);
+      return testing::failed_output_left_alone(rank, bootstrap, ce_communicator(bootstrap, small_config(), device), x, how);
+    });
+    EXPECT_TRUE(outcomes[0].exit_code == 0 && outcomes[0].signal == 0) << outcomes[0].message;
+    if (how == FailBy::kClose) EXPECT_EQ(outcomes[1].exit_code, 0) << outcomes[1].message;
+    EXPECT_TRUE(testing::leftover_segments(outcomes).empty());
+  }
 }
 
 }  // namespace

@@ -24,6 +24,7 @@ using testing::random_counts;
 using testing::uniform_counts;
 using testing::expect_all_ok;
 using testing::expect_comm_error;
+using testing::FailBy;
 using testing::nvshmem_communicator;
 using testing::run_forked_ranks;
 using testing::small_config;
@@ -231,6 +232,23 @@ TEST(NvshmemEmulatedFailures, CloseWithOpsPendingReleasesTheUsersStream) {
     return result;
   });
   expect_all_ok(outcomes);
+}
+
+// A failed op's output is the caller's once the failure is reported. Before, receive copies
+// queued behind signal waits ran when the transport's teardown released those waits: after the
+// failure, into memory the caller may have reused.
+TEST(NvshmemEmulatedFailures, NothingWritesAFailedOpsOutputAfterItReportsTheFailure) {
+  for (FailBy how : {FailBy::kClose, FailBy::kPeerKilled}) {
+    auto outcomes = run_forked_ranks(2, [how](int rank, Bootstrap& bootstrap) -> std::string {
+      EmulatedDevice device(testing::slow_on_rank_0(rank, 16));
+      EmulatedShmem shmem(device);
+      Exchange x(testing::one_way_counts(), rank);
+      auto comm = nvshmem_communicator(bootstrap, small_config(), device, shmem);
+      return testing::failed_output_left_alone(rank, bootstrap, std::move(comm), x, how);
+    });
+    EXPECT_TRUE(outcomes[0].exit_code == 0 && outcomes[0].signal == 0) << outcomes[0].message;
+    if (how == FailBy::kClose) EXPECT_EQ(outcomes[1].exit_code, 0) << outcomes[1].message;
+  }
 }
 
 // Review defect 2: NVSHMEM 3.8 may report a successful init in a "limited MPG" run (several PEs

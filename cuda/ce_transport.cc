@@ -47,6 +47,8 @@ class CeTransport final : public HostTransport {
   bool can_send(const Transfer& t) const override;
   bool poll() override;
   void wait_for_activity(uint32_t epoch, std::chrono::microseconds timeout) override;
+  // The comm stream holds copies and counter writes only (no waits): it drains.
+  void quiesce() override;
 
  protected:
   void fill_slot(int peer, uint64_t index, SlotHeader* slot, const OpState& op, uint64_t offset, uint64_t bytes) override;
@@ -157,6 +159,15 @@ CeTransport::~CeTransport() {
   if (stream_ != 0) quietly([&] { ops_.destroy_stream(stream_); });
 }
 
+void CeTransport::quiesce() {
+  DeviceGuard guard(ops_, device_, std::nothrow);
+  try {
+    if (stream_ != 0) ops_.synchronize(stream_);
+  } catch (...) {
+    // A failed stream runs nothing more.
+  }
+}
+
 void CeTransport::post(const std::shared_ptr<OpState>& op) {
   ops_.prepare_progress_thread(device_);
   gate_.post(op);
@@ -189,8 +200,7 @@ void CeTransport::fill_slot(int peer, uint64_t index, SlotHeader*, const OpState
 bool CeTransport::sends_settled(const OpState& op) {
   auto it = send_fence_.find(op.seq);
   if (it == send_fence_.end()) return true;  // nothing sent to a peer (or settled earlier)
-  if (!gate_.event_done(it->second, "a copy of the ce transport failed")) return false;
-  gate_.give_event(it->second);
+  if (!gate_.event_done(it->second, "a copy of the ce transport failed")) return false;  // done: back in the pool
   send_fence_.erase(it);
   return true;
 }

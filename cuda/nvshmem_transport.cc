@@ -97,6 +97,7 @@ class NvshmemTransport final : public Transport {
   void wake() override;
   void abort(ErrorCode code, int culprit) override { notify_peers(nvshmem_abort_notice(code, culprit)); }
   void close() override { notify_peers(kNvshmemNoticeClosed); }
+  void quiesce() override { drain_streams(); }
 
  private:
   struct RecvPart {  // (op, src): landed and matched, or not yet
@@ -116,6 +117,12 @@ class NvshmemTransport final : public Transport {
   // completes only when every rank received all of it and found the byte counts right).
   void part_checked(const std::shared_ptr<OpState>& op, int src, int lane);
   void notify_peers(uint64_t notice);
+  // Sets every signal word of our arena to the maximum, so every wait of ours (all GE, on our
+  // own words) passes, then synchronizes every stream. Once it returns, no work of ours touches
+  // an op's buffers; the transport is unusable. Returns false if a stream failed (its work may
+  // still hold the mirrors). Never throws.
+  bool drain_streams();
+  std::vector<SteppedStream*> all_streams();
   // Queues on `s` a copy of the notices peers wrote into our arena into notice_mirror_.
   void copy_notices(Stream s);
   bool any_busy() const;
@@ -284,11 +291,8 @@ NvshmemTransport::NvshmemTransport(Bootstrap& bootstrap, const Config& config, D
 
 NvshmemTransport::~NvshmemTransport() {
   // Best effort, never throws. NVSHMEM's teardown and nvshmem_free are collective (a closing rank
-  // cannot count on its peers): the arena and NVSHMEM stay for the life of the process.
-  // Steps already queued may wait on signals a failed peer will never set; every wait of ours is
-  // on a word of our own arena (GE), so setting all of them to the maximum lets every stream run
-  // out: once this returns, no work of ours touches the ops' buffers (a failed op's output is
-  // unspecified anyway).
+  // cannot count on its peers): the arena and NVSHMEM stay for the life of the process. Steps
+  // already queued may wait on signals a failed peer will never set: drain_streams() ends them.
   DeviceGuard guard(ops_, device_, std::nothrow);
   auto quietly = [](auto&& fn) {
     try {
@@ -296,25 +300,8 @@ NvshmemTransport::~NvshmemTransport() {
     } catch (...) {
     }
   };
-  std::vector<SteppedStream*> all = {&health_};
-  for (auto* v : {&send_, &recv_, &audit_, &confirm_, &receipt_})
-    for (auto& s : *v) all.push_back(&s);
-  bool drained = true;
-  if (arena_ != nullptr && notice_stream_ != 0) {
-    quietly([&] {
-      ops_.fill_async(notice_stream_, arena_ + layout_.signals_offset(), 0xff, layout_.signal_bytes());
-      ops_.synchronize(notice_stream_);
-    });
-  }
-  for (SteppedStream* s : all) {
-    if (s->stream == 0) continue;
-    try {
-      ops_.synchronize(s->stream);
-    } catch (...) {
-      drained = false;
-    }
-  }
-  for (SteppedStream* s : all) {
+  bool drained = drain_streams();
+  for (SteppedStream* s : all_streams()) {
     if (s->stream != 0) quietly([&] { ops_.destroy_stream(s->stream); });
     for (auto& [ev, done] : s->in_flight) quietly([&, e = ev] { ops_.destroy_event(e); });
   }
@@ -325,6 +312,35 @@ NvshmemTransport::~NvshmemTransport() {
   } else {
     gate_.leak();  // a failed stream may still hold work that reads them
   }
+}
+
+std::vector<SteppedStream*> NvshmemTransport::all_streams() {
+  std::vector<SteppedStream*> all = {&health_};
+  for (auto* v : {&send_, &recv_, &audit_, &confirm_, &receipt_})
+    for (auto& s : *v) all.push_back(&s);
+  return all;
+}
+
+bool NvshmemTransport::drain_streams() {
+  DeviceGuard guard(ops_, device_, std::nothrow);
+  if (arena_ != nullptr && notice_stream_ != 0) {
+    try {
+      ops_.fill_async(notice_stream_, arena_ + layout_.signals_offset(), 0xff, layout_.signal_bytes());
+      ops_.synchronize(notice_stream_);
+    } catch (...) {
+      // Waits on a word the fill did not reach may stay: the streams below then report failure.
+    }
+  }
+  bool drained = true;
+  for (SteppedStream* s : all_streams()) {
+    if (s->stream == 0) continue;
+    try {
+      ops_.synchronize(s->stream);
+    } catch (...) {
+      drained = false;
+    }
+  }
+  return drained;
 }
 
 bool NvshmemTransport::pump(SteppedStream& s, const char* what) {

@@ -41,6 +41,10 @@ Event SubmitGate::take_event() {
 
 void SubmitGate::give_event(Event ev) {
   std::lock_guard<std::mutex> lock(mu_);
+  // An event given back twice would be handed to two users at once: one's record would complete
+  // the other's wait early (an op finished before its copies landed). Never silently.
+  if (std::find(spare_.begin(), spare_.end(), ev) != spare_.end())
+    throw Error(ErrorCode::kInternal, "a CUDA event was given back to the pool twice");
   spare_.push_back(ev);
 }
 
