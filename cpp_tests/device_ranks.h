@@ -8,6 +8,8 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <mutex>
+#include <random>
 #include <string>
 #include <thread>
 #include <vector>
@@ -45,6 +47,46 @@ inline bool drains_within(EmulatedDevice& device, Stream stream, std::chrono::mi
     std::this_thread::sleep_for(std::chrono::milliseconds(1));
   }
   return true;
+}
+
+// `ops` random AllToAllv ops (up to `max_bytes` per pair, priorities -5..20, submitted on one of
+// 4 user streams with a stream wait after some, waited on the host in another order), each
+// checked in its done callback, at the moment it completes: an op must never complete before
+// every byte of it landed (a completion flag or event that fires early), and no op's bytes may
+// land in another's output. Returns the first problem, or "".
+inline std::string every_op_complete_when_it_completes(int rank, int world, Communicator& comm, EmulatedDevice& device,
+                                                       int ops, uint64_t max_bytes, uint32_t seed) {
+  std::mt19937 rng(seed);  // the same on every rank: the same ops in the same order
+  std::vector<Stream> streams;
+  for (int i = 0; i < 4; ++i) streams.push_back(device.create_stream());
+  std::vector<std::unique_ptr<Exchange>> xs;
+  std::vector<std::shared_ptr<OpState>> pending;
+  std::mutex mu;
+  std::string problem;
+  for (int i = 0; i < ops; ++i) {
+    xs.push_back(std::make_unique<Exchange>(random_counts(world, max_bytes, seed * 1000 + i), rank, i));
+    Exchange* x = xs.back().get();
+    Stream s = streams[rng() % streams.size()];
+    int priority = static_cast<int>(rng() % 26) - 5;
+    auto op = comm.all_to_all(x->send.data(), x->recv.data(), x->layout, priority, false, s);
+    op->add_done_callback([&mu, &problem, x, rank, op = op.get()] {
+      std::string e = op->failed() ? "op " + std::to_string(op->seq) + " failed" : x->check(rank);
+      std::lock_guard<std::mutex> lock(mu);
+      if (problem.empty() && !e.empty()) problem = "at completion: " + e;
+    });
+    if (rng() % 3 == 0) comm.stream_wait(op, s);  // as Work.wait() on CUDA: later ops queue behind it
+    pending.push_back(op);
+    if (pending.size() > 24 || rng() % 8 == 0) {  // wait on a random earlier op, as a training loop would
+      size_t k = rng() % pending.size();
+      comm.wait(pending[k], std::chrono::microseconds(-1));
+      pending.erase(pending.begin() + static_cast<long>(k));
+    }
+  }
+  for (auto& op : pending) comm.wait(op, std::chrono::microseconds(-1));
+  for (Stream s : streams)
+    if (!drains_within(device, s, std::chrono::seconds(30))) return "a user stream never drained";
+  std::lock_guard<std::mutex> lock(mu);
+  return problem;
 }
 
 // How failed_output_left_alone fails rank 0's op.

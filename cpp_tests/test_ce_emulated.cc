@@ -59,6 +59,18 @@ TEST_P(CeEmulated, RandomSplitsFromZeroTo256MiBMatchTheReference) {
 
 INSTANTIATE_TEST_SUITE_P(Worlds, CeEmulated, ::testing::Values(2, 3, 4));
 
+// A soak: an op that completed before its bytes landed (as when an event served two users) or
+// took another op's bytes fails here, checked at the moment each op completes.
+TEST_P(CeEmulated, EveryOpHasAllItsBytesWhenItCompletes) {
+  const int world = GetParam();
+  auto outcomes = run_forked_ranks(world, [world](int rank, Bootstrap& bootstrap) -> std::string {
+    EmulatedDevice device(EmulatedDeviceOptions{1, 8});
+    auto comm = ce_communicator(bootstrap, small_config(), device);
+    return testing::every_op_complete_when_it_completes(rank, world, *comm, device, 300, 200 * 1024, 7);
+  });
+  expect_all_ok(outcomes);
+}
+
 // Review defect 1: the host rings had 65 536 slots (sized for headers) over a 16-slot device arena,
 // so a sender overwrote slots the receiver had not copied out: wrong bytes above ~4 MiB per peer.
 TEST(CeEmulatedFlowControl, DefaultConfigMoves64MiBPerPeerWithoutOverwritingUnreadSlots) {

@@ -57,6 +57,19 @@ TEST_P(NvshmemEmulated, RandomSplitsFromZeroTo256MiBMatchTheReference) {
   expect_all_ok(outcomes);
 }
 
+// A soak: an op that completed before its bytes landed or took another op's bytes fails here,
+// checked at the moment each op completes.
+TEST_P(NvshmemEmulated, EveryOpHasAllItsBytesWhenItCompletes) {
+  const int world = GetParam();
+  auto outcomes = run_forked_ranks(world, [world](int rank, Bootstrap& bootstrap) -> std::string {
+    EmulatedDevice device(kSmallQueue);
+    EmulatedShmem shmem(device);
+    auto comm = nvshmem_communicator(bootstrap, small_config(), device, shmem);
+    return testing::every_op_complete_when_it_completes(rank, world, *comm, device, 300, 200 * 1024, 11);
+  });
+  expect_all_ok(outcomes);
+}
+
 INSTANTIATE_TEST_SUITE_P(Pes, NvshmemEmulated, ::testing::Values(1, 2, 3));
 
 TEST(NvshmemEmulatedPriority, LaterUrgentOpOvertakesABulkOneInALowerLane) {
