@@ -2,7 +2,7 @@
 # One device-tool call's worth of ../shared/gpu-checklist.md, for a lent GPU machine (never CI):
 # builds against the machine's own torch (CUDA) and NVSHMEM wheel, then runs the list's items
 # FIRST..LAST in order, each step under its own time limit, within one call's budget.
-# Usage (device tool): bash scripts/gpu_checklist.sh [FIRST item, default 1] [LAST item, default 7]
+# Usage (device tool): CHECKLIST_COMMIT=<hash> bash scripts/gpu_checklist.sh [FIRST item, default 1] [LAST item, default 7]
 # What comes back (the tool returns at most 8 files from $OUT): summary.txt (a line per step: rc,
 # seconds, last log line; "not started" when the call's budget ran short: start there next call),
 # machine.txt, and logs.tgz (every step's log and the benchmarks' JSON, re-packed after each step,
@@ -16,7 +16,9 @@ BUDGET_S="${CHECKLIST_BUDGET_S:-570}"  # the device tool kills a call at 600 s
 LOGS=/tmp/gpu-checklist  # packed into $OUT/logs.tgz
 rm -rf "$LOGS" && mkdir -p "$LOGS"
 summary="$OUT/summary.txt"
-{ date -u; git rev-parse --short HEAD 2>/dev/null; git status --short 2>/dev/null | head -20
+# The device tool sends the working tree, maybe without .git: name the commit in CHECKLIST_COMMIT.
+{ date -u; echo "commit ${CHECKLIST_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo 'unknown (set CHECKLIST_COMMIT)')}"
+  git status --short 2>/dev/null | head -20
   nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv; python3 -VV
   python3 -c 'import torch; print("torch", torch.__version__, torch.version.cuda)'; } > "$OUT/machine.txt" 2>&1
 
