@@ -26,6 +26,16 @@ def _synchronize(device: str) -> None:
         torch.cuda.synchronize()  # hangs (the rank times out) if a failed op left the stream waiting
 
 
+def _wait(work: fc.Work, device: str) -> None:
+    """Waits for `work` as a user does and raises its CommError. CPU: wait() blocks. CUDA: the
+    first wait() only makes the current stream wait (it raises only a failure already known);
+    once the device synchronized, the op has finished on the host too, and wait() raises it."""
+    work.wait()
+    if device == "cuda":
+        torch.cuda.synchronize()
+        work.wait()
+
+
 def _exchange_works(device: str) -> bool:
     """A fresh Communicator moves one AllToAll right: a failure leaves the process usable."""
     world, rank = dist.get_world_size(), dist.get_rank()
@@ -56,8 +66,7 @@ def mismatch_by_bytes(info, device: str, cases: list[tuple[int, int]]) -> list[s
         out = torch.empty(sum(out_splits), dtype=torch.uint8, device=device)
         with fc.Communicator() as comm:
             try:
-                comm.all_to_all_single(out, x, out_splits, in_splits)
-                _synchronize(device)
+                _wait(comm.all_to_all_single(out, x, out_splits, in_splits, async_op=True), device)
                 codes.append("no error")
             except fc.CommError as e:
                 codes.append(e.code)
@@ -81,8 +90,7 @@ def killed_mid_op(info, victim: int, device: str = "cpu") -> str:
         os.kill(os.getpid(), signal.SIGKILL)
     start = time.monotonic()
     try:
-        work.wait()
-        _synchronize(device)
+        _wait(work, device)
     except fc.CommError as e:
         _synchronize(device)
         return f"{e.code} after {time.monotonic() - start:.2f}s"
