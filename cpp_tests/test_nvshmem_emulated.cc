@@ -264,6 +264,33 @@ TEST(NvshmemEmulatedFailures, NothingWritesAFailedOpsOutputAfterItReportsTheFail
   }
 }
 
+// The drain that ends a failed transport's waits (setting every signal word of ours to the
+// maximum) raced with a peer's puts: a SET landing after the fill can lower a word again, and a
+// wait still queued behind it, on a chunk that peer no longer sends, would block the drain for
+// good. A rank hung so once under TSan in CI (the killed-rank test); not reproduced on demand
+// here, this guards the scenario: rank 0's device is slow, so its receive waits are still queued
+// when it closes (the drain comes first, the notice after); rank 1 goes on sending into the
+// drain, lowering the words, and dies in the middle of it.
+TEST(NvshmemEmulatedFailures, APeersLateSignalsCannotBlockTheDrainOfAClosingRank) {
+  auto outcomes = run_forked_ranks(2, [](int rank, Bootstrap& bootstrap) -> std::string {
+    EmulatedDevice device(testing::slow_on_rank_0(rank, 16));
+    EmulatedShmem shmem(device);
+    Exchange x(testing::one_way_counts(), rank);
+    auto comm = nvshmem_communicator(bootstrap, small_config(/*timeout_ms=*/60000), device, shmem);
+    auto op = comm->all_to_all(x.send.data(), x.recv.data(), x.layout, 0, false);
+    if (rank == 1) {
+      std::this_thread::sleep_for(250ms);  // rank 0 is draining by then
+      raise(SIGKILL);
+    }
+    std::this_thread::sleep_for(150ms);
+    comm->close();  // hung here, before the fix
+    return op->failed() ? "" : "the op did not fail";
+  }, std::chrono::seconds(30));
+  EXPECT_EQ(outcomes[1].signal, SIGKILL);
+  EXPECT_FALSE(outcomes[0].timed_out) << "rank 0 hung in close()";
+  EXPECT_EQ(outcomes[0].exit_code, 0) << outcomes[0].message;
+}
+
 // Review defect 2: NVSHMEM 3.8 may report a successful init in a "limited MPG" run (several PEs
 // on one GPU without MPS) and then exit() the process at the first stream signal wait.
 TEST(NvshmemEmulatedSetup, LimitedMpgRefusesWithUnsupportedOnEveryRankInsteadOfExiting) {

@@ -33,11 +33,13 @@
 #include <cstdlib>
 #include <deque>
 #include <functional>
+#include <chrono>
 #include <map>
 #include <mutex>
 #include <optional>
 #include <sstream>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "cpp/host_layout.h"
@@ -54,6 +56,7 @@ namespace freescale {
 namespace {
 
 constexpr std::chrono::microseconds kPollWhileBusy{50};  // device progress rings no doorbell
+constexpr std::chrono::seconds kDrainLimit{30};  // drain_streams gives up (and leaks) after this
 // Steps queued on a stream beyond its completed ones. A step is at most ~6 stream operations,
 // so a stream never holds more than ~12: far below a GPU's queue, and the emulated tests' 16.
 constexpr size_t kStepsAhead = kNvshmemSlotsPerLane;
@@ -118,9 +121,11 @@ class NvshmemTransport final : public Transport {
   void part_checked(const std::shared_ptr<OpState>& op, int src, int lane);
   void notify_peers(uint64_t notice);
   // Sets every signal word of our arena to the maximum, so every wait of ours (all GE, on our
-  // own words) passes, then synchronizes every stream. Once it returns, no work of ours touches
-  // an op's buffers; the transport is unusable. Returns false if a stream failed (its work may
-  // still hold the mirrors). Never throws.
+  // own words) passes, until every stream ran out: a live peer's later SET can lower a word
+  // again before a queued wait reads it, so the fill repeats (peers send a bounded amount
+  // before they stop). Once it returns, no work of ours touches an op's buffers; the transport
+  // is unusable. Returns false if a stream failed or did not run out within kDrainLimit (its
+  // work may still hold the mirrors). Never throws.
   bool drain_streams();
   std::vector<SteppedStream*> all_streams();
   // Queues on `s` a copy of the notices peers wrote into our arena into notice_mirror_.
@@ -323,24 +328,34 @@ std::vector<SteppedStream*> NvshmemTransport::all_streams() {
 
 bool NvshmemTransport::drain_streams() {
   DeviceGuard guard(ops_, device_, std::nothrow);
-  if (arena_ != nullptr && notice_stream_ != 0) {
-    try {
-      ops_.fill_async(notice_stream_, arena_ + layout_.signals_offset(), 0xff, layout_.signal_bytes());
-      ops_.synchronize(notice_stream_);
-    } catch (...) {
-      // Waits on a word the fill did not reach may stay: the streams below then report failure.
-    }
-  }
+  std::vector<SteppedStream*> all = all_streams();
+  std::vector<bool> settled(all.size(), false);  // ran out, or failed (then drained = false)
   bool drained = true;
-  for (SteppedStream* s : all_streams()) {
-    if (s->stream == 0) continue;
-    try {
-      ops_.synchronize(s->stream);
-    } catch (...) {
-      drained = false;
+  const auto give_up = std::chrono::steady_clock::now() + kDrainLimit;
+  while (true) {
+    if (arena_ != nullptr && notice_stream_ != 0) {
+      try {
+        ops_.fill_async(notice_stream_, arena_ + layout_.signals_offset(), 0xff, layout_.signal_bytes());
+        ops_.synchronize(notice_stream_);
+      } catch (...) {
+        // Waits on a word the fill did not reach may stay: the limit below ends this then.
+      }
     }
+    bool all_settled = true;
+    for (size_t i = 0; i < all.size(); ++i) {
+      if (settled[i] || all[i]->stream == 0) continue;
+      try {
+        settled[i] = ops_.stream_idle(all[i]->stream);
+      } catch (...) {
+        settled[i] = true;  // a failed stream runs nothing more
+        drained = false;
+      }
+      all_settled = all_settled && settled[i];
+    }
+    if (all_settled) return drained;
+    if (std::chrono::steady_clock::now() > give_up) return false;
+    std::this_thread::sleep_for(kPollWhileBusy);
   }
-  return drained;
 }
 
 bool NvshmemTransport::pump(SteppedStream& s, const char* what) {
