@@ -87,6 +87,9 @@ class E2EConfig:
     modes: tuple[str, ...] = tuple(MODES)
     device: str = "cpu"  # where the dense tower computes
     collision_rate: Optional[float] = None  # share of each step's ids read at the step before; None: uniform ids
+    # What balancing plans with: None fits one to this machine's timings at the start of the run;
+    # a given model makes the plans (and so which samples move) the same on any machine or load.
+    cost_model: Optional[CostModel] = None
 
     def check(self) -> None:
         problems = []
@@ -109,6 +112,8 @@ class E2EConfig:
             problems.append(f"modes must be a non-empty subset of {list(MODES)} (got {list(self.modes)})")
         if self.collision_rate is not None and not 0 <= self.collision_rate <= 1:
             problems.append("collision_rate must be None or in [0, 1]")
+        if self.cost_model is not None and not isinstance(self.cost_model, CostModel):
+            problems.append("cost_model must be None (fit one) or a freescale_comm.planner.CostModel")
         if self.device not in ("cpu", "cuda"):
             problems.append("device must be cpu or cuda")
         elif self.device == "cuda" and not torch.cuda.is_available():
@@ -124,7 +129,7 @@ class E2EResult:
     timelines: dict[str, Timeline]  # mode -> measured steps, all ranks
     losses: dict[str, list[float]]  # mode -> global mean loss of every step (warmup included)
     computed_samples: dict[str, list[list[int]]]  # mode -> [rank][step] samples computed there
-    cost_model: CostModel  # fitted at the start of the run; balancing plans with it
+    cost_model: CostModel  # the config's, or fitted at the start of the run; balancing plans with it
 
     def reduction(self, mode: str = "freescale", baseline: str = "vanilla") -> Optional[float]:
         """Fraction of bubble ms removed by `mode` relative to `baseline` (None if either is missing)."""
@@ -377,7 +382,7 @@ def _rank_program(info: Any, cfg: E2EConfig, progress: bool) -> dict[str, Any]:
 
         bar = tqdm(total=len(cfg.modes) * (cfg.warmup + cfg.steps), desc=f"e2e {cfg.ranks} ranks", unit="step",
                    leave=False)
-    cost_model = calibrate(cfg, torch.device(cfg.device))
+    cost_model = cfg.cost_model if cfg.cost_model is not None else calibrate(cfg, torch.device(cfg.device))
     out: dict[str, Any] = {"cost_model": cost_model}
     for name in cfg.modes:
         if bar is not None:
