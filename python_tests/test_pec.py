@@ -8,8 +8,8 @@ import torch
 import pec_programs
 from freescale_comm import pec
 from freescale_comm.bench import e2e, pec_sweep, workloads
-from freescale_comm.planner import CostModel
 from freescale_comm.testing import spawn
+from test_e2e import SMALL
 
 
 # -- sharding -------------------------------------------------------------------------------------
@@ -116,11 +116,7 @@ def test_constructor_checks_arguments_before_any_communication():
         pec.PrioritizedEmbedding("rows", torch.zeros(4, 2), lr=0.1)
 
 
-# -- e2e modes and the sweep ------------------------------------------------------------------------
-# A fixed, quadratic cost model: whether balance_pec moves samples must not hang on this
-# machine's timings (as in test_e2e.py).
-SMALL = dict(ranks=2, steps=3, warmup=0, samples=4, length_scale=1 / 64, dim=32, rows_per_rank=1024, groups=2,
-             cost_model=CostModel(quadratic=1.0, linear=0.0, constant=0.0))
+# -- e2e modes and the sweep (on test_e2e's small config, fixed cost model included) ---------------
 
 
 def test_pec_modes_train_like_vanilla():
