@@ -199,6 +199,8 @@ def _refused_cases(rank: int) -> dict[str, tuple]:
         "dtypes_differ": ("dtype", (torch.zeros(4, dtype=torch.float64), torch.arange(4.0), [2, 2], [2, 2])),
         "split_sum_is_not_dim0": ("output_split_sizes", (torch.zeros(3), torch.arange(4.0), [2, 2], [2, 2])),
         "scalar_with_splits": ("dimension", (torch.tensor(-1.0), torch.tensor(1.0 + rank), [1, 0], [1, 0])),
+        # Issue 28: 16 bytes to itself, 12 expected from itself (gloo: an enforce in alltoallv.cc).
+        "self_block_bytes_differ": ("sends itself", (torch.empty(2, 3), torch.zeros(2, 4), [1, 1], [1, 1])),
     }
 
 
@@ -241,7 +243,7 @@ def pair_bytes_disagree_across_row_shapes(info) -> str:
     if rank == 0:
         out, inp, out_splits, in_splits = torch.zeros(2, 3), torch.ones(4, 3), [2, 0], [2, 2]
     else:
-        out, inp, out_splits, in_splits = torch.zeros(4, 2), torch.ones(0, 3), [2, 2], [0, 0]
+        out, inp, out_splits, in_splits = torch.zeros(2, 2), torch.ones(0, 3), [2, 0], [0, 0]
     try:
         dist.all_to_all_single(out, inp, out_splits, in_splits)
     except fc.CommError as e:

@@ -112,6 +112,47 @@ def bad_inputs_raise_before_communicating(info) -> list[str]:
     return messages
 
 
+def self_block_refused_locally(info) -> list[str]:
+    """Issue 28: a rank's block to itself that differs in bytes from what it expects from itself
+    (16 bytes sent, 12 expected) raises ValueError on every rank before any communication, through
+    fc.Communicator and through a freescale group (all_to_all_single and the list form); then a
+    correct op on the same communicator / group matches gloo. Returns the messages."""
+    world, rank = info.world_size, info.rank
+    fs = dist.new_group(backend="freescale")
+    comm = fc.Communicator()
+    out, inp, splits = torch.empty(world, 3), torch.zeros(world, 4), [1] * world
+    calls = {
+        "communicator": lambda: comm.all_to_all_single(out, inp, splits, splits),
+        "communicator_async": lambda: comm.all_to_all_single(out, inp, splits, splits, async_op=True),
+        "backend_single": lambda: dist.all_to_all_single(out, inp, splits, splits, group=fs),
+        "backend_list": lambda: dist.all_to_all([torch.empty(3) for _ in range(world)],
+                                                [torch.zeros(4) for _ in range(world)], group=fs),
+    }
+    messages = []
+    for name, call in calls.items():
+        try:
+            call()
+        except ValueError as e:
+            for needle in (f"rank {rank} sends itself 16 bytes", "expects 12 bytes", "input_split_sizes",
+                           "output_split_sizes"):
+                assert needle in str(e), f"{name}: {needle!r} not in {e}"
+            messages.append(str(e))
+        else:
+            raise AssertionError(f"{name}: a self block of 16 bytes where 12 are expected was accepted")
+    # Nothing moved: correct ops on the same communicator and group match gloo.
+    x = torch.arange(world * 3, dtype=torch.float32).view(world, 3) + 100 * rank
+    ref, ours, via_group = torch.empty(world, 3), torch.empty(world, 3), torch.empty(world, 3)
+    dist.all_to_all_single(ref, x)
+    comm.all_to_all_single(ours, x)
+    dist.all_to_all_single(via_group, x, group=fs)
+    assert torch.equal(ours, ref) and torch.equal(via_group, ref), (ours, via_group, ref)
+    outs = [torch.empty(3) for _ in range(world)]
+    dist.all_to_all(outs, list(x.unbind(0)), group=fs)
+    assert torch.equal(torch.stack(outs), ref)
+    comm.close()
+    return messages
+
+
 def disagreeing_splits(info) -> str:
     """Rank 1 expects fewer rows from rank 0 than rank 0 sends: CommError on every rank."""
     comm = fc.Communicator()

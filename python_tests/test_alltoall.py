@@ -7,6 +7,7 @@ from rank_programs import (
     alltoall_matches_gloo,
     bad_inputs_raise_before_communicating,
     in_place_and_lazy_views_as_gloo,
+    self_block_refused_locally,
     wait_releases_the_gil,
 )
 
@@ -20,6 +21,12 @@ def test_random_uneven_splits_match_gloo(world):
 def test_bad_input_raises_before_any_communication():
     messages = spawn(bad_inputs_raise_before_communicating, 2)
     assert len(messages[0]) == 12  # one per bad call in rank_programs.bad_inputs_raise_before_communicating
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_a_self_block_that_differs_in_bytes_is_refused_locally_and_the_communicator_stays_usable(world):
+    messages = spawn(self_block_refused_locally, world)
+    assert all(len(m) == 4 for m in messages), messages
 
 
 def test_blocking_wait_releases_the_gil():

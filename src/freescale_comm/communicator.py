@@ -110,6 +110,22 @@ def _split_sizes(splits: SplitSizes, dim0: int, world: int, name: str, tensor_na
     return sizes
 
 
+def _check_self_block(rank: int, in_splits: list[int], row_bytes_in: int, input: torch.Tensor,
+                      out_splits: list[int], row_bytes_out: int, output: torch.Tensor) -> None:
+    """What `rank` sends itself must equal, in bytes, what it expects from itself: known
+    locally, so refused before any communication (as gloo's alltoallv does), leaving the
+    communicator usable. Rows of other shapes with the same bytes (TorchRec's [0, D]) pass."""
+    sent, expected = in_splits[rank] * row_bytes_in, out_splits[rank] * row_bytes_out
+    if sent != expected:
+        raise ValueError(
+            f"rank {rank} sends itself {sent} bytes (input_split_sizes[{rank}] = {in_splits[rank]} rows of "
+            f"{row_bytes_in} bytes, input shape {tuple(input.shape)}) but expects {expected} bytes from itself "
+            f"(output_split_sizes[{rank}] = {out_splits[rank]} rows of {row_bytes_out} bytes, output shape "
+            f"{tuple(output.shape)}); each block must match in bytes what its receiver expects: fix the splits or "
+            "the row shapes"
+        )
+
+
 class Communicator:
     """Moves tensors between the ranks of `group` (default: WORLD) on freescale's own transports.
 
@@ -185,7 +201,7 @@ class Communicator:
         `output` at the offset given by `output_split_sizes`. Any dtype; as with gloo, input and
         output rows may differ in shape (e.g. a `[0, D]` input and a flat output, as TorchRec
         sends): what each pair of ranks exchanges must agree in bytes, else CommError
-        (SIZE_MISMATCH) on every rank. `input` may be non-contiguous, `output` must be contiguous
+        (SIZE_MISMATCH) on every rank; a rank's block to itself is checked locally (ValueError). `input` may be non-contiguous, `output` must be contiguous
         (gloo would write a non-contiguous one as if it were contiguous). Returns a Work, already
         completed unless `async_op`. Bad arguments raise ValueError/TypeError before any
         communication; failures between ranks raise CommError on every rank."""
@@ -217,6 +233,7 @@ class Communicator:
         world = self.world_size
         in_splits = _split_sizes(input_split_sizes, input.shape[0], world, "input_split_sizes", "input")
         out_splits = _split_sizes(output_split_sizes, output.shape[0], world, "output_split_sizes", "output")
+        _check_self_block(self.rank, in_splits, row_bytes_in, input, out_splits, row_bytes_out, output)
         if output.is_conj() or output.is_neg():
             raise ValueError("output is a lazy conjugate (or negated) view, whose memory holds other values than it "
                              "shows: receive into a plain tensor and conjugate that (gloo refuses such views too)")
