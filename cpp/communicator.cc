@@ -83,10 +83,11 @@ std::shared_ptr<OpState> Communicator::all_to_all(const uint8_t* send, uint8_t* 
       bool closed = closed_;
       ErrorCode code = broken_code_;
       std::string why = broken_message_;
+      int culprit = broken_culprit_;
       lock.unlock();
       transport_->discard_submission(mark);
       if (closed) throw Error(ErrorCode::kInvalidUsage, "all_to_all on a closed communicator");
-      throw CommError(code, "the communicator failed earlier and cannot run more ops: " + why);
+      throw CommError(code, "the communicator failed earlier and cannot run more ops: " + why, culprit);
     }
     auto deadline = Clock::now() + capped_timeout_ms(config_.timeout_ms);
     op = std::make_shared<OpState>(next_seq_, priority, send, recv, std::move(layout), deadline);
@@ -249,6 +250,7 @@ void Communicator::fail_all(ErrorCode code, const std::string& message, int culp
       broken_ = true;
       broken_code_ = code;
       broken_message_ = message;
+      broken_culprit_ = culprit;
     }
     leftover.swap(submissions_);
   }
@@ -258,7 +260,7 @@ void Communicator::fail_all(ErrorCode code, const std::string& message, int culp
   for (auto& op : waiting_) active_.push_back(op);
   for (auto& op : leftover) active_.push_back(op);
   waiting_.clear();
-  for (auto& op : active_) op->fail(code, message);
+  for (auto& op : active_) op->fail(code, message, culprit);
   active_.clear();
 }
 

@@ -98,6 +98,7 @@ class Communicator {
   bool broken_ = false;
   ErrorCode broken_code_ = ErrorCode::kCommError;
   std::string broken_message_;
+  int broken_culprit_ = -1;
 
   ProgressLock progress_mu_;          // held by the thread running progress rounds
   std::atomic<int> drivers_{0};       // threads in wait() that want progress_mu_

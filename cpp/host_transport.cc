@@ -7,8 +7,8 @@
 #include <new>
 #include <sstream>
 
-#include "cpp/peer_abort.h"
 #include "cpp/peer_liveness.h"
+#include "cpp/root_cause.h"
 
 namespace freescale {
 namespace {
@@ -293,35 +293,29 @@ bool HostTransport::poll() {
 }
 
 void HostTransport::check_peers() {
-  // A peer that died or left is the root cause; look for it before blaming a peer's abort
-  // (which is often that peer's reaction to the same death). Aborts are read first: a death that
-  // caused one happened before it, so the scan below sees that death too.
-  int aborted = -1;
-  for (int p = 0; p < world_ && aborted < 0; ++p) {
-    if (p != rank_ && peers_[p].control()->state.load(std::memory_order_acquire) == kRankAborted) aborted = p;
-  }
+  // Liveness first, notices second (root_cause.h): a peer seen dead has its notice in view.
+  std::vector<PeerSight> sight(static_cast<size_t>(world_));
+  for (int p = 0; p < world_; ++p) sight[p].died = p != rank_ && !process_alive(peers_[p].process);
   for (int p = 0; p < world_; ++p) {
     if (p == rank_) continue;
-    bool closed = peers_[p].control()->state.load(std::memory_order_acquire) == kRankClosed;
-    bool died = !process_alive(peers_[p].process);
-    if (!closed && !died) continue;
-    drain_from(p);  // what it sent before leaving is still valid
-    confirm_received();
-    forget_completed();
-    for (const auto& [seq, op] : posted_) {
-      if (op->needs_peer(p) || aborted >= 0) {
-        throw CommError(died ? ErrorCode::kPeerDied : ErrorCode::kCommError,
-                        "rank " + std::to_string(p) + " (pid " + std::to_string(peers_[p].process.pid) + ") " +
-                            (died ? "died" : "closed its communicator") + " while op #" + std::to_string(seq) +
-                            " was pending",
-                        p);
-      }
+    const RankControl* control = peers_[p].control();
+    const uint32_t state = control->state.load(std::memory_order_acquire);
+    sight[p].closed = state == kRankClosed;
+    sight[p].aborted = state == kRankAborted;
+    if (sight[p].aborted) {
+      sight[p].code = static_cast<ErrorCode>(control->abort_code.load());
+      sight[p].culprit = control->abort_culprit.load();
+    }
+    if (sight[p].died || sight[p].closed) {
+      drain_from(p);  // what it sent before leaving is still valid
+      confirm_received();
+      forget_completed();
     }
   }
-  if (aborted < 0) return;
-  const RankControl* control = peers_[aborted].control();
-  throw_peer_abort(aborted, static_cast<ErrorCode>(control->abort_code.load()), control->abort_culprit.load(), rank_,
-                   [this](int r) { return peers_[r].process.pid; });
+  for (const auto& [seq, op] : posted_) {
+    for (int p = 0; p < world_; ++p) sight[p].needed |= op->needs_peer(p);
+  }
+  throw_root_cause(find_root_cause(sight, rank_), rank_, [this](int r) { return peers_[r].process.pid; });
 }
 
 uint32_t HostTransport::activity_epoch() const {

@@ -24,12 +24,13 @@ void OpState::part_done() {
   if (parts_left_ < 0) throw Error(ErrorCode::kInternal, "op seq " + std::to_string(seq) + " finished a part twice");
 }
 
-void OpState::fail(ErrorCode code, const std::string& message) {
+void OpState::fail(ErrorCode code, const std::string& message, int culprit) {
   {
     std::lock_guard<std::mutex> lock(mu_);
     if (state_.load() != kPending) return;
     error_code_ = code;
     error_message_ = message;
+    error_culprit_ = culprit;
   }
   finish(kFailed);
 }
@@ -69,7 +70,7 @@ bool OpState::wait(std::chrono::microseconds timeout) {
 void OpState::rethrow_if_failed() const {
   if (!failed()) return;
   std::lock_guard<std::mutex> lock(mu_);
-  throw CommError(error_code_, error_message_);
+  throw CommError(error_code_, error_message_, error_culprit_);
 }
 
 void OpState::add_done_callback(std::function<void()> fn) {

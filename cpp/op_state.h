@@ -50,7 +50,8 @@ class OpState {
   // One part (a send or a receive with one peer) finished; the last one completes the op.
   void part_done();
   // Fails the op (first error wins); a completed op stays completed.
-  void fail(ErrorCode code, const std::string& message);
+  // culprit: the rank at the root of the failure (-1 unknown), carried by the rethrown CommError.
+  void fail(ErrorCode code, const std::string& message, int culprit = -1);
 
   bool is_completed() const { return state_.load(std::memory_order_acquire) != kPending; }
   bool failed() const { return state_.load(std::memory_order_acquire) == kFailed; }
@@ -77,6 +78,7 @@ class OpState {
   std::condition_variable cv_;
   ErrorCode error_code_ = ErrorCode::kCommError;
   std::string error_message_;
+  int error_culprit_ = -1;
   std::vector<std::function<void()>> callbacks_;
 };
 

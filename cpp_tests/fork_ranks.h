@@ -39,6 +39,10 @@ using RankFn = std::function<std::string(int rank, Bootstrap& bootstrap)>;
 std::vector<RankOutcome> run_forked_ranks(int world, const RankFn& fn,
                                           std::chrono::seconds timeout = std::chrono::seconds(60));
 
+// In a rank function: reports `message` as its result ("" = success) and leaves the process at
+// once, as a training script that dies on an exception does (no destructors, no close()).
+[[noreturn]] void exit_rank_now(const std::string& message);
+
 // Names in /dev/shm of segments these ranks created ("freescale-<pid>-..."): other tests may
 // run beside this one.
 std::vector<std::string> leftover_segments(const std::vector<RankOutcome>& ranks);

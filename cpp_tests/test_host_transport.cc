@@ -5,6 +5,7 @@
 #include <unistd.h>
 
 #include <atomic>
+#include <functional>
 #include <optional>
 #include <random>
 #include <thread>
@@ -18,10 +19,12 @@ namespace {
 
 using testing::Exchange;
 using testing::expect_all_ok;
+using testing::exit_rank_now;
 using testing::expect_comm_error;
 using testing::RankOutcome;
 using testing::run_forked_ranks;
 using testing::small_config;
+using testing::uniform_counts;
 
 class HostAllToAll : public ::testing::TestWithParam<int> {};
 
@@ -186,6 +189,77 @@ TEST(HostTransport, KilledPeerFailsEverySurvivorWithPeerDied) {
     EXPECT_EQ(outcomes[r].exit_code, 0) << "rank " << r << ": " << outcomes[r].message;
   }
   EXPECT_TRUE(testing::leftover_segments(outcomes).empty());
+}
+
+// Issue 28: each rank leaves the process at once after its error (as a training script that
+// dies on an exception). The rank that fails first told its peers why before it could exit; a
+// survivor that sees it dead must name that cause, not the death. A race: repeated.
+constexpr int kExitAtOnceRounds = 25;
+
+// What rank `rank` must raise; "" if `e` is it.
+using CauseCheck = std::function<std::string(int rank, const CommError& e)>;
+
+void expect_every_survivor_names(const std::vector<RankOutcome>& outcomes, int round, int killed = -1) {
+  for (int r = 0; r < static_cast<int>(outcomes.size()); ++r) {
+    if (r == killed) {
+      EXPECT_EQ(outcomes[r].signal, SIGKILL) << "round " << round;
+      continue;
+    }
+    EXPECT_FALSE(outcomes[r].timed_out) << "round " << round << ", rank " << r;
+    EXPECT_EQ(outcomes[r].exit_code, 0) << "round " << round << ", rank " << r << ": " << outcomes[r].message;
+  }
+  EXPECT_TRUE(testing::leftover_segments(outcomes).empty());
+}
+
+std::string fail_op_then_exit(int rank, Bootstrap& bootstrap, const std::vector<std::vector<uint64_t>>& counts,
+                              int victim, const CauseCheck& check) {
+  Communicator comm(bootstrap, small_config(/*timeout_ms=*/30000));
+  Exchange x(counts, rank);
+  auto op = comm.all_to_all(x.send.data(), x.recv.data(), x.layout, 0, true);
+  if (rank == victim) raise(SIGKILL);
+  try {
+    comm.wait(op, std::chrono::microseconds(-1));
+  } catch (const CommError& e) {
+    exit_rank_now(check(rank, e));
+  }
+  exit_rank_now("no CommError");
+}
+
+TEST(HostTransportRootCause, EverySurvivorNamesTheMismatchWhenTheRankThatSawItExitsAtOnce) {
+  // Rank 0 sends rank 1 200 bytes; rank 1 expects 300 ("3 rows, 2 sent").
+  auto counts = uniform_counts(4, 100);
+  counts[0][1] = 200;
+  auto check = [](int rank, const CommError& e) -> std::string {
+    const std::string what = e.what();
+    if (rank == 1) return e.code() == ErrorCode::kSizeMismatch ? "" : "rank 1 did not see the mismatch: " + what;
+    bool named = e.code() == ErrorCode::kPeerAborted && what.find("rank 1 aborted") != std::string::npos &&
+                 what.find("SIZE_MISMATCH, caused by rank 0") != std::string::npos && e.culprit() == 0;
+    return named ? "" : "wrong root cause: " + what;
+  };
+  for (int round = 0; round < kExitAtOnceRounds; ++round) {
+    auto outcomes = run_forked_ranks(4, [&](int rank, Bootstrap& bootstrap) -> std::string {
+      auto mine = counts;
+      if (rank == 1) mine[0][1] = 300;
+      return fail_op_then_exit(rank, bootstrap, mine, -1, check);
+    });
+    expect_every_survivor_names(outcomes, round);
+    if (::testing::Test::HasFailure()) break;
+  }
+}
+
+TEST(HostTransportRootCause, EverySurvivorNamesAKilledRankWhenTheRankThatSawItExitsAtOnce) {
+  auto check = [](int, const CommError& e) -> std::string {
+    const std::string what = e.what();
+    bool named = e.code() == ErrorCode::kPeerDied && what.find("rank 3 ") != std::string::npos && e.culprit() == 3;
+    return named ? "" : "wrong root cause: " + what;
+  };
+  for (int round = 0; round < kExitAtOnceRounds; ++round) {
+    auto outcomes = run_forked_ranks(4, [&](int rank, Bootstrap& bootstrap) -> std::string {
+      return fail_op_then_exit(rank, bootstrap, uniform_counts(4, 1 << 20), /*victim=*/3, check);
+    });
+    expect_every_survivor_names(outcomes, round, /*killed=*/3);
+    if (::testing::Test::HasFailure()) break;
+  }
 }
 
 TEST(HostTransport, PeerThatNeverJoinsTimesOut) {

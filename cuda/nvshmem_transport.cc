@@ -46,8 +46,8 @@
 #include "cpp/layout.h"
 #include "cpp/nvshmem_layout.h"
 #include "cpp/op_state.h"
-#include "cpp/peer_abort.h"
 #include "cpp/peer_liveness.h"
+#include "cpp/root_cause.h"
 #include "cpp/transfer.h"
 #include "cuda/device_util.h"
 #include "cuda/submit_gate.h"
@@ -527,13 +527,15 @@ bool NvshmemTransport::poll() {
 }
 
 void NvshmemTransport::check_peers() {
-  // A peer on this host that died while an op needs it; its notice, if it left one, names the
-  // root cause (e.g. it detected a split mismatch and exited): read the notices now, then.
+  // Peers on this host that died; when one is needed by an op, its notice, if it left one,
+  // names the root cause (e.g. it detected a split mismatch and exited): read the notices afresh.
+  std::vector<bool> died(static_cast<size_t>(world_), false);
   int dead = -1;
-  for (int p = 0; p < world_ && dead < 0; ++p) {
+  for (int p = 0; p < world_; ++p) {
     if (p == rank_ || procs_[p].pid < 0 || process_alive(procs_[p])) continue;
+    died[p] = true;
     for (const auto& [seq, op] : started_) {
-      if (!op->is_completed() && op->needs_peer(p)) dead = p;
+      if (dead < 0 && !op->is_completed() && op->needs_peer(p)) dead = p;
     }
   }
   // The notices peers wrote into our arena: one asynchronous copy in flight at a time.
@@ -546,34 +548,21 @@ void NvshmemTransport::check_peers() {
     copy_notices(health_.stream);
     ops_.synchronize(health_.stream);
   }
-  std::vector<uint64_t> notices(static_cast<size_t>(world_));
-  for (int p = 0; p < world_; ++p) notices[p] = read_mapped_word(notice_mirror_ + p);
-  auto aborted = [&](int p) { return p != rank_ && notices[p] >= kNvshmemNoticeAbortBase; };
-  auto throw_abort_of = [&](int p) {
-    throw_peer_abort(p, nvshmem_notice_code(notices[p]), nvshmem_notice_culprit(notices[p]), rank_,
-                     [this](int r) { return procs_[r].pid; });
-  };
-  // Root cause: a dead peer's own notice (it failed, told us, and exited), else its death, else
-  // any peer's abort (which may be its reaction to that same death).
-  if (dead >= 0 && aborted(dead)) throw_abort_of(dead);
-  if (dead >= 0) {
-    throw CommError(ErrorCode::kPeerDied, "rank " + std::to_string(dead) + " (pid " + std::to_string(procs_[dead].pid) +
-                                              ") died while an op that needs it was pending",
-                    dead);
-  }
+  // Liveness was read first, the notices now: a dead peer's notice is in view (root_cause.h).
+  std::vector<PeerSight> sight(static_cast<size_t>(world_));
   for (int p = 0; p < world_; ++p) {
-    if (aborted(p)) throw_abort_of(p);
-  }
-  for (int p = 0; p < world_; ++p) {
-    if (p == rank_ || notices[p] != kNvshmemNoticeClosed) continue;
-    for (const auto& [seq, op] : started_) {
-      if (!op->is_completed() && op->needs_peer(p)) {
-        throw CommError(ErrorCode::kCommError, "rank " + std::to_string(p) + " closed its communicator while op #" +
-                                                   std::to_string(seq) + " was pending",
-                        p);
-      }
+    if (p == rank_) continue;
+    const uint64_t notice = read_mapped_word(notice_mirror_ + p);
+    sight[p].died = died[p];
+    sight[p].closed = notice == kNvshmemNoticeClosed;
+    sight[p].aborted = notice >= kNvshmemNoticeAbortBase;
+    if (sight[p].aborted) {
+      sight[p].code = nvshmem_notice_code(notice);
+      sight[p].culprit = nvshmem_notice_culprit(notice);
     }
+    for (const auto& [seq, op] : started_) sight[p].needed |= !op->is_completed() && op->needs_peer(p);
   }
+  throw_root_cause(find_root_cause(sight, rank_), rank_, [this](int r) { return procs_[r].pid; });
 }
 
 void NvshmemTransport::copy_notices(Stream s) {

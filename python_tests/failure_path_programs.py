@@ -150,3 +150,61 @@ def ops_on_many_streams(info, streams: int) -> int:
         wrong += int((out != want).sum())
     comm.close()
     return wrong
+
+
+def _exit_at_once_round(info, scenario: str, round_: int, report_fd: int) -> None:
+    """In a forked child of a rank: a fresh Communicator (its own store keys), one AllToAll that
+    fails as `scenario` says, the CommError's code, culprit and message written to `report_fd`,
+    then os._exit(0) at once, as a training script that dies on an exception does."""
+    import datetime
+    import json
+
+    from freescale_comm._bootstrap import StoreBootstrap
+
+    world, rank = info.world_size, info.rank
+    store = dist.TCPStore(info.master_addr, info.master_port, world, is_master=False,
+                          timeout=datetime.timedelta(seconds=60))
+    bootstrap = StoreBootstrap(dist.PrefixStore(f"exit-at-once/{scenario}/{round_}/", store), rank, world)
+    comm = fc.Communicator._over(bootstrap, datetime.timedelta(seconds=30))
+    in_splits, out_splits = [2] * world, [2] * world
+    if scenario == "mismatch" and rank == 1:
+        out_splits[0] = 3  # rank 0 sends 2 rows
+    rows = 1 if scenario == "mismatch" else MiB // 4
+    x = torch.ones(sum(in_splits), rows)
+    out = torch.empty(sum(out_splits), rows)
+    work = comm.all_to_all_single(out, x, out_splits, in_splits, async_op=True)
+    if scenario == "killed" and rank == 3:
+        os.kill(os.getpid(), signal.SIGKILL)
+    try:
+        work.wait()
+        report = {"code": "no error"}
+    except fc.CommError as e:
+        report = {"code": e.code, "culprit": e.culprit, "message": str(e)}
+    os.write(report_fd, json.dumps(report).encode())
+    os._exit(0)
+
+
+def exit_at_once_rounds(info, scenario: str, rounds: int) -> list[dict]:
+    """Issue 28, `rounds` times: each rank forks a child that runs _exit_at_once_round (scenario
+    "mismatch": rank 1 expects 3 rows from rank 0, which sends 2; "killed": rank 3 SIGKILLs
+    itself mid-op), and collects what it raised ({"code": "killed"} for a child killed by a
+    signal). Forking keeps a round cheap (no new interpreter). Returns one report per round."""
+    import json
+
+    reports = []
+    for round_ in range(rounds):
+        read_fd, write_fd = os.pipe()
+        pid = os.fork()
+        if pid == 0:
+            try:
+                os.close(read_fd)
+                _exit_at_once_round(info, scenario, round_, write_fd)
+            finally:
+                os._exit(1)
+        os.close(write_fd)
+        with os.fdopen(read_fd, "rb") as f:
+            blob = f.read()
+        _, status = os.waitpid(pid, 0)
+        reports.append(json.loads(blob) if blob else {"code": "killed" if os.WIFSIGNALED(status) else "no report"})
+        dist.barrier()  # every rank's child is gone before the next round starts
+    return reports

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from freescale_comm.testing import run_ranks
-from failure_path_programs import close_with_ops_pending, killed_mid_op, mismatch_by_bytes
+from failure_path_programs import close_with_ops_pending, exit_at_once_rounds, killed_mid_op, mismatch_by_bytes
 from rank_programs import (
     disagreeing_splits,
     huge_timeouts_mean_no_timeout,
@@ -71,6 +71,36 @@ def test_close_with_ops_pending_fails_them_and_releases_the_stream(device):
     assert all(r.error is None for r in results), [r.error for r in results]
     assert results[0].value == {"codes": ["COMM_ERROR"], "fresh works": True}
     assert results[1].value == {"codes": [], "fresh works": True}
+
+
+EXIT_AT_ONCE_ROUNDS = 20
+
+
+@pytest.mark.timeout(240)
+def test_every_survivor_names_the_mismatch_when_the_rank_that_saw_it_exits_at_once():
+    """Issue 28: rank 1 expects 3 rows from rank 0, which sends 2; each rank leaves with
+    os._exit(0) right after its error. Survivors that saw rank 1 dead used to name its death."""
+    results = run_ranks(exit_at_once_rounds, 4, "mismatch", EXIT_AT_ONCE_ROUNDS, timeout_s=200)
+    assert all(r.error is None for r in results), [r.error for r in results]
+    for round_, reports in enumerate(zip(*(r.value for r in results))):
+        assert reports[1]["code"] == "SIZE_MISMATCH", (round_, reports[1])
+        for rank in (0, 2, 3):
+            r = reports[rank]
+            assert r["code"] == "PEER_ABORTED" and r["culprit"] == 0, (round_, rank, r)
+            assert "rank 1 aborted the communicator (SIZE_MISMATCH, caused by rank 0)" in r["message"], (round_, rank, r)
+
+
+@pytest.mark.timeout(240)
+def test_every_survivor_names_a_killed_rank_when_the_rank_that_saw_it_exits_at_once():
+    """Issue 28: rank 3 is SIGKILLed mid-op; each survivor leaves with os._exit(0) right after
+    its error. Survivors that saw the first of them dead used to name that rank."""
+    results = run_ranks(exit_at_once_rounds, 4, "killed", EXIT_AT_ONCE_ROUNDS, timeout_s=200)
+    assert all(r.error is None for r in results), [r.error for r in results]
+    for round_, reports in enumerate(zip(*(r.value for r in results))):
+        assert reports[3] == {"code": "killed"}, (round_, reports[3])
+        for rank in (0, 1, 2):
+            r = reports[rank]
+            assert r["code"] == "PEER_DIED" and r["culprit"] == 3 and "rank 3 " in r["message"], (round_, rank, r)
 
 
 @pytest.mark.timeout(120)

@@ -1,6 +1,7 @@
 // Maps the C++ error hierarchy to Python: InvalidArgument -> ValueError; collective failures ->
 // CommError(RuntimeError); misuse / unsupported / internal -> their own RuntimeError subclasses.
-// Every raised exception carries `.code`, the ErrorCode name (e.g. "PEER_DIED").
+// Every raised exception carries `.code`, the ErrorCode name (e.g. "PEER_DIED"), and `.culprit`,
+// the rank at the root of a collective failure (the one that died or disagreed), or None.
 #include <pybind11/pybind11.h>
 
 #include "cpp/bindings/bindings.h"
@@ -25,9 +26,10 @@ PyObject* python_class_for(ErrorCode code) {
   return g_internal;
 }
 
-void raise_with_code(PyObject* cls, const char* message, const char* code) {
+void raise_with_code(PyObject* cls, const char* message, const char* code, int culprit) {
   py::object instance = py::reinterpret_borrow<py::object>(cls)(message);
   instance.attr("code") = code;
+  instance.attr("culprit") = culprit >= 0 ? py::object(py::int_(culprit)) : py::none();
   PyErr_SetObject(cls, instance.ptr());
 }
 
@@ -73,7 +75,7 @@ void register_errors(py::module_& m) {
     try {
       if (p) std::rethrow_exception(p);
     } catch (const Error& e) {
-      raise_with_code(python_class_for(e.code()), e.what(), error_code_name(e.code()));
+      raise_with_code(python_class_for(e.code()), e.what(), error_code_name(e.code()), e.culprit());
     }
   });
 

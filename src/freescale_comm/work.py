@@ -56,7 +56,7 @@ class Work:
             return True
         if not self._comm.wait(self._handle, _timeout_seconds(timeout)):
             err = _core.CommError(f"all_to_all op #{self.seq} did not complete within {timeout} (the op is still pending)")
-            err.code = "TIMEOUT"
+            err.code, err.culprit = "TIMEOUT", None
             raise err
         self._keepalive = None
         return True

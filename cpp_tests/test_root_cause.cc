@@ -1,0 +1,134 @@
+// Choosing the root cause from what a survivor sees (pure logic; the forked races are in
+// test_host_transport.cc, HostTransportRootCause).
+#include <gtest/gtest.h>
+
+#include <string>
+#include <vector>
+
+#include "cpp/root_cause.h"
+
+namespace freescale {
+namespace {
+
+using Kind = RootCause::Kind;
+
+PeerSight notice(ErrorCode code, int culprit, bool died = false) {
+  PeerSight s;
+  s.aborted = true;
+  s.code = code;
+  s.culprit = culprit;
+  s.died = died;
+  return s;
+}
+
+PeerSight dead(bool needed = true) {
+  PeerSight s;
+  s.died = true;
+  s.needed = needed;
+  return s;
+}
+
+std::string message_of(const RootCause& cause, int me) {
+  try {
+    throw_root_cause(cause, me, [](int r) { return 1000 + r; });
+  } catch (const CommError& e) {
+    return std::string(error_code_name(e.code())) + " culprit " + std::to_string(e.culprit()) + ": " + e.message();
+  }
+  return "nothing thrown";
+}
+
+TEST(RootCause, NothingWrongIsNoCause) {
+  std::vector<PeerSight> peers(4);
+  peers[2].needed = true;
+  EXPECT_EQ(find_root_cause(peers, 0).kind, Kind::kNone);
+  EXPECT_EQ(message_of(find_root_cause(peers, 0), 0), "nothing thrown");
+}
+
+TEST(RootCause, ADeadPeersOwnNoticeWinsOverItsDeath) {
+  // Rank 1 saw rank 0 send too many bytes, told every rank, and exited.
+  std::vector<PeerSight> peers(4);
+  peers[1] = notice(ErrorCode::kSizeMismatch, 0, /*died=*/true);
+  peers[1].needed = true;
+  RootCause c = find_root_cause(peers, 3);
+  EXPECT_EQ(c.kind, Kind::kNotice);
+  EXPECT_EQ(c.rank, 1);
+  EXPECT_EQ(message_of(c, 3),
+            "PEER_ABORTED culprit 0: rank 1 aborted the communicator (SIZE_MISMATCH, caused by rank 0), so rank 3 fails too");
+}
+
+TEST(RootCause, ANoticeOfADeathIsFollowedToTheRankThatDied) {
+  // Rank 3 was killed; rank 1 saw it, told every rank, and exited.
+  std::vector<PeerSight> peers(4);
+  peers[1] = notice(ErrorCode::kPeerDied, 3, /*died=*/true);
+  peers[3] = dead(/*needed=*/false);
+  RootCause c = find_root_cause(peers, 0);
+  EXPECT_EQ(c.kind, Kind::kDeath);
+  EXPECT_EQ(c.rank, 3);
+  EXPECT_EQ(message_of(c, 0), "PEER_DIED culprit 3: rank 3 (pid 1003) died while an op that needs it was pending "
+                              "(rank 1 saw it first)");
+  // Also when the survivor cannot watch rank 3 (another host): the notice is trusted.
+  peers[3] = PeerSight{};
+  EXPECT_EQ(find_root_cause(peers, 0).rank, 3);
+}
+
+TEST(RootCause, ChainsOfNoticesEndAtTheFirstCause) {
+  // Rank 2 blamed rank 1's death, but rank 1 had aborted on a mismatch from rank 0 first.
+  std::vector<PeerSight> peers(4);
+  peers[2] = notice(ErrorCode::kPeerDied, 1, /*died=*/true);
+  peers[1] = notice(ErrorCode::kSizeMismatch, 0, /*died=*/true);
+  RootCause c = find_root_cause(peers, 3);
+  EXPECT_EQ(c.kind, Kind::kNotice);
+  EXPECT_EQ(c.rank, 1);
+  EXPECT_EQ(c.code, ErrorCode::kSizeMismatch);
+  // A PEER_ABORTED notice naming a rank with its own notice leads there too.
+  peers[2] = notice(ErrorCode::kPeerAborted, 1);
+  EXPECT_EQ(find_root_cause(peers, 3).rank, 1);
+}
+
+TEST(RootCause, CyclesOfNoticesEnd) {
+  std::vector<PeerSight> peers(3);
+  peers[1] = notice(ErrorCode::kPeerDied, 2, true);
+  peers[2] = notice(ErrorCode::kPeerDied, 1, true);
+  RootCause c = find_root_cause(peers, 0);
+  EXPECT_NE(c.kind, Kind::kNone);
+  EXPECT_NE(message_of(c, 0), "nothing thrown");
+}
+
+TEST(RootCause, ADisagreementOrDeathWinsOverATimeoutOverAnUnfollowableNoticeOverAClose) {
+  std::vector<PeerSight> peers(5);
+  peers[1].closed = peers[1].needed = true;
+  EXPECT_EQ(find_root_cause(peers, 0).kind, Kind::kClosed);
+  peers[2] = notice(ErrorCode::kPeerAborted, 0);  // names this rank: nothing to follow
+  EXPECT_EQ(find_root_cause(peers, 0).rank, 2);
+  peers[3] = notice(ErrorCode::kTimeout, -1);
+  EXPECT_EQ(find_root_cause(peers, 0).rank, 3);
+  peers[4] = dead(/*needed=*/false);  // not needed, but a notice exists: a death explains timeouts
+  RootCause c = find_root_cause(peers, 0);
+  EXPECT_EQ(c.kind, Kind::kDeath);
+  EXPECT_EQ(c.rank, 4);
+  peers[2] = notice(ErrorCode::kSizeMismatch, 1);  // ties with the death: the lower rank
+  EXPECT_EQ(find_root_cause(peers, 0).rank, 2);
+}
+
+TEST(RootCause, APeerThatLeftIsACauseOnlyIfAnOpNeedsIt) {
+  std::vector<PeerSight> peers(3);
+  peers[1] = dead(/*needed=*/false);
+  peers[2].closed = true;
+  EXPECT_EQ(find_root_cause(peers, 0).kind, Kind::kNone);
+  peers[2].needed = true;
+  EXPECT_EQ(message_of(find_root_cause(peers, 0), 0),
+            "COMM_ERROR culprit 2: rank 2 (pid 1002) closed its communicator while an op that needs it was pending");
+}
+
+TEST(RootCause, ThisRanksOwnEntryAndOutOfRangeCulpritsAreIgnored) {
+  std::vector<PeerSight> peers(3);
+  peers[0] = notice(ErrorCode::kSizeMismatch, 1);  // our own
+  EXPECT_EQ(find_root_cause(peers, 0).kind, Kind::kNone);
+  peers[1] = notice(ErrorCode::kPeerDied, 77);
+  RootCause c = find_root_cause(peers, 0);
+  EXPECT_EQ(c.kind, Kind::kNotice);
+  EXPECT_EQ(c.rank, 1);
+}
+
+}  // namespace
+}  // namespace freescale
