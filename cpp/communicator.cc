@@ -130,10 +130,12 @@ void Communicator::close() {
   for (auto& op : leftover) active_.push_back(op);
   waiting_.clear();
   if (!active_.empty() && !was_broken) transport_->quiesce();  // (fail_all quiesced a broken one)
+  // Peers learn this rank closed before its callers see their ops fail: a process that exits
+  // right after that error is then named as having closed, not as dead (root_cause.h).
+  if (!was_broken) transport_->close();
   for (auto& op : active_) op->fail(ErrorCode::kCommError, "the communicator was closed while op #" + std::to_string(op->seq) + " was pending");
   active_.clear();
   scheduler_.drain();
-  if (!was_broken) transport_->close();
 }
 
 bool Communicator::wait(const std::shared_ptr<OpState>& op, std::chrono::microseconds timeout) {

@@ -60,10 +60,10 @@ RootCause find_root_cause(const std::vector<PeerSight>& peers, int me) {
     if (p == me) continue;
     if (s.aborted) {
       causes.push_back(follow_notice(peers, p, me));
+    } else if (s.closed) {  // its notice that it left, which wins over its later exit
+      if (s.needed) causes.push_back(RootCause{Kind::kClosed, p, ErrorCode::kCommError, p, -1});
     } else if (s.died && (s.needed || any_notice)) {
       causes.push_back(RootCause{Kind::kDeath, p, ErrorCode::kPeerDied, p, -1});
-    } else if (s.closed && s.needed) {
-      causes.push_back(RootCause{Kind::kClosed, p, ErrorCode::kCommError, p, -1});
     }
   }
   if (causes.empty()) return RootCause{};

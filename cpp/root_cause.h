@@ -39,8 +39,9 @@ struct RootCause {
 //   if that culprit left a notice of its own, its notice is the cause (a chain, cycle-safe); if
 //   it died without one, its death is. So a rank that saw a mismatch and exited is named for
 //   the mismatch, not for its exit, and a rank that saw a death and exited names that death.
-// - A peer that died without a notice (killed, crashed) is a cause when an op needs it or when
-//   any notice exists; a peer that closed is a cause when an op needs it.
+// - A peer that closed is a cause when an op needs it, also once it exited (closing is its
+//   notice); a peer that died without a notice (killed, crashed) is a cause when an op needs it
+//   or when any notice exists.
 // - Among several causes, the most telling wins, then the lowest rank: a disagreement or death
 //   over a timeout (often its symptom), over a notice that could not be followed, over a close.
 RootCause find_root_cause(const std::vector<PeerSight>& peers, int me);

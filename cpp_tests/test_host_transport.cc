@@ -262,6 +262,36 @@ TEST(HostTransportRootCause, EverySurvivorNamesAKilledRankWhenTheRankThatSawItEx
   }
 }
 
+// Issue 28: close() told peers "closed" only after failing its pending ops, so a process leaving
+// at once on that error (here: in the op's done-callback) was reported as dead.
+TEST(HostTransportRootCause, ARankThatClosesWithAnOpPendingAndExitsAtOnceIsNamedAsClosed) {
+  for (int round = 0; round < 5; ++round) {
+    auto outcomes = run_forked_ranks(2, [](int rank, Bootstrap& bootstrap) -> std::string {
+      Communicator comm(bootstrap, small_config(/*timeout_ms=*/30000));
+      Exchange x(uniform_counts(2, 4096), rank);
+      if (rank == 1) {
+        auto op = comm.all_to_all(x.send.data(), x.recv.data(), x.layout, 0);  // rank 0 has not posted it yet
+        op->add_done_callback([] { exit_rank_now(""); });
+        comm.close();
+        return "close() returned before the op failed";
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(100));  // rank 1 is gone by now
+      auto op = comm.all_to_all(x.send.data(), x.recv.data(), x.layout, 0, true);
+      try {
+        comm.wait(op, std::chrono::microseconds(-1));
+      } catch (const CommError& e) {
+        const std::string what = e.what();
+        bool named = e.code() == ErrorCode::kCommError && e.culprit() == 1 &&
+                     what.find("rank 1 (pid") != std::string::npos && what.find("closed its communicator") != std::string::npos;
+        return named ? "" : "wrong root cause: " + what;
+      }
+      return "no CommError";
+    });
+    expect_every_survivor_names(outcomes, round);
+    if (::testing::Test::HasFailure()) break;
+  }
+}
+
 TEST(HostTransport, PeerThatNeverJoinsTimesOut) {
   auto outcomes = run_forked_ranks(2, [](int rank, Bootstrap& bootstrap) -> std::string {
     Communicator comm(bootstrap, small_config(/*timeout_ms=*/300));

@@ -118,6 +118,8 @@ TEST(RootCause, APeerThatLeftIsACauseOnlyIfAnOpNeedsIt) {
   peers[2].needed = true;
   EXPECT_EQ(message_of(find_root_cause(peers, 0), 0),
             "COMM_ERROR culprit 2: rank 2 (pid 1002) closed its communicator while an op that needs it was pending");
+  peers[2].died = true;  // closed, then exited: its close is the cause
+  EXPECT_EQ(find_root_cause(peers, 0).kind, Kind::kClosed);
 }
 
 TEST(RootCause, ThisRanksOwnEntryAndOutOfRangeCulpritsAreIgnored) {

@@ -34,6 +34,13 @@ def test_core_errors_map_to_python_classes_with_codes(code, cls):
         _core._raise_for_test(code, "boom")
     assert info.value.code == code.name
     assert "boom" in str(info.value)
+    assert info.value.culprit is None  # unknown
+
+
+def test_a_commerror_names_its_culprit_rank():
+    with pytest.raises(fc.CommError) as info:
+        _core._raise_for_test(_core.ErrorCode.PEER_DIED, "rank 3 died", 3)
+    assert (info.value.code, info.value.culprit) == ("PEER_DIED", 3)
 
 
 def test_commerror_is_a_runtime_error():

@@ -82,12 +82,12 @@ void register_errors(py::module_& m) {
   // Raises the C++ exception for `code`: lets tests check the mapping end to end.
   m.def(
       "_raise_for_test",
-      [](ErrorCode code, const std::string& message) {
+      [](ErrorCode code, const std::string& message, int culprit) {
         if (code == ErrorCode::kInvalidArgument) throw InvalidArgument(message);
-        if (is_comm_code(code)) throw CommError(code, message);
-        throw Error(code, message);
+        if (is_comm_code(code)) throw CommError(code, message, culprit);
+        throw Error(code, message, culprit);
       },
-      py::arg("code"), py::arg("message"));
+      py::arg("code"), py::arg("message"), py::arg("culprit") = -1);
 }
 
 }  // namespace freescale
