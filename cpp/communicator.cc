@@ -138,6 +138,16 @@ void Communicator::close() {
   scheduler_.drain();
 }
 
+bool Communicator::stream_wait(const std::shared_ptr<OpState>& op, uintptr_t stream, std::chrono::microseconds timeout) {
+  if (!op->is_completed() && progress_mu_.held_by_this_thread()) {
+    throw Error(ErrorCode::kInvalidUsage,
+                "a stream wait on pending op #" + std::to_string(op->seq) +
+                    " from a done-callback of the same communicator: callbacks run on the thread that drives its "
+                    "progress, which cannot block; chain the work with then() or wait on another thread");
+  }
+  return transport_->stream_wait(*op, stream, timeout);
+}
+
 bool Communicator::wait(const std::shared_ptr<OpState>& op, std::chrono::microseconds timeout) {
   using std::chrono::microseconds;
   if (!op->is_completed() && progress_mu_.held_by_this_thread()) {

@@ -54,9 +54,12 @@ class Communicator {
   // stream: for CUDA buffers, the caller's stream: the transfer starts after what it holds now.
   std::shared_ptr<OpState> all_to_all(const uint8_t* send, uint8_t* recv, AllToAllLayout layout, int priority,
                                       bool caller_waits = false, uintptr_t stream = 0);
-  // Makes CUDA `stream` wait for `op` without blocking the CPU (transports with stream
-  // completion: ce, nvshmem); Unsupported otherwise.
-  void stream_wait(const std::shared_ptr<OpState>& op, uintptr_t stream) { transport_->stream_wait(*op, stream); }
+  // Makes CUDA `stream` wait for `op`'s device work (transports with stream completion: ce,
+  // nvshmem; Unsupported otherwise): blocks the CPU until that work is enqueued, at most
+  // `timeout` (negative: none; false if it passed). InvalidUsage on the progress thread (from a
+  // done-callback) for an op not completed: nothing would enqueue its work while it blocks.
+  bool stream_wait(const std::shared_ptr<OpState>& op, uintptr_t stream,
+                   std::chrono::microseconds timeout = std::chrono::microseconds(-1));
 
   // Blocks until `op` (from this communicator) is done, driving progress on the calling thread;
   // false if `timeout` (negative = no limit) passed first. Throws the op's CommError if it failed.

@@ -68,6 +68,8 @@ class HostTransport : public Transport {
     return it == posted_.end() ? nullptr : it->second;
   }
   bool ops_pending() const { return !posted_.empty(); }
+  // seq -> posted, not yet completed ops.
+  const std::map<uint64_t, std::shared_ptr<OpState>>& posted_ops() const { return posted_; }
   // The control segments (ours: p == rank_), for registering them with a device.
   void* segment_base(int p) const { return peers_[p].segment.data(); }
   size_t segment_bytes(int p) const { return peers_[p].layout.num_bytes(); }

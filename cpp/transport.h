@@ -30,9 +30,12 @@ class Transport {
   virtual void on_submit(OpState& /*op*/, uintptr_t /*mark*/) {}
   // The op marked by `mark` was refused before it got a seq.
   virtual void discard_submission(uintptr_t /*mark*/) {}
-  // On any thread: makes CUDA `stream` wait until `op` completed, without blocking the CPU.
-  // Transports whose ops complete on the host only (host) refuse with kUnsupported.
-  virtual void stream_wait(const OpState& /*op*/, uintptr_t /*stream*/) {
+  // On any thread but the progress thread: makes CUDA `stream` wait for op's device work on
+  // this rank, on a wait CUDA sees ordered after that work (design.md §4): blocks the CPU until
+  // the op's last device operation is enqueued (or the op completed or failed), not until it
+  // lands. False if `timeout` (negative: none) passed first. Transports whose ops complete on
+  // the host only (host) refuse with kUnsupported.
+  virtual bool stream_wait(const OpState& /*op*/, uintptr_t /*stream*/, std::chrono::microseconds /*timeout*/) {
     throw Error(ErrorCode::kUnsupported, std::string("the ") + name() + " transport has no stream completion: call wait()");
   }
   // Registers op's receive side and lets peers send to it. Called once per op, in seq order.

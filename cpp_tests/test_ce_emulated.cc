@@ -126,6 +126,58 @@ TEST(CeEmulatedStreams, BackToBackSynchronousOpsOnOneStreamDoNotDeadlock) {
   expect_all_ok(outcomes);
 }
 
+// Issue 29 item 2: Work.wait() on CUDA put a wait for a host-set completion flag on the user's
+// stream before the progress thread had queued the op's copies on the comm stream. On one
+// hardware queue (shared by both streams, as streams share a GPU's connections) that wait sat
+// ahead of the copies it depended on, and nothing moved again. Now the user's stream waits on an
+// event recorded after the op's last copy, once that copy is enqueued.
+TEST(CeEmulatedStreams, AUsersStreamWaitOnOneHardwareQueueWithTheCommStreamDoesNotDeadlock) {
+  auto outcomes = run_forked_ranks(2, [](int rank, Bootstrap& bootstrap) -> std::string {
+    EmulatedDevice device(EmulatedDeviceOptions{1, 64, {}, /*hardware_queues=*/1});
+    Stream user = device.create_stream();
+    auto comm = ce_communicator(bootstrap, small_config(), device);
+    std::vector<std::unique_ptr<Exchange>> xs;
+    std::atomic<uint64_t> after{0};
+    for (int i = 0; i < 3; ++i) {
+      xs.push_back(std::make_unique<Exchange>(uniform_counts(2, 1 << 20), rank, 40 + i));
+      auto op = comm->all_to_all(xs.back()->send.data(), xs.back()->recv.data(), xs.back()->layout, 0, false, user);
+      if (!comm->stream_wait(op, user, std::chrono::microseconds(30000000))) return "stream_wait timed out";
+      // More work on the user's stream, behind its wait: it runs once op i's bytes landed.
+      device.write_value64(user, reinterpret_cast<DevicePtr>(&after), i + 1);
+    }
+    if (!drains_within(device, user, 30s)) return "the user's stream never drained (a wait stalled its queue)";
+    if (after.load() != 3) return "work after the waits did not run";
+    for (auto& x : xs)
+      if (std::string e = x->check(rank); !e.empty()) return e;
+    return "";
+  }, std::chrono::seconds(60));
+  expect_all_ok(outcomes);
+}
+
+// A user's stream that waited for an op is ordered after every byte of it: work queued behind the
+// wait sees the output complete (checked on the device, in stream order).
+TEST(CeEmulatedStreams, WorkQueuedAfterAStreamWaitSeesTheWholeOutput) {
+  auto outcomes = run_forked_ranks(3, [](int rank, Bootstrap& bootstrap) -> std::string {
+    EmulatedDevice device(EmulatedDeviceOptions{1, 64, std::chrono::microseconds(200), /*hardware_queues=*/1});
+    Stream user = device.create_stream();
+    auto comm = ce_communicator(bootstrap, small_config(), device);
+    std::string seen;
+    std::vector<std::unique_ptr<Exchange>> xs;
+    for (int i = 0; i < 4; ++i) {
+      xs.push_back(std::make_unique<Exchange>(random_counts(3, 300 * 1024, 70 + i), rank, 70 + i));
+      Exchange* x = xs.back().get();
+      auto op = comm->all_to_all(x->send.data(), x->recv.data(), x->layout, 0, false, user);
+      comm->stream_wait(op, user);
+      device.enqueue(user, [x, rank, &seen] {  // a "kernel" reading the output
+        if (std::string e = x->check(rank); !e.empty() && seen.empty()) seen = "on the user's stream: " + e;
+      });
+    }
+    if (!drains_within(device, user, 30s)) return "the user's stream never drained";
+    return seen;
+  }, std::chrono::seconds(60));
+  expect_all_ok(outcomes);
+}
+
 // Review defect 7: all_to_all recorded the submission event under the communicator's lock; with
 // the user's stream queue full (behind a wait for the previous op), the record blocked, the
 // progress thread blocked on that lock, and the previous op never completed.
@@ -222,6 +274,47 @@ TEST(CeEmulatedFailures, KilledRankFailsEverySurvivorWithPeerDied) {
   });
   EXPECT_EQ(outcomes[2].signal, SIGKILL);
   for (int r : {0, 1}) EXPECT_EQ(outcomes[r].exit_code, 0) << "rank " << r << ": " << outcomes[r].message;
+  EXPECT_TRUE(testing::leftover_segments(outcomes).empty());
+}
+
+// Issue 29 item 1c: an asynchronous fault anywhere on a GPU (here: a user's kernel on another
+// stream) poisons the context, the transport's comm stream included. Every pending op fails with
+// CommError on every rank (the faulted rank names the device error, peers its abort), promptly,
+// and nothing hangs: not the faulted rank's teardown, not a user's stream that waited for an op.
+TEST(CeEmulatedFailures, AContextWideFaultFailsEveryPendingOpOnEveryRank) {
+  auto outcomes = run_forked_ranks(2, [](int rank, Bootstrap& bootstrap) -> std::string {
+    EmulatedDevice device(rank == 0 ? EmulatedDeviceOptions{1, 64, std::chrono::microseconds(2000)} : EmulatedDeviceOptions{});
+    Stream user = device.create_stream(), kernels = device.create_stream();
+    std::vector<std::unique_ptr<Exchange>> xs;  // outlive the transport's queued device work
+    auto comm = ce_communicator(bootstrap, small_config(/*timeout_ms=*/60000), device);
+    std::vector<std::shared_ptr<OpState>> ops;
+    for (int i = 0; i < 6; ++i) {
+      xs.push_back(std::make_unique<Exchange>(uniform_counts(2, 2 << 20), rank, 90 + i));
+      ops.push_back(comm->all_to_all(xs.back()->send.data(), xs.back()->recv.data(), xs.back()->layout, 0, false, user));
+    }
+    bootstrap.allgather("");  // every op is submitted on both ranks before the fault
+    if (rank == 0) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));  // copies are under way
+      device.fail_next_task(kernels, "an illegal memory access");
+      device.enqueue(kernels, [] {});
+    }
+    auto start = std::chrono::steady_clock::now();
+    for (auto& op : ops) {
+      try {
+        comm->wait(op, kForever);
+        if (rank == 0) return "an op completed on a faulted device";
+      } catch (const CommError& e) {
+        const std::string what = e.what();
+        if (rank == 0 && what.find("illegal memory access") == std::string::npos) return "rank 0 does not name the fault: " + what;
+        if (rank == 1 && e.code() != ErrorCode::kPeerAborted) return "rank 1: " + what;
+      }
+    }
+    if (rank == 1 && ops.back()->failed() == false) return "rank 1's last op succeeded without rank 0";
+    if (std::chrono::steady_clock::now() - start > 20s) return "the failure took more than 20 s";
+    comm.reset();  // teardown on a faulted device returns
+    return "";
+  }, std::chrono::seconds(60));
+  expect_all_ok(outcomes);
   EXPECT_TRUE(testing::leftover_segments(outcomes).empty());
 }
 

@@ -4,6 +4,8 @@
 #include <unistd.h>
 
 #include <atomic>
+#include <cstdlib>
+#include <string>
 #include <chrono>
 #include <thread>
 #include <vector>
@@ -31,8 +33,8 @@ TEST(EmulatedDevice, StreamRunsInOrderAndAsynchronously) {
   EXPECT_EQ(order, (std::vector<int>{0, 1, 2, 3, 4}));
 }
 
-TEST(EmulatedDevice, FullQueueBlocksTheEnqueuerAndAWaitBlocksOnlyItsStream) {
-  EmulatedDevice device(EmulatedDeviceOptions{1, 2});
+TEST(EmulatedDevice, FullQueueBlocksTheEnqueuerAndAWaitBlocksOnlyItsStreamOnItsOwnHardwareQueue) {
+  EmulatedDevice device(EmulatedDeviceOptions{1, 2, {}, /*hardware_queues=*/2});
   Stream blocked = device.create_stream(), free = device.create_stream();
   std::atomic<uint32_t> gate{0};
   device.wait_value32(blocked, reinterpret_cast<DevicePtr>(&gate), 3, WaitCmp::kEq);
@@ -58,6 +60,100 @@ TEST(EmulatedDevice, FullQueueBlocksTheEnqueuerAndAWaitBlocksOnlyItsStream) {
   device.synchronize(blocked);
 }
 
+// Issue 29 item 1a: streams share in-order hardware queues (round robin at creation); a wait at
+// a queue's head stalls every stream behind it on that queue, and only those.
+TEST(EmulatedDevice, AWaitAtAHardwareQueuesHeadStallsTheStreamsBehindItOnThatQueueOnly) {
+  EmulatedDevice device(EmulatedDeviceOptions{1, 64, {}, /*hardware_queues=*/2});
+  EXPECT_EQ(device.hardware_queues(), 2);
+  Stream a = device.create_stream(), b = device.create_stream(), c = device.create_stream();  // queues 0, 1, 0
+  std::atomic<uint64_t> gate{0}, on_b{0}, on_c{0};
+  device.wait_value64(a, reinterpret_cast<DevicePtr>(&gate), 1, WaitCmp::kGeq);
+  device.write_value64(c, reinterpret_cast<DevicePtr>(&on_c), 1);
+  device.write_value64(b, reinterpret_cast<DevicePtr>(&on_b), 1);
+  device.synchronize(b);  // another queue: not held up
+  EXPECT_EQ(on_b.load(), 1u);
+  std::this_thread::sleep_for(5ms);
+  EXPECT_EQ(on_c.load(), 0u) << "a stream behind a wait on its hardware queue ran ahead of it";
+  EXPECT_FALSE(device.stream_idle(c));
+  gate.store(1);
+  device.synchronize(c);
+  EXPECT_EQ(on_c.load(), 1u);
+}
+
+TEST(EmulatedDevice, TheEnvironmentSetsTheDefaultNumberOfHardwareQueuesAndOptionsWin) {
+  const char* saved = std::getenv("FREESCALE_EMULATED_HW_QUEUES");
+  std::string restore = saved != nullptr ? saved : "";
+  setenv("FREESCALE_EMULATED_HW_QUEUES", "1", 1);
+  EXPECT_EQ(EmulatedDevice().hardware_queues(), 1);
+  EXPECT_EQ(EmulatedDevice(EmulatedDeviceOptions{1, 64, {}, 3}).hardware_queues(), 3);
+  setenv("FREESCALE_EMULATED_HW_QUEUES", "eight", 1);
+  EXPECT_THROW(EmulatedDevice(), InvalidArgument);
+  unsetenv("FREESCALE_EMULATED_HW_QUEUES");
+  EXPECT_EQ(EmulatedDevice().hardware_queues(), 8);  // a GPU's CUDA_DEVICE_MAX_CONNECTIONS default
+  if (saved != nullptr) setenv("FREESCALE_EMULATED_HW_QUEUES", restore.c_str(), 1);
+}
+
+// cuda.h: CU_STREAM_WAIT_VALUE_GEQ is "(int64_t)(*addr - value) >= 0", a cyclic comparison.
+TEST(EmulatedDevice, GeqWaitsCompareCyclically) {
+  EmulatedDevice device;
+  Stream s = device.create_stream();
+  std::atomic<uint64_t> word{~0ull};
+  std::atomic<uint64_t> after{0};
+  device.wait_value64(s, reinterpret_cast<DevicePtr>(&word), 1, WaitCmp::kGeq);  // max - 1 < 0: not yet
+  device.write_value64(s, reinterpret_cast<DevicePtr>(&after), 1);
+  std::this_thread::sleep_for(5ms);
+  EXPECT_EQ(after.load(), 0u) << "all-ones passed a GEQ 1 wait (an unsigned compare)";
+  word.store(1);
+  device.synchronize(s);
+  std::atomic<uint32_t> small{5};
+  device.wait_value32(s, reinterpret_cast<DevicePtr>(&small), 0xFFFFFFFEu, WaitCmp::kGeq);  // 5 - (-2) >= 0
+  device.synchronize(s);
+}
+
+TEST(EmulatedDevice, AStreamWaitOnAnEventWaitsForTheRecordMadeBeforeTheCall) {
+  EmulatedDevice device(EmulatedDeviceOptions{1, 64, {}, /*hardware_queues=*/0});
+  Stream producer = device.create_stream(), consumer = device.create_stream();
+  Event ev = device.create_event();
+  device.wait_event(consumer, ev);  // never recorded: no wait
+  std::atomic<uint64_t> gate{0}, seen{0};
+  device.wait_value64(producer, reinterpret_cast<DevicePtr>(&gate), 1, WaitCmp::kGeq);
+  device.record_event(ev, producer);
+  device.wait_event(consumer, ev);
+  device.record_event(ev, producer);  // a later record: the queued wait is not moved to it
+  device.write_value64(consumer, reinterpret_cast<DevicePtr>(&seen), 1);
+  std::this_thread::sleep_for(5ms);
+  EXPECT_EQ(seen.load(), 0u) << "the consumer ran before the record it waits for";
+  gate.store(1);
+  device.synchronize(consumer);
+  EXPECT_EQ(seen.load(), 1u);
+}
+
+// Issue 29 item 1c: on a GPU an asynchronous fault poisons the context: every stream and every
+// later call fails. The emulator failed one stream only.
+TEST(EmulatedDevice, AFaultOnOneStreamPoisonsTheWholeContext) {
+  EmulatedDevice device(EmulatedDeviceOptions{1, 64, {}, /*hardware_queues=*/0});
+  Stream faulty = device.create_stream(), other = device.create_stream();
+  Event before = device.create_event();
+  device.record_event(before, other);
+  device.synchronize(other);
+  std::atomic<uint64_t> gate{0}, ran{0};
+  device.wait_value64(other, reinterpret_cast<DevicePtr>(&gate), 1, WaitCmp::kGeq);
+  device.write_value64(other, reinterpret_cast<DevicePtr>(&ran), 1);  // queued before the fault
+  device.fail_next_task(faulty, "illegal address");
+  device.enqueue(faulty, [] {});
+  while (device.fault().empty()) std::this_thread::yield();
+  gate.store(1);
+  EXPECT_THROW(device.synchronize(other), Error);
+  EXPECT_EQ(ran.load(), 0u) << "work of another stream ran after the context faulted";
+  EXPECT_THROW(device.event_done(before, "query"), Error);
+  EXPECT_THROW(device.stream_idle(other), Error);
+  EXPECT_THROW(device.enqueue(other, [] {}), Error);
+  EXPECT_THROW(device.create_stream(), Error);
+  EXPECT_THROW(device.create_event(), Error);
+  device.destroy_event(before);  // releases still work: teardown must not leak
+  device.destroy_stream(other);
+}
+
 TEST(EmulatedDevice, EventsCompleteWhenTheStreamReachesThemAndCarryFailures) {
   EmulatedDevice device;
   Stream s = device.create_stream();
@@ -71,9 +167,12 @@ TEST(EmulatedDevice, EventsCompleteWhenTheStreamReachesThemAndCarryFailures) {
   gate.store(0x6);
   device.synchronize(s);
   EXPECT_TRUE(device.event_done(ev, "x"));
+  std::atomic<uint64_t> hold{0};
+  device.wait_value64(s, reinterpret_cast<DevicePtr>(&hold), 1, WaitCmp::kGeq);  // record before the fault
   device.fail_next_task(s, "injected");
   device.enqueue(s, [] {});
   device.record_event(ev, s);
+  hold.store(1);
   EXPECT_THROW(device.synchronize(s), Error);
   EXPECT_THROW(device.event_done(ev, "after the failure"), Error);  // sticky, like a CUDA error
 }

@@ -20,6 +20,7 @@
 #include <optional>
 #include <string>
 #include <unordered_map>
+#include <unordered_set>
 #include <vector>
 
 #include "cpp/ce_arena_layout.h"
@@ -42,7 +43,9 @@ class CeTransport final : public HostTransport {
   uintptr_t mark_submission(uintptr_t stream) override { return gate_.mark(stream); }
   void on_submit(OpState& op, uintptr_t mark) override { gate_.on_submit(op, mark); }
   void discard_submission(uintptr_t mark) override { gate_.give_event(mark); }
-  void stream_wait(const OpState& op, uintptr_t stream) override { gate_.stream_wait(op, stream); }
+  bool stream_wait(const OpState& op, uintptr_t stream, std::chrono::microseconds timeout) override {
+    return gate_.stream_wait(op, stream, timeout);
+  }
   void post(const std::shared_ptr<OpState>& op) override;
   bool can_send(const Transfer& t) const override;
   bool poll() override;
@@ -68,6 +71,10 @@ class CeTransport final : public HostTransport {
   bool post_ready_ops();
   // Writes `value` to `counter` (in rank p's control segment) once the stream's copies so far landed.
   void write_value(int p, const std::atomic<uint64_t>* counter, uint64_t value);
+  // Records, for each posted op whose every copy on this rank is now enqueued (every send
+  // chunk filled, every receive chunk landing), an event after them for callers' streams to
+  // wait on (SubmitGate::all_enqueued). True if any.
+  bool mark_all_enqueued();
 
   DeviceOps& ops_;
   int device_;
@@ -81,6 +88,7 @@ class CeTransport final : public HostTransport {
   // seq -> an event re-recorded after each of that op's send copies: the op's reads of the
   // caller's send buffer are over once it completed. Progress thread only.
   std::unordered_map<uint64_t, Event> send_fence_;
+  std::unordered_set<uint64_t> enqueued_;  // posted ops whose copies are all enqueued. Progress thread only.
 };
 
 CeTransport::CeTransport(Bootstrap& bootstrap, const Config& config, DeviceOps& ops)
@@ -99,7 +107,6 @@ CeTransport::CeTransport(Bootstrap& bootstrap, const Config& config, DeviceOps& 
   try {
     guard.emplace(ops_, device_);
     stream_ = ops_.create_stream();
-    gate_.allocate();
     if (mine.num_bytes() > 0) {
       arena_ptr_[rank_] = static_cast<uint8_t*>(ops_.device_alloc(mine.num_bytes()));
       handle = ops_.ipc_handle(arena_ptr_[rank_]);
@@ -237,7 +244,31 @@ bool CeTransport::poll() {
     it = landing_.erase(it);
     moved = true;
   }
-  return moved;
+  return mark_all_enqueued() || moved;
+}
+
+bool CeTransport::mark_all_enqueued() {
+  const auto& posted = posted_ops();
+  for (auto it = enqueued_.begin(); it != enqueued_.end();) {  // forget completed ops
+    it = posted.count(*it) > 0 ? std::next(it) : enqueued_.erase(it);
+  }
+  bool any = false;
+  for (const auto& [seq, op] : posted) {
+    if (enqueued_.count(seq) > 0) continue;
+    bool all = true;
+    for (int p = 0; p < world_ && all; ++p) {
+      // Sent: every chunk handed to fill_slot (or delivered to ourselves). Received: every
+      // byte accepted, so its landing copies are queued (none for an empty block).
+      all = op->send_finished[p] && op->recv_done[p] == op->layout.recv_bytes[p];
+    }
+    if (!all) continue;
+    Event ev = gate_.take_event();
+    ops_.record_event(ev, stream_);  // after every copy of this op on the comm stream
+    gate_.all_enqueued(*op, ev);
+    enqueued_.insert(seq);
+    any = true;
+  }
+  return any;
 }
 
 void CeTransport::wait_for_activity(uint32_t epoch, std::chrono::microseconds timeout) {

@@ -65,6 +65,10 @@ class DeviceOps {
   // True once `event` completed (a never-recorded event counts as completed); false while
   // pending; throws Error(kSystem) with `what` if the work before it failed.
   virtual bool event_done(Event event, const char* what) = 0;
+  // `stream` waits (without blocking the CPU) for the work before `event`'s latest record made
+  // before this call (cudaStreamWaitEvent); a never-recorded event: no wait. The event may be
+  // recorded again at once.
+  virtual void wait_event(Stream stream, Event event) = 0;
 
   // --- copies (copy engines: never SM kernels) ---
   // Enqueues `batch` on `stream`, preferring overlap with compute (cudaMemcpyBatchAsync +

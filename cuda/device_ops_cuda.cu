@@ -85,6 +85,9 @@ class CudaDeviceOps final : public DeviceOps {
   void record_event(Event event, Stream stream) override {
     check_cuda(cudaEventRecord(as_event(event), as_stream(stream)), "cudaEventRecord");
   }
+  void wait_event(Stream stream, Event event) override {
+    check_cuda(cudaStreamWaitEvent(as_stream(stream), as_event(event), 0), "cudaStreamWaitEvent");
+  }
   bool event_done(Event event, const char* what) override {
     cudaError_t err = cudaEventQuery(as_event(event));
     if (err == cudaErrorNotReady) return false;

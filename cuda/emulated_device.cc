@@ -108,67 +108,113 @@ struct EmulatedDevice::EventState {
   std::atomic<uint64_t> recorded{0};   // records enqueued
   std::atomic<uint64_t> completed{0};  // records their stream reached
   std::mutex mu;
-  std::string error;  // the failed stream's error, if a record was reached after a failure
+  std::string error;  // the device's fault, if a record was reached after it
 };
 
 struct EmulatedDevice::StreamState {
-  struct Task {
-    std::function<void()> run;
-    std::shared_ptr<EventState> event;  // record tasks: the event and its generation
-    uint64_t generation = 0;
-  };
-  std::mutex mu;
-  std::condition_variable pushed, popped;
-  std::deque<Task> queue;
-  size_t depth = 0;
-  std::chrono::microseconds latency{0};  // EmulatedDeviceOptions::op_latency
+  HwQueue* hw = nullptr;  // the hardware queue it runs on (owned by the device)
+  // Guarded by hw->mu:
+  size_t queued = 0;      // its tasks in hw->fifo, not running yet
   bool running = false;
-  bool stop = false;  // destroyed: drain, then exit
-  std::string error;  // sticky
   std::string fail_next;
-  std::thread thread;
-
-  void loop(const std::atomic<bool>& torn_down) {
-    std::unique_lock<std::mutex> lock(mu);
-    while (true) {
-      pushed.wait(lock, [&] { return !queue.empty() || stop || torn_down.load(); });
-      if (queue.empty() || torn_down.load()) break;
-      Task task = std::move(queue.front());
-      queue.pop_front();
-      running = true;
-      popped.notify_all();
-      std::string failed = error;
-      lock.unlock();
-      if (task.event) {
-        if (!failed.empty()) {
-          std::lock_guard<std::mutex> ev(task.event->mu);
-          task.event->error = failed;
-        }
-        uint64_t done = task.event->completed.load();
-        while (done < task.generation && !task.event->completed.compare_exchange_weak(done, task.generation)) {
-        }
-      } else if (failed.empty()) {
-        if (latency.count() > 0) std::this_thread::sleep_for(latency);
-        try {
-          task.run();
-        } catch (const Abandoned&) {
-          failed = "abandoned at teardown";
-        } catch (const std::exception& e) {
-          failed = e.what();
-        }
-      }
-      lock.lock();
-      if (error.empty() && !failed.empty()) error = failed;
-      running = false;
-      popped.notify_all();
-    }
-    running = false;
-    popped.notify_all();
-  }
+  size_t depth = 0;                      // EmulatedDeviceOptions::queue_depth
+  std::chrono::microseconds latency{0};  // EmulatedDeviceOptions::op_latency
 };
+
+struct EmulatedDevice::Task {
+  std::shared_ptr<StreamState> stream;
+  std::function<void()> run;
+  std::shared_ptr<EventState> event;  // record tasks: the event and its generation
+  uint64_t generation = 0;
+};
+
+struct EmulatedDevice::HwQueue {
+  std::mutex mu;
+  std::condition_variable pushed;  // a task was queued, or the queue retired / the device tore down
+  std::condition_variable popped;  // a task was taken or finished
+  std::deque<Task> fifo;           // every task of its streams, in enqueue order
+  bool dedicated = false;          // one stream's own (hardware_queues == 0)
+  bool retired = false;            // dedicated, and its stream destroyed: ends once drained
+  std::thread thread;
+};
+
+namespace {
+
+// FREESCALE_EMULATED_HW_QUEUES, else 8 (a GPU's CUDA_DEVICE_MAX_CONNECTIONS default).
+int hardware_queues_from_environment() {
+  const char* env = std::getenv("FREESCALE_EMULATED_HW_QUEUES");
+  if (env == nullptr || *env == '\0') return 8;
+  char* end = nullptr;
+  long n = std::strtol(env, &end, 10);
+  if (*end != '\0' || n < 0 || n > 1024) {
+    throw InvalidArgument(std::string("FREESCALE_EMULATED_HW_QUEUES must be an integer from 0 (one queue per stream) "
+                                      "to 1024, got '") + env + "'");
+  }
+  return static_cast<int>(n);
+}
+
+}  // namespace
+
+void EmulatedDevice::run_queue(HwQueue& q) {
+  std::unique_lock<std::mutex> lock(q.mu);
+  while (true) {
+    q.pushed.wait(lock, [&] { return !q.fifo.empty() || q.retired || torn_down_.load(); });
+    if (torn_down_.load() || q.fifo.empty()) break;
+    Task task = std::move(q.fifo.front());
+    q.fifo.pop_front();
+    StreamState& s = *task.stream;
+    --s.queued;
+    s.running = true;
+    const std::chrono::microseconds latency = s.latency;
+    q.popped.notify_all();
+    lock.unlock();
+    std::string failed = fault();
+    if (task.event) {
+      if (!failed.empty()) {
+        std::lock_guard<std::mutex> ev(task.event->mu);
+        task.event->error = failed;
+      }
+      uint64_t done = task.event->completed.load();
+      while (done < task.generation && !task.event->completed.compare_exchange_weak(done, task.generation)) {
+      }
+    } else if (failed.empty()) {
+      if (latency.count() > 0) std::this_thread::sleep_for(latency);
+      try {
+        task.run();
+      } catch (const Abandoned&) {
+        // Torn down while it waited: nothing runs any more.
+      } catch (const std::exception& e) {
+        raise_fault(e.what());
+      }
+    }
+    lock.lock();
+    s.running = false;
+    q.popped.notify_all();
+  }
+}
+
+std::string EmulatedDevice::fault() const {
+  if (!faulted_.load(std::memory_order_acquire)) return "";
+  std::lock_guard<std::mutex> lock(fault_mu_);
+  return fault_;
+}
+
+void EmulatedDevice::raise_fault(const std::string& what) {
+  std::lock_guard<std::mutex> lock(fault_mu_);
+  if (!faulted_.load()) fault_ = what;
+  faulted_.store(true, std::memory_order_release);
+}
+
+void EmulatedDevice::check_no_fault(const char* call) const {
+  if (!faulted_.load(std::memory_order_acquire)) return;
+  throw Error(ErrorCode::kSystem, std::string("emulated ") + call + ": an earlier asynchronous error poisoned the context "
+                                      "(sticky, every stream of the device): " + fault());
+}
 
 EmulatedDevice::EmulatedDevice(EmulatedDeviceOptions options) : options_(options) {
   if (options_.queue_depth == 0) throw InvalidArgument("EmulatedDeviceOptions.queue_depth must be at least 1");
+  if (options_.hardware_queues == kHardwareQueuesFromEnvironment) options_.hardware_queues = hardware_queues_from_environment();
+  if (options_.hardware_queues < 0) throw InvalidArgument("EmulatedDeviceOptions.hardware_queues must be >= 0");
 }
 
 EmulatedDevice::~EmulatedDevice() {
@@ -182,23 +228,22 @@ EmulatedDevice::~EmulatedDevice() {
 
 void EmulatedDevice::shutdown() {
   torn_down_.store(true);
-  std::vector<std::shared_ptr<StreamState>> all;
+  std::vector<HwQueue*> all;
   {
     std::lock_guard<std::mutex> lock(mu_);
-    for (auto& [h, s] : streams_) all.push_back(s);
-    for (auto& s : retired_) all.push_back(s);
-    if (default_stream_) all.push_back(default_stream_);
+    for (auto& q : queues_) all.push_back(q.get());
   }
-  for (auto& s : all) {
+  for (HwQueue* q : all) {
     {
-      std::lock_guard<std::mutex> lock(s->mu);
-      s->stop = true;
+      std::lock_guard<std::mutex> lock(q->mu);  // no wake-up lost between a predicate and its wait
     }
-    s->pushed.notify_all();
-    s->popped.notify_all();
+    q->pushed.notify_all();
+    q->popped.notify_all();
   }
-  for (auto& s : all) {
-    if (s->thread.joinable()) s->thread.join();
+  for (HwQueue* q : all) {
+    if (q->thread.joinable()) q->thread.join();
+    std::lock_guard<std::mutex> lock(q->mu);
+    q->fifo.clear();  // abandoned
   }
 }
 
@@ -211,15 +256,29 @@ void EmulatedDevice::set_device(int device) {
   t_device = device;
 }
 
-Stream EmulatedDevice::create_stream() {
+std::shared_ptr<EmulatedDevice::StreamState> EmulatedDevice::new_stream_locked() {
   auto s = std::make_shared<StreamState>();
   s->depth = options_.queue_depth;
   s->latency = options_.op_latency;
-  StreamState* raw = s.get();
-  s->thread = std::thread([raw, this] { raw->loop(torn_down_); });
+  HwQueue* q = nullptr;
+  if (options_.hardware_queues == 0 || static_cast<int>(queues_.size()) < options_.hardware_queues) {
+    queues_.push_back(std::make_unique<HwQueue>());
+    q = queues_.back().get();
+    q->dedicated = options_.hardware_queues == 0;
+    q->thread = std::thread([this, q] { run_queue(*q); });
+  } else {
+    q = queues_[next_queue_ % queues_.size()].get();  // round robin, as CUDA assigns connections
+  }
+  ++next_queue_;
+  s->hw = q;
+  return s;
+}
+
+Stream EmulatedDevice::create_stream() {
+  check_no_fault("cudaStreamCreate");
   std::lock_guard<std::mutex> lock(mu_);
   Stream h = next_handle_++;
-  streams_[h] = std::move(s);
+  streams_[h] = new_stream_locked();
   return h;
 }
 
@@ -230,26 +289,20 @@ void EmulatedDevice::destroy_stream(Stream stream) {
     auto it = streams_.find(stream);
     if (it == streams_.end()) throw Error(ErrorCode::kSystem, "emulated cudaStreamDestroy: invalid resource handle");
     s = it->second;
-    streams_.erase(it);
-    retired_.push_back(s);  // like CUDA: returns now, its work still runs
+    streams_.erase(it);  // like CUDA: returns now, its work still runs
   }
+  HwQueue& q = *s->hw;
   {
-    std::lock_guard<std::mutex> lock(s->mu);
-    s->stop = true;
+    std::lock_guard<std::mutex> lock(q.mu);
+    if (q.dedicated) q.retired = true;
   }
-  s->pushed.notify_all();
+  q.pushed.notify_all();
 }
 
 std::shared_ptr<EmulatedDevice::StreamState> EmulatedDevice::stream_of(Stream stream) {
   std::lock_guard<std::mutex> lock(mu_);
   if (stream == 0) {
-    if (!default_stream_) {
-      default_stream_ = std::make_shared<StreamState>();
-      default_stream_->depth = options_.queue_depth;
-      default_stream_->latency = options_.op_latency;
-      StreamState* raw = default_stream_.get();
-      default_stream_->thread = std::thread([raw, this] { raw->loop(torn_down_); });
-    }
+    if (!default_stream_) default_stream_ = new_stream_locked();
     return default_stream_;
   }
   auto it = streams_.find(stream);
@@ -264,17 +317,24 @@ std::shared_ptr<EmulatedDevice::EventState> EmulatedDevice::event_of(Event event
   return it->second;
 }
 
-void EmulatedDevice::enqueue(Stream stream, std::function<void()> task) {
-  std::shared_ptr<StreamState> s = stream_of(stream);
-  std::unique_lock<std::mutex> lock(s->mu);
-  s->popped.wait(lock, [&] { return s->queue.size() < s->depth || torn_down_.load(); });
-  if (!s->fail_next.empty()) {
+void EmulatedDevice::push(const std::shared_ptr<StreamState>& s, Task task, const char* call) {
+  check_no_fault(call);
+  HwQueue& q = *s->hw;
+  std::unique_lock<std::mutex> lock(q.mu);
+  q.popped.wait(lock, [&] { return s->queued < s->depth || torn_down_.load(); });
+  if (task.run && !s->fail_next.empty()) {
     std::string message = s->fail_next;
     s->fail_next.clear();
-    task = [message] { throw Error(ErrorCode::kSystem, "emulated failure: " + message); };
+    task.run = [message] { throw Error(ErrorCode::kSystem, "emulated failure: " + message); };
   }
-  s->queue.push_back(StreamState::Task{std::move(task), nullptr, 0});
-  s->pushed.notify_all();
+  task.stream = s;
+  ++s->queued;
+  q.fifo.push_back(std::move(task));
+  q.pushed.notify_all();
+}
+
+void EmulatedDevice::enqueue(Stream stream, std::function<void()> task) {
+  push(stream_of(stream), Task{nullptr, std::move(task), nullptr, 0}, "stream operation");
 }
 
 void EmulatedDevice::spin_until(const std::function<bool()>& ready) {
@@ -290,7 +350,7 @@ void EmulatedDevice::spin_until(const std::function<bool()>& ready) {
 
 void EmulatedDevice::fail_next_task(Stream stream, const std::string& message) {
   std::shared_ptr<StreamState> s = stream_of(stream);
-  std::lock_guard<std::mutex> lock(s->mu);
+  std::lock_guard<std::mutex> lock(s->hw->mu);
   s->fail_next = message;
 }
 
@@ -306,25 +366,28 @@ size_t EmulatedDevice::live_allocations() const {
 
 size_t EmulatedDevice::queued(Stream stream) {
   std::shared_ptr<StreamState> s = stream_of(stream);
-  std::lock_guard<std::mutex> lock(s->mu);
-  return s->queue.size();
+  std::lock_guard<std::mutex> lock(s->hw->mu);
+  return s->queued;
 }
 
 bool EmulatedDevice::stream_idle(Stream stream) {
   std::shared_ptr<StreamState> s = stream_of(stream);
-  std::lock_guard<std::mutex> lock(s->mu);
-  if (!s->error.empty()) throw Error(ErrorCode::kSystem, "emulated stream failed: " + s->error);
-  return s->queue.empty() && !s->running;
+  check_no_fault("cudaStreamQuery");
+  std::lock_guard<std::mutex> lock(s->hw->mu);
+  return s->queued == 0 && !s->running;
 }
 
 void EmulatedDevice::synchronize(Stream stream) {
   std::shared_ptr<StreamState> s = stream_of(stream);
-  std::unique_lock<std::mutex> lock(s->mu);
-  s->popped.wait(lock, [&] { return (s->queue.empty() && !s->running) || torn_down_.load(); });
-  if (!s->error.empty()) throw Error(ErrorCode::kSystem, "emulated stream failed: " + s->error);
+  {
+    std::unique_lock<std::mutex> lock(s->hw->mu);
+    s->hw->popped.wait(lock, [&] { return (s->queued == 0 && !s->running) || torn_down_.load(); });
+  }
+  check_no_fault("cudaStreamSynchronize");
 }
 
 Event EmulatedDevice::create_event() {
+  check_no_fault("cudaEventCreate");
   std::lock_guard<std::mutex> lock(mu_);
   Event h = next_handle_++;
   events_[h] = std::make_shared<EventState>();
@@ -339,23 +402,36 @@ void EmulatedDevice::destroy_event(Event event) {
 void EmulatedDevice::record_event(Event event, Stream stream) {
   std::shared_ptr<EventState> ev = event_of(event);
   std::shared_ptr<StreamState> s = stream_of(stream);
-  std::unique_lock<std::mutex> lock(s->mu);
-  s->popped.wait(lock, [&] { return s->queue.size() < s->depth || torn_down_.load(); });
+  check_no_fault("cudaEventRecord");
+  HwQueue& q = *s->hw;
+  std::unique_lock<std::mutex> lock(q.mu);
+  q.popped.wait(lock, [&] { return s->queued < s->depth || torn_down_.load(); });
   {
     std::lock_guard<std::mutex> e(ev->mu);
     ev->error.clear();
   }
   uint64_t generation = ev->recorded.fetch_add(1) + 1;
-  s->queue.push_back(StreamState::Task{nullptr, ev, generation});
-  s->pushed.notify_all();
+  ++s->queued;
+  q.fifo.push_back(Task{s, nullptr, ev, generation});
+  q.pushed.notify_all();
 }
 
 bool EmulatedDevice::event_done(Event event, const char* what) {
   std::shared_ptr<EventState> ev = event_of(event);
+  if (std::string f = fault(); !f.empty()) throw Error(ErrorCode::kSystem, std::string(what) + ": " + f);
   if (ev->completed.load() < ev->recorded.load()) return false;
   std::lock_guard<std::mutex> lock(ev->mu);
   if (!ev->error.empty()) throw Error(ErrorCode::kSystem, std::string(what) + ": " + ev->error);
   return true;
+}
+
+void EmulatedDevice::wait_event(Stream stream, Event event) {
+  std::shared_ptr<EventState> ev = event_of(event);
+  const uint64_t generation = ev->recorded.load();  // the record at the time of the call, as CUDA
+  if (generation == 0) return;                      // never recorded: nothing to wait for
+  push(stream_of(stream), Task{nullptr, [this, ev, generation] {
+         spin_until([&] { return ev->completed.load() >= generation; });
+       }, nullptr, 0}, "cudaStreamWaitEvent");
 }
 
 void EmulatedDevice::copy_batch(Stream stream, const CopyBatch& batch) {

@@ -2,16 +2,28 @@
 // semantics where that logic depends on them. It proves ordering, flow control and failure
 // paths; it says nothing about drivers or bandwidth (GPU results live in docs/benchmarks.md).
 //
-//  - each stream runs its queue in order on its own thread, asynchronously to the caller; a
-//    queue holds at most `queue_depth` pending operations and enqueuing blocks while it is full
+//  - streams run on `hardware_queues` in-order hardware queues (a GPU's CUDA_DEVICE_MAX_CONNECTIONS,
+//    default 8; FREESCALE_EMULATED_HW_QUEUES overrides the default for a whole test run), assigned
+//    round robin as streams are created; each queue runs its streams' operations one at a time in
+//    enqueue order, on its own thread, asynchronously to the caller. So a stream wait (on a word
+//    or an event) at a queue's head stalls every stream behind it on that queue, as on a GPU
+//    (cuda.h's warning on stream memory operations). 0 queues: one per stream (no false sharing);
+//  - a stream holds at most `queue_depth` pending operations; enqueuing blocks while it is full
 //    (as a GPU's command queue does);
 //  - events complete when their stream reaches them; a never-recorded event counts as complete;
-//  - stream waits on 32/64-bit words (GEQ/EQ/AND) block only their stream;
-//  - copies really copy (memcpy on the stream's thread);
+//    a stream wait on an event waits for the record made before the call (cudaStreamWaitEvent);
+//  - stream waits on 32/64-bit words: GEQ compares cyclically ((int64_t)(*addr - value) >= 0, as
+//    cuStreamWaitValue does), EQ, AND;
+//  - copies really copy (memcpy on the queue's thread);
 //  - "device" allocations are memfd shared memory: IPC handles open in forked peer processes
 //    (through /proc/<pid>/fd), and nothing appears in /dev/shm, crash or not;
-//  - a task that fails (fail_next_task) makes its stream's error sticky: events recorded after it
-//    throw from event_done, like a CUDA error.
+//  - an asynchronous fault (a task that fails: fail_next_task) poisons the whole context, as on a
+//    GPU: nothing queued on any stream runs after it, and every later call of the device (stream
+//    and event queries, synchronization, enqueues, creation) throws it; releasing memory and
+//    handles still works (teardown must not leak).
+// Not modelled: timing and bandwidth, concurrency within a queue (a queue runs one operation at a
+// time, which is harsher than a GPU), the legacy default stream's implicit synchronization,
+// graph capture, peer access rules, creation blocking while waits are pending.
 // EmulatedShmem adds NVSHMEM's host API: one symmetric heap per PE, shared by every PE, with
 // put-with-signal, signal ops and signal waits on emulated streams, and init status.
 #pragma once
@@ -30,12 +42,17 @@
 
 namespace freescale {
 
+// EmulatedDeviceOptions::hardware_queues: FREESCALE_EMULATED_HW_QUEUES if set, else 8.
+inline constexpr int kHardwareQueuesFromEnvironment = -1;
+
 struct EmulatedDeviceOptions {
   int devices = 1;          // device_count()
   size_t queue_depth = 64;  // pending operations per stream before enqueue blocks
   // Each copy / value write / wait starts this long after its stream reaches it: a slow (or
   // loaded) device, to expose host code that assumes device work lands promptly.
   std::chrono::microseconds op_latency{0};
+  // In-order hardware queues the streams share (0: one per stream).
+  int hardware_queues = kHardwareQueuesFromEnvironment;
 };
 
 class EmulatedDevice final : public DeviceOps {
@@ -62,6 +79,7 @@ class EmulatedDevice final : public DeviceOps {
   void destroy_event(Event event) override;
   void record_event(Event event, Stream stream) override;
   bool event_done(Event event, const char* what) override;
+  void wait_event(Stream stream, Event event) override;
 
   void copy_batch(Stream stream, const CopyBatch& batch) override;
   void write_value32(Stream stream, DevicePtr addr, uint32_t value) override;
@@ -87,8 +105,8 @@ class EmulatedDevice final : public DeviceOps {
   void shutdown();
 
   // --- for tests and EmulatedShmem ---
-  // Queues `task` on `stream` (blocks while the queue is full). `task` runs on the stream's thread;
-  // an exception it throws becomes the stream's sticky error.
+  // Queues `task` on `stream` (blocks while the queue is full). `task` runs on its hardware
+  // queue's thread; an exception it throws faults the device (context-wide, sticky).
   struct StreamState;
   void enqueue(Stream stream, std::function<void()> task);
   // Blocks the calling stream's thread until `ready()` or the device is torn down.
@@ -101,18 +119,34 @@ class EmulatedDevice final : public DeviceOps {
   size_t live_allocations() const;
   // Pending operations on `stream` (not counting the running one).
   size_t queued(Stream stream);
+  // The hardware queues in use (after any override).
+  int hardware_queues() const { return options_.hardware_queues; }
+  // The context's fault ("" while healthy).
+  std::string fault() const;
 
  private:
   struct EventState;
+  struct Task;
+  struct HwQueue;
+  void run_queue(HwQueue& q);
+  void raise_fault(const std::string& what);
+  void check_no_fault(const char* call) const;
+  // Appends `task` to its stream's hardware queue, waiting for room in the stream.
+  void push(const std::shared_ptr<StreamState>& s, Task task, const char* call);
+  std::shared_ptr<StreamState> new_stream_locked();  // holder of mu_
   std::shared_ptr<StreamState> stream_of(Stream stream);
   std::shared_ptr<EventState> event_of(Event event);
 
   EmulatedDeviceOptions options_;
   std::atomic<bool> torn_down_{false};
-  mutable std::mutex mu_;  // guards the maps below
+  std::atomic<bool> faulted_{false};
+  mutable std::mutex fault_mu_;  // guards fault_
+  std::string fault_;
+  mutable std::mutex mu_;  // guards the maps and queues below
   uintptr_t next_handle_ = 1;
+  std::vector<std::unique_ptr<HwQueue>> queues_;  // threads joined at teardown
+  size_t next_queue_ = 0;                          // round robin over queues_
   std::map<Stream, std::shared_ptr<StreamState>> streams_;
-  std::vector<std::shared_ptr<StreamState>> retired_;  // destroyed, still draining: joined at teardown
   std::shared_ptr<StreamState> default_stream_;
   std::map<Event, std::shared_ptr<EventState>> events_;
   struct Mapping {

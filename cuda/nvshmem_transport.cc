@@ -88,7 +88,9 @@ class NvshmemTransport final : public Transport {
   uintptr_t mark_submission(uintptr_t stream) override { return gate_.mark(stream); }
   void on_submit(OpState& op, uintptr_t mark) override { gate_.on_submit(op, mark); }
   void discard_submission(uintptr_t mark) override { gate_.give_event(mark); }
-  void stream_wait(const OpState& op, uintptr_t stream) override { gate_.stream_wait(op, stream); }
+  bool stream_wait(const OpState& op, uintptr_t stream, std::chrono::microseconds timeout) override {
+    return gate_.stream_wait(op, stream, timeout);
+  }
   void post(const std::shared_ptr<OpState>& op) override;
   bool can_send(const Transfer& t) const override;
   void send_chunk(const Transfer& t, const Chunk& c) override;
@@ -213,7 +215,6 @@ NvshmemTransport::NvshmemTransport(Bootstrap& bootstrap, const Config& config, D
                         "group); use FREESCALE_TRANSPORT=ce for this one or one NVSHMEM group per process");
     }
     guard.emplace(ops_, device_);
-    gate_.allocate();
     audit_mirror_ = static_cast<uint64_t*>(ops_.host_alloc_mapped(sizeof(uint64_t) * kOpWindow * world_, &audit_mirror_device_));
     notice_mirror_ = static_cast<uint64_t*>(ops_.host_alloc_mapped(sizeof(uint64_t) * world_, &notice_mirror_device_));
     std::fill(notice_mirror_, notice_mirror_ + world_, 0);

@@ -15,16 +15,11 @@ SubmitGate::~SubmitGate() {
   DeviceGuard guard(ops_, device_, std::nothrow);
   try {
     for (auto& [seq, ev] : submitted_) ops_.destroy_event(ev);
+    for (auto& [seq, c] : completions_) ops_.destroy_event(c.event);
     for (Event ev : spare_) ops_.destroy_event(ev);
-    if (done_ != nullptr) ops_.host_free(done_);
   } catch (...) {
     // Best effort: destructors never throw.
   }
-}
-
-void SubmitGate::allocate() {
-  done_ = static_cast<uint64_t*>(ops_.host_alloc_mapped(sizeof(uint64_t) * kOpWindow, &done_device_));
-  std::fill(done_, done_ + kOpWindow, 0);
 }
 
 Event SubmitGate::take_event() {
@@ -41,6 +36,10 @@ Event SubmitGate::take_event() {
 
 void SubmitGate::give_event(Event ev) {
   std::lock_guard<std::mutex> lock(mu_);
+  give_event_locked(ev);
+}
+
+void SubmitGate::give_event_locked(Event ev) {
   // An event given back twice would be handed to two users at once: one's record would complete
   // the other's wait early (an op finished before its copies landed). Never silently.
   if (std::find(spare_.begin(), spare_.end(), ev) != spare_.end())
@@ -71,21 +70,70 @@ void SubmitGate::on_submit(OpState& op, Event mark) {
     std::lock_guard<std::mutex> lock(mu_);
     submitted_[op.seq] = mark;
   }
-  // Completed or failed, admitted or not, the flag moves: a stream waiting on a failed op must
-  // not hang (the failure itself surfaces on the host). Only increasing: op s + kOpWindow may
-  // fail before op s in the same slot.
-  auto* flag = reinterpret_cast<std::atomic<uint64_t>*>(done_ + op.seq % kOpWindow);
-  const uint64_t value = op.seq + 1;
-  op.add_done_callback([flag, value] {
-    uint64_t now = flag->load(std::memory_order_relaxed);
-    while (now < value && !flag->compare_exchange_weak(now, value, std::memory_order_release)) {
-    }
-  });
+  // Completed or failed, admitted or not: callers blocked in stream_wait go on.
+  op.add_done_callback([this, seq = op.seq] { op_done(seq); });
 }
 
-void SubmitGate::stream_wait(const OpState& op, Stream stream) {
-  DeviceGuard guard(ops_, device_);
-  ops_.wait_value64(stream, done_device_ + sizeof(uint64_t) * (op.seq % kOpWindow), op.seq + 1, WaitCmp::kGeq);
+void SubmitGate::op_done(uint64_t seq) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = completions_.find(seq);
+    if (it != completions_.end()) {
+      if (it->second.users == 0) {
+        give_event_locked(it->second.event);
+        completions_.erase(it);
+      } else {
+        it->second.retired = true;
+      }
+    }
+  }
+  enqueued_cv_.notify_all();
+}
+
+void SubmitGate::all_enqueued(const OpState& op, Event ev) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (op.is_completed()) {
+      give_event_locked(ev);  // its done-callback ran already: nobody will wait on it
+    } else {
+      completions_[op.seq] = Completion{ev, 0, false};
+    }
+  }
+  enqueued_cv_.notify_all();
+}
+
+bool SubmitGate::stream_wait(const OpState& op, Stream stream, std::chrono::microseconds timeout) {
+  Event ev = 0;
+  {
+    std::unique_lock<std::mutex> lock(mu_);
+    auto ready = [&] { return op.is_completed() || completions_.count(op.seq) > 0; };
+    if (timeout.count() < 0) {
+      enqueued_cv_.wait(lock, ready);
+    } else if (!enqueued_cv_.wait_for(lock, timeout, ready)) {
+      return false;
+    }
+    auto it = completions_.find(op.seq);
+    if (it == completions_.end() || it->second.retired) return true;  // completed: its device work is over
+    ++it->second.users;
+    ev = it->second.event;
+  }
+  auto release = [&] {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = completions_.find(op.seq);
+    if (--it->second.users == 0 && it->second.retired) {
+      give_event_locked(it->second.event);
+      completions_.erase(it);
+    }
+  };
+  try {
+    DeviceGuard guard(ops_, device_);
+    ops_.wait_event(stream, ev);  // captures the record made before: the event may be reused after
+  } catch (...) {
+    release();
+    throw;
+  }
+  release();
+  return true;
 }
 
 bool SubmitGate::submitter_passed(const OpState& op) {

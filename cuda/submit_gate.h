@@ -4,12 +4,17 @@
 // communicator takes its lock: the record blocks while that stream's queue is full); the transport
 // starts the op (in program order) once that event completed, checked by the host: a comm stream
 // never waits on a caller, so a caller whose stream waits for op N before submitting op N+1
-// cannot block op N's later copies behind that wait. From submission on, every op moves its
-// completion flag (pinned, device-mapped: done[seq % kOpWindow] >= seq + 1, only increasing)
-// when it completes or fails, admitted or not; stream_wait() makes a stream wait on it without
-// blocking the CPU.
+// cannot block op N's later copies behind that wait.
+//
+// A caller's stream waits for an op only on an event the transport recorded after the op's last
+// device operation on this rank, once that operation is enqueued (all_enqueued()): a wait CUDA
+// sees ordered after the work it depends on, which no shared hardware queue can deadlock
+// (design.md §4). So stream_wait() blocks the host until then (or until the op completed or
+// failed: its device work is then over, and no device wait is needed).
 #pragma once
 
+#include <chrono>
+#include <condition_variable>
 #include <cstdint>
 #include <deque>
 #include <map>
@@ -25,14 +30,12 @@ namespace freescale {
 class SubmitGate {
  public:
   SubmitGate(DeviceOps& ops, int device);
-  // Frees the events and flags, best effort, unless leak() was called.
+  // Frees the events, best effort, unless leak() was called.
   ~SubmitGate();
   SubmitGate(const SubmitGate&) = delete;
   SubmitGate& operator=(const SubmitGate&) = delete;
 
-  // Allocates the completion flags; `device` must be current. Throws Error(kSystem).
-  void allocate();
-  // Pending GPU work may still read or write the flags: keep them (and the events) for good.
+  // Pending GPU work may still use the events: keep them for good.
   void leak() { leaked_ = true; }
 
   // Events of `device`, recycled (any thread): take one to record; event_done() gives it back.
@@ -47,10 +50,16 @@ class SubmitGate {
   // if the op is refused, give_event.
   Event mark(Stream stream);
   // Caller's thread, as the op gets its seq (under the communicator's lock: quick, no device
-  // call): ties `mark` to the op and its completion flag to its outcome.
+  // call): ties `mark` to the op, and the op's completion to the callers blocked in stream_wait.
   void on_submit(OpState& op, Event mark);
-  // Any thread: `stream` waits until `op` completed (or failed).
-  void stream_wait(const OpState& op, Stream stream);
+  // Progress thread: every device operation of `op` on this rank is enqueued, and `ev` recorded
+  // after the last of them (on the comm stream). The gate owns `ev` from now on.
+  void all_enqueued(const OpState& op, Event ev);
+  // Any thread but the progress thread: `stream` waits (on the device) for op's device work on
+  // this rank. Blocks the host until all_enqueued(op) or until op completed or failed (then no
+  // device wait: its work is over; the caller raises a failure); false if `timeout` (negative:
+  // none) passed first.
+  bool stream_wait(const OpState& op, Stream stream, std::chrono::microseconds timeout);
 
   // Progress thread: the op waits for its submitter's event.
   void post(const std::shared_ptr<OpState>& op) { unready_.push_back(op); }
@@ -62,16 +71,24 @@ class SubmitGate {
   bool waiting() const { return !unready_.empty(); }
 
  private:
+  // The event after an op's last device operation, while callers may still wait on it.
+  struct Completion {
+    Event event = 0;
+    int users = 0;          // stream_wait calls between reading `event` and enqueuing their wait
+    bool retired = false;   // the op completed: the last user gives `event` back
+  };
   // True once op's submission event completed (then recycled); throws if the stream failed.
   bool submitter_passed(const OpState& op);
+  void give_event_locked(Event ev);  // holder of mu_
+  void op_done(uint64_t seq);
 
   DeviceOps& ops_;
   int device_;
   bool leaked_ = false;
-  uint64_t* done_ = nullptr;  // pinned, mapped: [kOpWindow]
-  DevicePtr done_device_ = 0;
-  std::mutex mu_;  // guards submitted_ and spare_
+  std::mutex mu_;  // guards submitted_, completions_ and spare_
+  std::condition_variable enqueued_cv_;  // an op's last operation was enqueued, or an op completed
   std::map<uint64_t, Event> submitted_;  // seq -> its submission event
+  std::map<uint64_t, Completion> completions_;  // seq -> after its last device operation
   std::vector<Event> spare_;
   std::deque<std::shared_ptr<OpState>> unready_;  // progress thread only
   uint64_t started_below_ = 0;                     // ops with seq < this were started

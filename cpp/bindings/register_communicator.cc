@@ -176,6 +176,9 @@ void register_communicator(py::module_& m) {
           "all_to_all",
           [](Communicator& c, uintptr_t send_ptr, uintptr_t recv_ptr, AllToAllLayout layout, int priority,
              bool caller_waits, uintptr_t stream) {
+            // Without the GIL: marking a CUDA stream blocks while its queue is full, and what
+            // drains it may need the progress thread, which takes the GIL for done-callbacks.
+            py::gil_scoped_release release;
             return c.all_to_all(reinterpret_cast<const uint8_t*>(send_ptr), reinterpret_cast<uint8_t*>(recv_ptr),
                                 std::move(layout), priority, caller_waits, stream);
           },
@@ -186,9 +189,15 @@ void register_communicator(py::module_& m) {
           "CUDA buffers' stream (cudaStream_t as int): the transfer starts after its current work.")
       .def(
           "stream_wait",
-          [](Communicator& c, const std::shared_ptr<OpState>& op, uintptr_t stream) { c.stream_wait(op, stream); },
-          py::arg("work"), py::arg("stream"),
-          "Makes CUDA `stream` wait for the op without blocking the CPU (ce / nvshmem transports).")
+          [](Communicator& c, const std::shared_ptr<OpState>& op, uintptr_t stream, std::optional<double> timeout_s) {
+            return wait_honouring_signals(to_timeout(timeout_s), [&](std::chrono::microseconds s) {
+              return c.stream_wait(op, stream, s);
+            });
+          },
+          py::arg("work"), py::arg("stream"), py::arg("timeout_s") = py::none(),
+          "Makes CUDA `stream` wait for the op's device work (ce / nvshmem transports) on an event CUDA sees "
+          "ordered after it: blocks the CPU (GIL released; Ctrl-C honoured) until that work is enqueued, not until "
+          "it lands; False if timeout_s passed first.")
       .def(
           "wait",
           [](Communicator& c, const std::shared_ptr<OpState>& op, std::optional<double> timeout_s) {

@@ -47,19 +47,26 @@ class Work:
         """CPU tensors: blocks (GIL released) until the op completed on this rank and every peer
         received its part. Raises CommError if the op failed, or if `timeout` (seconds or
         timedelta) passed first (the op itself goes on). CUDA tensors (as NCCL): makes the current
-        stream wait for the op and returns at once; a failure raises here if already known, else
-        on a later call (the stream is released either way). Returns True."""
+        stream wait for the op's bytes on this rank, on an event recorded after its last copy, so
+        the wait can never sit ahead of the copies it depends on (design.md §4); the CPU blocks
+        until that copy is enqueued, not until it lands. A failure raises here if already known,
+        else on a later call (the stream is released either way). Returns True."""
         if self._device is not None:
-            _timeout_seconds(timeout)  # checked, but the CPU does not wait
+            seconds = _timeout_seconds(timeout)
             self._handle.rethrow_if_failed()
-            self._comm.stream_wait(self._handle, torch.cuda.current_stream(self._device).cuda_stream)
+            if not self._comm.stream_wait(self._handle, torch.cuda.current_stream(self._device).cuda_stream, seconds):
+                raise self._timed_out(timeout, "its copies were not all enqueued")
+            self._handle.rethrow_if_failed()
             return True
         if not self._comm.wait(self._handle, _timeout_seconds(timeout)):
-            err = _core.CommError(f"all_to_all op #{self.seq} did not complete within {timeout} (the op is still pending)")
-            err.code, err.culprit = "TIMEOUT", None
-            raise err
+            raise self._timed_out(timeout, "the op is still pending")
         self._keepalive = None
         return True
+
+    def _timed_out(self, timeout: Timeout, why: str) -> Exception:
+        err = _core.CommError(f"all_to_all op #{self.seq} did not complete within {timeout} ({why}; it goes on)")
+        err.code, err.culprit = "TIMEOUT", None
+        return err
 
     def is_completed(self) -> bool:
         """True once the op finished, successfully or not (like torch's Work)."""
@@ -108,7 +115,7 @@ class Work:
 
     def _set_cuda_result(self, future: torch.futures.Future) -> None:
         """Completes `future` with the events it records on a side stream that waits for the op
-        (stream_wait takes no lock: safe on the progress thread). Not the completing thread's
+        (the op completed: stream_wait returns at once, safe on the progress thread). Not the completing thread's
         current stream: on the default stream the events would also wait for unrelated work."""
         assert self._device is not None
         try:
