@@ -74,6 +74,7 @@ RootCause find_root_cause(const std::vector<PeerSight>& peers, int me) {
 }
 
 void throw_root_cause(const RootCause& cause, int me, const std::function<int(int)>& pid_of) {
+  if (cause.kind == Kind::kNone) return;  // (cause.rank is -1: no pid to look up)
   const std::string who = "rank " + std::to_string(cause.rank) + " (pid " + std::to_string(pid_of(cause.rank)) + ")";
   switch (cause.kind) {
     case Kind::kNone:
