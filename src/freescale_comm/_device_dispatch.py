@@ -63,6 +63,11 @@ def copy_runs(home: torch.Tensor, packed: torch.Tensor, plan: DevicePlan, to_pac
     """Gathers the plan's samples from `home` into send order in `packed` (to_packed), or
     scatters them back; both contiguous, same dtype and row shape, on the current stream."""
     row_bytes = math.prod(home.shape[1:]) * home.element_size()
+    stream = torch.cuda.current_stream(home.device)
+    for t in (plan.sent_lengths, plan.home_row, plan.packed_row):
+        # Made on the dispatch's stream; this kernel may run on another (combine, dispatch_like):
+        # the allocator must not reuse them before it ran, even if the handle goes first.
+        t.record_stream(stream)
     with torch.cuda.device(home.device):
         _core.copy_jagged_runs_cuda(home.data_ptr(), packed.data_ptr(), to_packed, plan.sent_lengths.data_ptr(),
                                     plan.home_row.data_ptr(), plan.packed_row.data_ptr(), plan.sent_lengths.numel(),

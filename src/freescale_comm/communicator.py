@@ -18,6 +18,7 @@ import torch.distributed as dist
 
 from freescale_comm import _core
 from freescale_comm._bootstrap import GroupBootstrap
+from freescale_comm._capture import refuse_capture
 from freescale_comm.work import Work
 
 SplitSizes = Optional[Union[Sequence[int], torch.Tensor]]
@@ -267,7 +268,7 @@ class Communicator:
         """Queues an AllToAllv of the contiguous tensors' bytes as `layout` (a checked
         _core.AllToAllLayout) says. CPU: waits for it unless async_op. CUDA: the transfer starts
         after the current stream's work so far; unless async_op, the current stream then waits
-        for it (the CPU does not). Under torch.profiler, the op is a range from submission to
+        for it (the CPU only until its copies are enqueued: Work.wait). Under torch.profiler, the op is a range from submission to
         completion named by `op_name`, its priority and bytes."""
         self._check_not_forked()
         if not torch.autograd.profiler._is_profiler_enabled:
@@ -282,13 +283,8 @@ class Communicator:
 
     def _submit_now(self, output: torch.Tensor, input: torch.Tensor, layout: Any, priority: int, async_op: bool) -> Work:
         cuda = input.device.type == "cuda"
-        if cuda and torch.cuda.is_current_stream_capturing():
-            # The copy-engine transport is driven by the host per op: a graph replay would not
-            # move the bytes again. Refused before anything is queued (peers are not affected).
-            raise _core.InvalidUsageError(
-                "all_to_all on CUDA tensors cannot be captured into a CUDA graph: freescale's copy-engine transport "
-                "is driven by the host for every op; run the AllToAll outside the captured region"
-            )
+        if cuda:
+            refuse_capture(input.device, "all_to_all")  # before anything is queued (peers are not affected)
         core = self._core_for(input.device)
         stream = torch.cuda.current_stream(input.device).cuda_stream if cuda else 0
         handle = core.all_to_all(input.data_ptr(), output.data_ptr(), layout, priority, not async_op and not cuda, stream)

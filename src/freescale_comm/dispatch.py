@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from freescale_comm import _core, _device_dispatch
+from freescale_comm._capture import refuse_capture
 from freescale_comm._output_cache import output_cache
 from freescale_comm.communicator import Communicator, check_priority
 
@@ -111,6 +112,8 @@ def _move_rows(values: torch.Tensor, handle: DispatchHandle, priority: int, forw
     straight from their rows in `values`. Else the reverse (combine's movement): rows received →
     their home rows, landing there straight. No staging copy either way for CPU tensors; CUDA
     tensors go through _move_rows_cuda (gathered by the layout kernels)."""
+    if values.device.type == "cuda":
+        refuse_capture(values.device, "fc.dispatch" if forward else "fc.combine")
     values = values.contiguous()
     if isinstance(handle.plan, _device_dispatch.DevicePlan):
         return _move_rows_cuda(values, handle, priority, forward)
@@ -198,6 +201,7 @@ def _dispatch_cuda(values: torch.Tensor, lengths: torch.Tensor, dest_ranks: torc
                    group: Optional[dist.ProcessGroup], priority: int) -> DispatchResult:
     """dispatch of CUDA tensors: the plan kernel, one host sync for its counts, the counts over
     the host transport, the lengths and rows over the copy engines."""
+    refuse_capture(values.device, "fc.dispatch")  # before the plan's host sync would invalidate the capture
     _device_dispatch.check_device_support(world)
     plan = _device_dispatch.plan(lengths, dest_ranks.contiguous(), world)
     if plan.rows != values.shape[0]:

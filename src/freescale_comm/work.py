@@ -9,6 +9,7 @@ from typing import Any, Optional, Union
 import torch
 
 from freescale_comm import _core
+from freescale_comm._capture import refuse_capture
 
 Timeout = Union[None, float, int, datetime.timedelta]
 
@@ -53,6 +54,7 @@ class Work:
         else on a later call (the stream is released either way). Returns True."""
         if self._device is not None:
             seconds = _timeout_seconds(timeout)
+            refuse_capture(self._device, "Work.wait()")  # a wait captured as a graph node never waits at replay
             self._handle.rethrow_if_failed()
             if not self._comm.stream_wait(self._handle, torch.cuda.current_stream(self._device).cuda_stream, seconds):
                 raise self._timed_out(timeout, "its copies were not all enqueued")
