@@ -267,10 +267,19 @@ TEST(NvshmemEmulatedFailures, CloseWithOpsPendingReleasesTheUsersStream) {
         xs.push_back(std::make_unique<Exchange>(uniform_counts(2, 4096), rank, i));
         ops.push_back(comm->all_to_all(xs.back()->send.data(), xs.back()->recv.data(), xs.back()->layout, 0, false, user));
       }
+      // stream_wait blocks the host until an op's copies are enqueued, which never happens
+      // here: close() on another thread fails the ops, and the waits return (no device wait).
+      std::thread closer([&] {
+        std::this_thread::sleep_for(50ms);
+        comm->close();
+      });
       comm->stream_wait(ops[3], user);
       comm->stream_wait(ops[69], user);
-      std::this_thread::sleep_for(50ms);
-      comm->close();
+      closer.join();
+      for (auto& op : ops) {
+        std::string why = expect_comm_error([&] { op->rethrow_if_failed(); }, ErrorCode::kCommError);
+        if (!why.empty()) result = "op " + std::to_string(op->seq) + " was not failed by close(): " + why;
+      }
       if (!drains_within(device, user, 10s)) result = "the user's stream still waits on ops that failed at close()";
     }
     bootstrap.allgather("");

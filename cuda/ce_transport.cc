@@ -33,6 +33,7 @@ namespace freescale {
 namespace {
 
 constexpr std::chrono::microseconds kPollWhileBusy{50};  // device writes ring no doorbell: poll
+constexpr const char* kUnsupportedMark = "unsupported: ";  // an announced setup error that is a refusal
 
 class CeTransport final : public HostTransport {
  public:
@@ -61,6 +62,11 @@ class CeTransport final : public HostTransport {
   bool sends_settled(const OpState& op) override;
 
  private:
+  // Collective over `bootstrap`: device resources, then the arenas' exchange. Throws (on every
+  // rank alike) if any rank failed or refused.
+  void setup(Bootstrap& bootstrap, const Config& config);
+  // Frees what setup made (best effort, never throws); the comm stream drains first.
+  void release() noexcept;
   struct Landing {  // a receive part whose last copy was queued
     uint64_t seq;
     int src;
@@ -100,12 +106,27 @@ CeTransport::CeTransport(Bootstrap& bootstrap, const Config& config, DeviceOps& 
       arenas_(static_cast<size_t>(world_)),
       arena_ptr_(static_cast<size_t>(world_), nullptr),
       gate_(ops, device_) {
+  try {
+    setup(bootstrap, config);
+  } catch (...) {
+    release();  // the destructor does not run for a constructor that throws
+    throw;
+  }
+}
+
+void CeTransport::setup(Bootstrap& bootstrap, const Config& config) {
   // Local setup; a failure is announced so that every rank fails together instead of hanging.
   std::string error, handle;
   CeArenaLayout mine = CeArenaLayout::plan(world_, rank_, config.chunk_bytes, config.arena_bytes);
   std::optional<DeviceGuard> guard;  // the caller's device comes back when setup ends
   try {
     guard.emplace(ops_, device_);
+    // What the data path needs, checked before anything is made: counters written by the device
+    // with 64-bit stream memory operations into registered, mapped host segments.
+    std::string missing = missing_capability(ops_, device_, "ce",
+                                             {DeviceAttribute::kCanUse64BitStreamMemOps, DeviceAttribute::kCanMapHostMemory,
+                                              DeviceAttribute::kHostRegisterSupported, DeviceAttribute::kUnifiedAddressing});
+    if (!missing.empty()) throw Error(ErrorCode::kUnsupported, missing);
     stream_ = ops_.create_stream();
     if (mine.num_bytes() > 0) {
       arena_ptr_[rank_] = static_cast<uint8_t*>(ops_.device_alloc(mine.num_bytes()));
@@ -115,6 +136,8 @@ CeTransport::CeTransport(Bootstrap& bootstrap, const Config& config, DeviceOps& 
       segment_device_.push_back(ops_.host_register(segment_base(p), segment_bytes(p)));
       registered_.push_back(segment_base(p));
     }
+  } catch (const Error& e) {
+    error = (e.code() == ErrorCode::kUnsupported ? kUnsupportedMark : "") + e.message();
   } catch (const std::exception& e) {
     error = e.what();
   }
@@ -131,6 +154,10 @@ CeTransport::CeTransport(Bootstrap& bootstrap, const Config& config, DeviceOps& 
       start = nl + 1;
     }
     f.push_back(all[p].substr(start));
+    if (f[0].rfind(kUnsupportedMark, 0) == 0) {  // every rank refuses: the backend falls back to NCCL
+      throw Error(ErrorCode::kUnsupported, "ce transport refused on rank " + std::to_string(p) + ": " +
+                                               f[0].substr(std::string(kUnsupportedMark).size()));
+    }
     if (!f[0].empty()) throw CommError(ErrorCode::kSystem, "ce transport setup failed on rank " + std::to_string(p) + ": " + f[0]);
     arenas_[p] = CeArenaLayout{world_, p, std::stoull(f[1]), std::stoull(f[2])};
     if (p == rank_ || f[3].empty() || !open_error.empty()) continue;
@@ -145,7 +172,9 @@ CeTransport::CeTransport(Bootstrap& bootstrap, const Config& config, DeviceOps& 
   }
 }
 
-CeTransport::~CeTransport() {
+CeTransport::~CeTransport() { release(); }
+
+void CeTransport::release() noexcept {
   // Best effort, never throws. The comm stream holds copies and counter writes only (no waits),
   // so it drains; it must, before the segments and arenas its work touches go away.
   DeviceGuard guard(ops_, device_, std::nothrow);
@@ -164,6 +193,11 @@ CeTransport::~CeTransport() {
   if (arena_ptr_[rank_] != nullptr) quietly([&] { ops_.device_free(arena_ptr_[rank_]); });
   for (void* base : registered_) quietly([&] { ops_.host_unregister(base); });
   if (stream_ != 0) quietly([&] { ops_.destroy_stream(stream_); });
+  landing_.clear();
+  send_fence_.clear();
+  std::fill(arena_ptr_.begin(), arena_ptr_.end(), nullptr);
+  registered_.clear();
+  stream_ = 0;
 }
 
 void CeTransport::quiesce() {

@@ -37,6 +37,18 @@ struct CopyBatch {
   bool empty() const { return dsts.empty(); }
 };
 
+// Device capabilities a transport needs (cuDeviceGetAttribute), checked at setup: where one is
+// missing, the first operation using it would fail instead.
+enum class DeviceAttribute {
+  kCanUse64BitStreamMemOps,  // CU_DEVICE_ATTRIBUTE_CAN_USE_64_BIT_STREAM_MEM_OPS: cuStreamWrite/WaitValue64
+  kCanMapHostMemory,         // CU_DEVICE_ATTRIBUTE_CAN_MAP_HOST_MEMORY: mapped pinned memory
+  kHostRegisterSupported,    // CU_DEVICE_ATTRIBUTE_HOST_REGISTER_SUPPORTED: cudaHostRegister
+  kUnifiedAddressing,        // CU_DEVICE_ATTRIBUTE_UNIFIED_ADDRESSING: one address space with the host
+  kCanFlushRemoteWrites,     // CU_DEVICE_ATTRIBUTE_CAN_FLUSH_REMOTE_WRITES (NVSHMEM's wait path)
+};
+// "CU_DEVICE_ATTRIBUTE_..." for messages.
+const char* device_attribute_name(DeviceAttribute attr);
+
 class DeviceOps {
  public:
   virtual ~DeviceOps() = default;
@@ -47,6 +59,8 @@ class DeviceOps {
   virtual int device_count() = 0;
   virtual int current_device() = 0;
   virtual void set_device(int device) = 0;
+  // The value of `attr` on `device` (0: unsupported). Throws Error(kSystem) if it cannot be read.
+  virtual int attribute(int device, DeviceAttribute attr) = 0;
   // Once per progress thread: `device` current, stream capture mode relaxed (a user's global-mode
   // graph capture elsewhere must not make this thread's calls illegal).
   virtual void prepare_progress_thread(int device) = 0;

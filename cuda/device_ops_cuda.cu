@@ -29,6 +29,22 @@ unsigned int wait_flags(WaitCmp cmp) {
   return CU_STREAM_WAIT_VALUE_GEQ;
 }
 
+CUdevice_attribute driver_attribute(DeviceAttribute attr) {
+  switch (attr) {
+    case DeviceAttribute::kCanUse64BitStreamMemOps:
+      return CU_DEVICE_ATTRIBUTE_CAN_USE_64_BIT_STREAM_MEM_OPS;
+    case DeviceAttribute::kCanMapHostMemory:
+      return CU_DEVICE_ATTRIBUTE_CAN_MAP_HOST_MEMORY;
+    case DeviceAttribute::kHostRegisterSupported:
+      return CU_DEVICE_ATTRIBUTE_HOST_REGISTER_SUPPORTED;
+    case DeviceAttribute::kUnifiedAddressing:
+      return CU_DEVICE_ATTRIBUTE_UNIFIED_ADDRESSING;
+    case DeviceAttribute::kCanFlushRemoteWrites:
+      return CU_DEVICE_ATTRIBUTE_CAN_FLUSH_REMOTE_WRITES;
+  }
+  return CU_DEVICE_ATTRIBUTE_MAX;
+}
+
 class CudaDeviceOps final : public DeviceOps {
  public:
   const char* name() const override { return "cuda"; }
@@ -47,6 +63,14 @@ class CudaDeviceOps final : public DeviceOps {
     return d;
   }
   void set_device(int device) override { check_cuda(cudaSetDevice(device), "cudaSetDevice"); }
+  int attribute(int device, DeviceAttribute attr) override {
+    const DriverApi& api = DriverApi::get();
+    CUdevice dev = 0;
+    check_cu(api.device_get(&dev, device), "cuDeviceGet");
+    int value = 0;
+    check_cu(api.device_get_attribute(&value, driver_attribute(attr), dev), "cuDeviceGetAttribute");
+    return value;
+  }
   void prepare_progress_thread(int device) override {
     static thread_local int current = -1;
     if (current == device) return;

@@ -21,6 +21,32 @@ void check_device(DeviceOps& ops, int device, const char* transport) {
   }
 }
 
+const char* device_attribute_name(DeviceAttribute attr) {
+  switch (attr) {
+    case DeviceAttribute::kCanUse64BitStreamMemOps:
+      return "CU_DEVICE_ATTRIBUTE_CAN_USE_64_BIT_STREAM_MEM_OPS";
+    case DeviceAttribute::kCanMapHostMemory:
+      return "CU_DEVICE_ATTRIBUTE_CAN_MAP_HOST_MEMORY";
+    case DeviceAttribute::kHostRegisterSupported:
+      return "CU_DEVICE_ATTRIBUTE_HOST_REGISTER_SUPPORTED";
+    case DeviceAttribute::kUnifiedAddressing:
+      return "CU_DEVICE_ATTRIBUTE_UNIFIED_ADDRESSING";
+    case DeviceAttribute::kCanFlushRemoteWrites:
+      return "CU_DEVICE_ATTRIBUTE_CAN_FLUSH_REMOTE_WRITES";
+  }
+  return "CU_DEVICE_ATTRIBUTE_?";
+}
+
+std::string missing_capability(DeviceOps& ops, int device, const char* transport,
+                               std::initializer_list<DeviceAttribute> attrs) {
+  for (DeviceAttribute attr : attrs) {
+    if (ops.attribute(device, attr) != 0) continue;
+    return std::string("the ") + transport + " transport needs " + device_attribute_name(attr) + ", which GPU " +
+           std::to_string(device) + " does not support";
+  }
+  return "";
+}
+
 DeviceGuard::DeviceGuard(DeviceOps& ops, int device) : ops_(ops) {
   previous_ = ops_.current_device();
   if (previous_ == device) {

@@ -2,6 +2,7 @@
 #pragma once
 
 #include <cstdint>
+#include <initializer_list>
 #include <string>
 
 #include "cuda/device_ops.h"
@@ -13,6 +14,11 @@ class OpState;
 // Throws Error(kUnsupported) when `ops` sees no device, InvalidArgument when `device` is not one
 // of them. `transport` names the caller in the message.
 void check_device(DeviceOps& ops, int device, const char* transport);
+// Error(kUnsupported) naming the first of `attrs` that `device` lacks, "" message if none.
+// Returns that message (empty if every attribute is supported): callers announce it to every
+// rank, so that all refuse together (and the backend falls back to NCCL) instead of hanging.
+std::string missing_capability(DeviceOps& ops, int device, const char* transport,
+                               std::initializer_list<DeviceAttribute> attrs);
 
 // Makes `device` current for a scope on a caller's thread, then restores the caller's device.
 class DeviceGuard {

@@ -45,6 +45,8 @@ const DriverApi& DriverApi::get() {
     resolve("cuStreamWriteValue64", api.stream_write_value64);
     resolve("cuStreamWaitValue32", api.stream_wait_value32);
     resolve("cuStreamWaitValue64", api.stream_wait_value64);
+    resolve("cuDeviceGet", api.device_get);
+    resolve("cuDeviceGetAttribute", api.device_get_attribute);
   });
   return api;
 }

@@ -15,6 +15,8 @@ struct DriverApi {
   CUresult (*stream_write_value64)(CUstream, CUdeviceptr, cuuint64_t, unsigned int) = nullptr;
   CUresult (*stream_wait_value32)(CUstream, CUdeviceptr, cuuint32_t, unsigned int) = nullptr;
   CUresult (*stream_wait_value64)(CUstream, CUdeviceptr, cuuint64_t, unsigned int) = nullptr;
+  CUresult (*device_get)(CUdevice*, int) = nullptr;
+  CUresult (*device_get_attribute)(int*, CUdevice_attribute, CUdevice) = nullptr;
 
   // Resolved once per process; throws Error(kUnsupported) naming the missing symbol when the
   // driver lacks it (64-bit stream memory operations need CUDA 12.0+ drivers).

@@ -256,6 +256,14 @@ void EmulatedDevice::set_device(int device) {
   t_device = device;
 }
 
+int EmulatedDevice::attribute(int device, DeviceAttribute attr) {
+  if (device < 0 || device >= options_.devices) {
+    throw Error(ErrorCode::kSystem, "emulated cuDeviceGetAttribute(" + std::to_string(device) + "): invalid device");
+  }
+  const auto& off = options_.unsupported;
+  return std::find(off.begin(), off.end(), attr) == off.end() ? 1 : 0;
+}
+
 std::shared_ptr<EmulatedDevice::StreamState> EmulatedDevice::new_stream_locked() {
   auto s = std::make_shared<StreamState>();
   s->depth = options_.queue_depth;

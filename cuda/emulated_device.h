@@ -23,7 +23,8 @@
 //    handles still works (teardown must not leak).
 // Not modelled: timing and bandwidth, concurrency within a queue (a queue runs one operation at a
 // time, which is harsher than a GPU), the legacy default stream's implicit synchronization,
-// graph capture, peer access rules, creation blocking while waits are pending.
+// graph capture, peer access rules, creation blocking while waits are pending. Device attributes
+// read 1 unless listed in EmulatedDeviceOptions::unsupported.
 // EmulatedShmem adds NVSHMEM's host API: one symmetric heap per PE, shared by every PE, with
 // put-with-signal, signal ops and signal waits on emulated streams, and init status.
 #pragma once
@@ -53,6 +54,8 @@ struct EmulatedDeviceOptions {
   std::chrono::microseconds op_latency{0};
   // In-order hardware queues the streams share (0: one per stream).
   int hardware_queues = kHardwareQueuesFromEnvironment;
+  // Attributes the device reports as 0 (unsupported); every other one reads 1.
+  std::vector<DeviceAttribute> unsupported;
 };
 
 class EmulatedDevice final : public DeviceOps {
@@ -68,6 +71,7 @@ class EmulatedDevice final : public DeviceOps {
   int device_count() override { return options_.devices; }
   int current_device() override;
   void set_device(int device) override;
+  int attribute(int device, DeviceAttribute attr) override;
   void prepare_progress_thread(int device) override { set_device(device); }
   bool is_capturing(Stream) override { return false; }
 
