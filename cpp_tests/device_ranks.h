@@ -94,10 +94,8 @@ enum class FailBy { kClose, kPeerKilled };
 
 // The device options of a two-rank failure test: rank 0's device is slow, so the transport's
 // copies into its output stay queued while rank 1 keeps sending.
-inline EmulatedDeviceOptions slow_on_rank_0(int rank, size_t queue_depth = 64,
-                                            int hardware_queues = kHardwareQueuesFromEnvironment) {
-  return EmulatedDeviceOptions{1, queue_depth, rank == 0 ? std::chrono::microseconds(20000) : std::chrono::microseconds(0),
-                               hardware_queues};
+inline EmulatedDeviceOptions slow_on_rank_0(int rank, size_t queue_depth = 64) {
+  return EmulatedDeviceOptions{1, queue_depth, rank == 0 ? std::chrono::microseconds(20000) : std::chrono::microseconds(0)};
 }
 
 // Rank 1 sends rank 0 8 MiB (nothing else moves).

@@ -154,6 +154,35 @@ TEST(EmulatedDevice, AFaultOnOneStreamPoisonsTheWholeContext) {
   device.destroy_stream(other);
 }
 
+// Issue 29 item 1e: on a GPU, creating a stream or an event may block while a stream wait is
+// pending on the device. A transport that creates them lazily on the thread that must satisfy
+// the wait deadlocks; the emulator makes that visible.
+TEST(EmulatedDevice, CreationBlocksWhileAStreamWaitRuns) {
+  EmulatedDevice device;
+  Stream s = device.create_stream();
+  std::atomic<uint64_t> gate{0};
+  device.wait_value64(s, reinterpret_cast<DevicePtr>(&gate), 1, WaitCmp::kGeq);
+  while (device.queued(s) != 0) std::this_thread::yield();  // the wait runs
+  std::atomic<bool> created{false};
+  std::thread creator([&] {
+    device.destroy_event(device.create_event());
+    created.store(true);
+  });
+  std::this_thread::sleep_for(5ms);
+  EXPECT_FALSE(created.load()) << "an event was created while a wait was pending";
+  gate.store(1);
+  creator.join();
+  EXPECT_TRUE(created.load());
+  EmulatedDeviceOptions lenient;
+  lenient.creation_blocks_while_waiting = false;
+  EmulatedDevice other(lenient);
+  Stream t = other.create_stream();
+  std::atomic<uint64_t> never{0};
+  other.wait_value64(t, reinterpret_cast<DevicePtr>(&never), 1, WaitCmp::kGeq);
+  while (other.queued(t) != 0) std::this_thread::yield();
+  other.destroy_event(other.create_event());  // returns
+}
+
 TEST(EmulatedDevice, EventsCompleteWhenTheStreamReachesThemAndCarryFailures) {
   EmulatedDevice device;
   Stream s = device.create_stream();

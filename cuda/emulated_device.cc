@@ -282,8 +282,14 @@ std::shared_ptr<EmulatedDevice::StreamState> EmulatedDevice::new_stream_locked()
   return s;
 }
 
+void EmulatedDevice::block_creation_while_waiting() {
+  if (!options_.creation_blocks_while_waiting) return;
+  while (waits_running_.load() > 0 && !torn_down_.load()) std::this_thread::sleep_for(std::chrono::microseconds(50));
+}
+
 Stream EmulatedDevice::create_stream() {
   check_no_fault("cudaStreamCreate");
+  block_creation_while_waiting();
   std::lock_guard<std::mutex> lock(mu_);
   Stream h = next_handle_++;
   streams_[h] = new_stream_locked();
@@ -346,6 +352,12 @@ void EmulatedDevice::enqueue(Stream stream, std::function<void()> task) {
 }
 
 void EmulatedDevice::spin_until(const std::function<bool()>& ready) {
+  if (ready()) return;
+  waits_running_.fetch_add(1);
+  struct Done {
+    std::atomic<int>& n;
+    ~Done() { n.fetch_sub(1); }
+  } done{waits_running_};
   for (int i = 0; !ready(); ++i) {
     if (torn_down_.load()) throw Abandoned{};
     if (i < 64) {
@@ -396,6 +408,7 @@ void EmulatedDevice::synchronize(Stream stream) {
 
 Event EmulatedDevice::create_event() {
   check_no_fault("cudaEventCreate");
+  block_creation_while_waiting();
   std::lock_guard<std::mutex> lock(mu_);
   Event h = next_handle_++;
   events_[h] = std::make_shared<EventState>();

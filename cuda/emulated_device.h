@@ -23,8 +23,8 @@
 //    handles still works (teardown must not leak).
 // Not modelled: timing and bandwidth, concurrency within a queue (a queue runs one operation at a
 // time, which is harsher than a GPU), the legacy default stream's implicit synchronization,
-// graph capture, peer access rules, creation blocking while waits are pending. Device attributes
-// read 1 unless listed in EmulatedDeviceOptions::unsupported.
+// graph capture, peer access rules. Device attributes read 1 unless listed in
+// EmulatedDeviceOptions::unsupported. Stream and event creation block while a stream wait runs.
 // EmulatedShmem adds NVSHMEM's host API: one symmetric heap per PE, shared by every PE, with
 // put-with-signal, signal ops and signal waits on emulated streams, and init status.
 #pragma once
@@ -56,6 +56,9 @@ struct EmulatedDeviceOptions {
   int hardware_queues = kHardwareQueuesFromEnvironment;
   // Attributes the device reports as 0 (unsupported); every other one reads 1.
   std::vector<DeviceAttribute> unsupported;
+  // Stream and event creation block while a stream wait is running (waiting) on the device, as
+  // they may on a GPU: a transport that creates them lazily can deadlock on its own waits.
+  bool creation_blocks_while_waiting = true;
 };
 
 class EmulatedDevice final : public DeviceOps {
@@ -135,6 +138,7 @@ class EmulatedDevice final : public DeviceOps {
   void run_queue(HwQueue& q);
   void raise_fault(const std::string& what);
   void check_no_fault(const char* call) const;
+  void block_creation_while_waiting();
   // Appends `task` to its stream's hardware queue, waiting for room in the stream.
   void push(const std::shared_ptr<StreamState>& s, Task task, const char* call);
   std::shared_ptr<StreamState> new_stream_locked();  // holder of mu_
@@ -144,6 +148,7 @@ class EmulatedDevice final : public DeviceOps {
   EmulatedDeviceOptions options_;
   std::atomic<bool> torn_down_{false};
   std::atomic<bool> faulted_{false};
+  std::atomic<int> waits_running_{0};  // stream waits spinning now
   mutable std::mutex fault_mu_;  // guards fault_
   std::string fault_;
   mutable std::mutex mu_;  // guards the maps and queues below
