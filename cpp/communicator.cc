@@ -204,8 +204,8 @@ void Communicator::admit() {
     for (const auto& a : active_) oldest_active = std::min(oldest_active, a->seq);
     if (op->seq >= oldest_active + transport_->max_ops_in_flight()) return;  // window full
     waiting_.pop_front();
+    active_.push_back(op);  // first: if post() throws (a device fault), fail_all still fails it
     transport_->post(op);
-    active_.push_back(op);
     for (int p = 0; p < world_; ++p) {
       Transfer t;
       t.op = op;

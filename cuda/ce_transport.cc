@@ -51,6 +51,9 @@ class CeTransport final : public HostTransport {
   bool can_send(const Transfer& t) const override;
   bool poll() override;
   void wait_for_activity(uint32_t epoch, std::chrono::microseconds timeout) override;
+  // Peers, and this device: an asynchronous fault (anywhere in the context) surfaces at the next
+  // query of the comm stream, also when no event of ours is pending to report it.
+  void check_peers() override;
   // The comm stream holds copies and counter writes only (no waits): it drains.
   void quiesce() override;
 
@@ -303,6 +306,12 @@ bool CeTransport::mark_all_enqueued() {
     any = true;
   }
   return any;
+}
+
+void CeTransport::check_peers() {
+  ops_.prepare_progress_thread(device_);
+  ops_.stream_idle(stream_);  // throws Error(kSystem) once the context faulted
+  HostTransport::check_peers();
 }
 
 void CeTransport::wait_for_activity(uint32_t epoch, std::chrono::microseconds timeout) {

@@ -359,7 +359,7 @@ void EmulatedDevice::spin_until(const std::function<bool()>& ready) {
     ~Done() { n.fetch_sub(1); }
   } done{waits_running_};
   for (int i = 0; !ready(); ++i) {
-    if (torn_down_.load()) throw Abandoned{};
+    if (torn_down_.load() || faulted_.load()) throw Abandoned{};  // a dead context runs nothing
     if (i < 64) {
       std::this_thread::yield();
     } else {
