@@ -112,15 +112,19 @@ TEST(CeEmulatedStreams, BackToBackSynchronousOpsOnOneStreamDoNotDeadlock) {
     Stream user = device.create_stream();
     auto comm = ce_communicator(bootstrap, small_config(), device);
     std::vector<std::unique_ptr<Exchange>> xs;
+    std::vector<std::shared_ptr<OpState>> ops;
     for (int i = 0; i < 4; ++i) {
       xs.push_back(std::make_unique<Exchange>(uniform_counts(3, 4ull << 20), rank, 10 + i));
       // Like Work.wait() on CUDA: the user's stream waits for op i before op i + 1 is submitted.
-      auto op = comm->all_to_all(xs.back()->send.data(), xs.back()->recv.data(), xs.back()->layout, 0, false, user);
-      comm->stream_wait(op, user);
+      ops.push_back(comm->all_to_all(xs.back()->send.data(), xs.back()->recv.data(), xs.back()->layout, 0, false, user));
+      comm->stream_wait(ops.back(), user);
     }
     if (!drains_within(device, user, 30s)) return "the user's stream never drained";
     for (auto& x : xs)
       if (std::string e = x->check(rank); !e.empty()) return e;
+    // This rank's device work is done, not the ops: closing now would fail peers still waiting
+    // for our receipts (a drained stream never implied completion on the host).
+    for (auto& op : ops) comm->wait(op, kForever);
     return "";
   });
   expect_all_ok(outcomes);
@@ -137,10 +141,12 @@ TEST(CeEmulatedStreams, AUsersStreamWaitOnOneHardwareQueueWithTheCommStreamDoesN
     Stream user = device.create_stream();
     auto comm = ce_communicator(bootstrap, small_config(), device);
     std::vector<std::unique_ptr<Exchange>> xs;
+    std::vector<std::shared_ptr<OpState>> ops;
     std::atomic<uint64_t> after{0};
     for (int i = 0; i < 3; ++i) {
       xs.push_back(std::make_unique<Exchange>(uniform_counts(2, 1 << 20), rank, 40 + i));
       auto op = comm->all_to_all(xs.back()->send.data(), xs.back()->recv.data(), xs.back()->layout, 0, false, user);
+      ops.push_back(op);
       if (!comm->stream_wait(op, user, std::chrono::microseconds(30000000))) return "stream_wait timed out";
       // More work on the user's stream, behind its wait: it runs once op i's bytes landed.
       device.write_value64(user, reinterpret_cast<DevicePtr>(&after), i + 1);
@@ -149,6 +155,8 @@ TEST(CeEmulatedStreams, AUsersStreamWaitOnOneHardwareQueueWithTheCommStreamDoesN
     if (after.load() != 3) return "work after the waits did not run";
     for (auto& x : xs)
       if (std::string e = x->check(rank); !e.empty()) return e;
+    // The device work of this rank is done, not the op: peers may still need our receipts.
+    for (auto& op : ops) comm->wait(op, kForever);
     return "";
   }, std::chrono::seconds(60));
   expect_all_ok(outcomes);
@@ -163,16 +171,19 @@ TEST(CeEmulatedStreams, WorkQueuedAfterAStreamWaitSeesTheWholeOutput) {
     auto comm = ce_communicator(bootstrap, small_config(), device);
     std::string seen;
     std::vector<std::unique_ptr<Exchange>> xs;
+    std::vector<std::shared_ptr<OpState>> ops;
     for (int i = 0; i < 4; ++i) {
       xs.push_back(std::make_unique<Exchange>(random_counts(3, 300 * 1024, 70 + i), rank, 70 + i));
       Exchange* x = xs.back().get();
       auto op = comm->all_to_all(x->send.data(), x->recv.data(), x->layout, 0, false, user);
+      ops.push_back(op);
       comm->stream_wait(op, user);
       device.enqueue(user, [x, rank, &seen] {  // a "kernel" reading the output
         if (std::string e = x->check(rank); !e.empty() && seen.empty()) seen = "on the user's stream: " + e;
       });
     }
     if (!drains_within(device, user, 30s)) return "the user's stream never drained";
+    for (auto& op : ops) comm->wait(op, kForever);  // before closing: peers may still need our receipts
     return seen;
   }, std::chrono::seconds(60));
   expect_all_ok(outcomes);
@@ -227,16 +238,18 @@ TEST(CeEmulatedStreams, SixtyFourUserStreams) {
     for (int i = 0; i < 64; ++i) streams.push_back(device.create_stream());
     auto comm = ce_communicator(bootstrap, small_config(), device);
     std::vector<std::unique_ptr<Exchange>> xs;
+    std::vector<std::shared_ptr<OpState>> ops;
     for (int i = 0; i < 128; ++i) {
       Stream s = streams[static_cast<size_t>(i) % streams.size()];
       xs.push_back(std::make_unique<Exchange>(random_counts(2, 100 * 1024, 300 + i), rank, i));
-      auto op = comm->all_to_all(xs.back()->send.data(), xs.back()->recv.data(), xs.back()->layout, 0, false, s);
-      comm->stream_wait(op, s);
+      ops.push_back(comm->all_to_all(xs.back()->send.data(), xs.back()->recv.data(), xs.back()->layout, 0, false, s));
+      comm->stream_wait(ops.back(), s);
     }
     for (Stream s : streams)
       if (!drains_within(device, s, 30s)) return "a user stream never drained";
     for (auto& x : xs)
       if (std::string e = x->check(rank); !e.empty()) return e;
+    for (auto& op : ops) comm->wait(op, kForever);  // before closing: peers may still need our receipts
     comm.reset();
     if (device.live_streams() != streams.size()) return "the transport left streams behind";
     return "";

@@ -140,3 +140,43 @@ def test_plan_tensors_are_kept_for_the_stream_that_uses_them(monkeypatch):
     _device_dispatch.copy_runs(Home(), Home(), plan, to_packed=False)
     assert sorted(name for name, _ in recorded) == ["home_row", "packed_row", "sent_lengths"]
     assert all(stream is combine_stream for _, stream in recorded)
+
+
+def test_close_completes_the_cuda_ops_the_caller_waited_for_before_closing(monkeypatch):
+    """Work.wait() on CUDA returns once the op's copies here are enqueued; the op completes on
+    the host only once every peer confirmed. close() right after (end of a job) must not fail
+    the peers still waiting for this rank's receipt: it completes waited-for ops first."""
+    FakeGpus(monkeypatch, capturing=set())
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: type("S", (), {"cuda_stream": 1})())
+    events = []
+
+    class Handle:
+        seq = 3
+        done = False
+
+        def rethrow_if_failed(self):
+            pass
+
+        def is_completed(self):
+            return self.done
+
+    class Core:
+        def stream_wait(self, handle, stream, timeout):
+            return True
+
+        def wait(self, handle, timeout):
+            events.append("completed the waited-for op")
+            handle.done = True
+            return True
+
+        def close(self):
+            events.append("closed")
+
+    core = Core()
+    waited, never_waited = Work(core, Handle(), [], (), torch.device("cuda", 0)), Work(core, Handle(), [], (), torch.device("cuda", 0))
+    waited.wait()
+    comm = Communicator.__new__(Communicator)
+    comm._forked_from, comm._cuda_cores, comm._core, comm._timeout_ms = None, {0: core}, core, 1000
+    comm._inflight = [waited, never_waited]
+    comm.close()
+    assert events == ["completed the waited-for op", "closed", "closed"], events

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import atexit
 import datetime
+import logging
 import math
 import operator
 import os
@@ -22,6 +23,8 @@ from freescale_comm._capture import refuse_capture
 from freescale_comm.work import Work
 
 SplitSizes = Optional[Union[Sequence[int], torch.Tensor]]
+
+logger = logging.getLogger("freescale_comm")
 
 _live: "weakref.WeakSet[Communicator]" = weakref.WeakSet()
 _live_lock = threading.Lock()
@@ -310,9 +313,18 @@ class Communicator:
             )
 
     def close(self) -> None:
-        """Stops the progress threads; pending ops fail with CommError. Idempotent."""
+        """Stops the progress threads; pending ops fail with CommError. Idempotent. CUDA ops the
+        caller already waited for (Work.wait) are completed first, within the timeout: their
+        bytes are on this GPU, but peers may still need this rank's receipt, and closing would
+        fail them (a synchronized stream does not mean the op completed on the host)."""
         if self._forked_from is not None:
             return  # the parent's: left alone
+        for work in self._inflight:
+            if work.device_waited and not work.is_completed():
+                try:
+                    work._comm.wait(work._handle, self._timeout_ms / 1000)
+                except Exception:  # noqa: BLE001 - its failure is the caller's to see at its next call
+                    logger.debug("an op waited for on CUDA failed while closing", exc_info=True)
         for core in self._cuda_cores.values():
             core.close()
         self._core.close()

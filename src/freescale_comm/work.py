@@ -38,6 +38,7 @@ class Work:
         self._keepalive: Optional[tuple[Any, ...]] = keepalive
         self._future: Optional[torch.futures.Future] = None
         self._lock = threading.Lock()
+        self.device_waited = False  # CUDA: a stream was made to wait for its bytes (Work.wait)
 
     @property
     def seq(self) -> int:
@@ -58,6 +59,7 @@ class Work:
             self._handle.rethrow_if_failed()
             if not self._comm.stream_wait(self._handle, torch.cuda.current_stream(self._device).cuda_stream, seconds):
                 raise self._timed_out(timeout, "its copies were not all enqueued")
+            self.device_waited = True
             self._handle.rethrow_if_failed()
             return True
         if not self._comm.wait(self._handle, _timeout_seconds(timeout)):
