@@ -35,12 +35,16 @@ TEST(SubmitGate, AnEventIsBackInThePoolOnceItIsSeenDoneAndNotBefore) {
   EmulatedDevice device;
   SubmitGate gate(device, 0);
   Stream s = device.create_stream();
+  // Both events made before the wait: creation may block while a wait runs (as on a GPU).
+  Event ev = gate.take_event(), spare = gate.take_event();
+  gate.give_event(spare);
   std::atomic<uint64_t> hold{0};
   device.wait_value64(s, reinterpret_cast<DevicePtr>(&hold), 1, WaitCmp::kGeq);
-  Event ev = gate.take_event();
   device.record_event(ev, s);
   EXPECT_FALSE(gate.event_done(ev, "test"));
-  EXPECT_NE(gate.take_event(), ev) << "a pending event was in the pool";
+  Event next = gate.take_event();
+  EXPECT_NE(next, ev) << "a pending event was in the pool";
+  gate.give_event(next);
   hold.store(1);
   device.synchronize(s);
   EXPECT_TRUE(gate.event_done(ev, "test"));
