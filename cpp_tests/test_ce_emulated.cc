@@ -342,6 +342,33 @@ TEST(CeEmulatedFailures, AContextWideFaultFailsEveryPendingOpOnEveryRank) {
   EXPECT_TRUE(testing::leftover_segments(outcomes).empty());
 }
 
+// Issue 29 item 1d: the ce transport wrote 64-bit counters with stream memory operations without
+// asking whether the GPU supports them; where it does not, the first op failed with a system
+// error and broke the communicator. Now setup refuses on every rank (kUnsupported: the backend
+// falls back to NCCL), naming the attribute and the rank, even when only one GPU lacks it.
+TEST(CeEmulatedSetup, AGpuWithoutA64BitStreamMemOpsRefusesOnEveryRankNamingTheAttribute) {
+  for (DeviceAttribute missing : {DeviceAttribute::kCanUse64BitStreamMemOps, DeviceAttribute::kHostRegisterSupported}) {
+    auto outcomes = run_forked_ranks(2, [missing](int rank, Bootstrap& bootstrap) -> std::string {
+      EmulatedDeviceOptions options;
+      if (rank == 1) options.unsupported = {missing};
+      EmulatedDevice device(options);
+      try {
+        auto comm = ce_communicator(bootstrap, small_config(), device);
+        return "setup succeeded";
+      } catch (const Error& e) {
+        const std::string what = e.what();
+        if (e.code() != ErrorCode::kUnsupported) return "not a refusal: " + what;
+        if (what.find(device_attribute_name(missing)) == std::string::npos) return "the attribute is not named: " + what;
+        if (what.find("rank 1") == std::string::npos) return "the rank is not named: " + what;
+      }
+      // A peer's refusal came after this rank made its stream, arena and registrations: freed.
+      if (device.live_streams() != 0 || device.live_allocations() != 0) return "a refused setup leaked device resources";
+      return "";
+    });
+    expect_all_ok(outcomes);
+  }
+}
+
 // Review defect 5: an op not yet admitted when the communicator closed (or failed) never moved
 // its completion flag, so a stream waiting on it waited forever.
 TEST(CeEmulatedFailures, CloseWithOpsPendingReleasesTheUsersStream) {
