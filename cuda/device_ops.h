@@ -38,13 +38,14 @@ struct CopyBatch {
 };
 
 // Device capabilities a transport needs (cuDeviceGetAttribute), checked at setup: where one is
-// missing, the first operation using it would fail instead.
+// missing, the first operation using it would fail instead. Values are the driver's
+// CUdevice_attribute numbers (cuda.h 13.0; device_ops_cuda.cu static_asserts them).
 enum class DeviceAttribute {
-  kCanUse64BitStreamMemOps,  // CU_DEVICE_ATTRIBUTE_CAN_USE_64_BIT_STREAM_MEM_OPS: cuStreamWrite/WaitValue64
-  kCanMapHostMemory,         // CU_DEVICE_ATTRIBUTE_CAN_MAP_HOST_MEMORY: mapped pinned memory
-  kHostRegisterSupported,    // CU_DEVICE_ATTRIBUTE_HOST_REGISTER_SUPPORTED: cudaHostRegister
-  kUnifiedAddressing,        // CU_DEVICE_ATTRIBUTE_UNIFIED_ADDRESSING: one address space with the host
-  kCanFlushRemoteWrites,     // CU_DEVICE_ATTRIBUTE_CAN_FLUSH_REMOTE_WRITES (NVSHMEM's wait path)
+  kCanMapHostMemory = 19,          // CU_DEVICE_ATTRIBUTE_CAN_MAP_HOST_MEMORY: mapped pinned memory
+  kUnifiedAddressing = 41,         // CU_DEVICE_ATTRIBUTE_UNIFIED_ADDRESSING: one address space with the host
+  kCanFlushRemoteWrites = 98,      // CU_DEVICE_ATTRIBUTE_CAN_FLUSH_REMOTE_WRITES (NVSHMEM's wait path)
+  kHostRegisterSupported = 99,     // CU_DEVICE_ATTRIBUTE_HOST_REGISTER_SUPPORTED: cudaHostRegister
+  kCanUse64BitStreamMemOps = 122,  // CU_DEVICE_ATTRIBUTE_CAN_USE_64_BIT_STREAM_MEM_OPS: cuStreamWrite/WaitValue64
 };
 // "CU_DEVICE_ATTRIBUTE_..." for messages.
 const char* device_attribute_name(DeviceAttribute attr);

@@ -29,21 +29,14 @@ unsigned int wait_flags(WaitCmp cmp) {
   return CU_STREAM_WAIT_VALUE_GEQ;
 }
 
-CUdevice_attribute driver_attribute(DeviceAttribute attr) {
-  switch (attr) {
-    case DeviceAttribute::kCanUse64BitStreamMemOps:
-      return CU_DEVICE_ATTRIBUTE_CAN_USE_64_BIT_STREAM_MEM_OPS;
-    case DeviceAttribute::kCanMapHostMemory:
-      return CU_DEVICE_ATTRIBUTE_CAN_MAP_HOST_MEMORY;
-    case DeviceAttribute::kHostRegisterSupported:
-      return CU_DEVICE_ATTRIBUTE_HOST_REGISTER_SUPPORTED;
-    case DeviceAttribute::kUnifiedAddressing:
-      return CU_DEVICE_ATTRIBUTE_UNIFIED_ADDRESSING;
-    case DeviceAttribute::kCanFlushRemoteWrites:
-      return CU_DEVICE_ATTRIBUTE_CAN_FLUSH_REMOTE_WRITES;
-  }
-  return CU_DEVICE_ATTRIBUTE_MAX;
-}
+// DeviceAttribute carries the driver's numbers: one cast, checked here against cuda.h.
+constexpr bool same(DeviceAttribute a, CUdevice_attribute b) { return static_cast<int>(a) == static_cast<int>(b); }
+static_assert(same(DeviceAttribute::kCanMapHostMemory, CU_DEVICE_ATTRIBUTE_CAN_MAP_HOST_MEMORY) &&
+              same(DeviceAttribute::kUnifiedAddressing, CU_DEVICE_ATTRIBUTE_UNIFIED_ADDRESSING) &&
+              same(DeviceAttribute::kCanFlushRemoteWrites, CU_DEVICE_ATTRIBUTE_CAN_FLUSH_REMOTE_WRITES) &&
+              same(DeviceAttribute::kHostRegisterSupported, CU_DEVICE_ATTRIBUTE_HOST_REGISTER_SUPPORTED) &&
+              same(DeviceAttribute::kCanUse64BitStreamMemOps, CU_DEVICE_ATTRIBUTE_CAN_USE_64_BIT_STREAM_MEM_OPS),
+              "DeviceAttribute values must be the driver's CUdevice_attribute numbers");
 
 class CudaDeviceOps final : public DeviceOps {
  public:
@@ -68,7 +61,7 @@ class CudaDeviceOps final : public DeviceOps {
     CUdevice dev = 0;
     check_cu(api.device_get(&dev, device), "cuDeviceGet");
     int value = 0;
-    check_cu(api.device_get_attribute(&value, driver_attribute(attr), dev), "cuDeviceGetAttribute");
+    check_cu(api.device_get_attribute(&value, static_cast<CUdevice_attribute>(attr), dev), "cuDeviceGetAttribute");
     return value;
   }
   void prepare_progress_thread(int device) override {

@@ -424,17 +424,12 @@ void EmulatedDevice::record_event(Event event, Stream stream) {
   std::shared_ptr<EventState> ev = event_of(event);
   std::shared_ptr<StreamState> s = stream_of(stream);
   check_no_fault("cudaEventRecord");
-  HwQueue& q = *s->hw;
-  std::unique_lock<std::mutex> lock(q.mu);
-  q.popped.wait(lock, [&] { return s->queued < s->depth || torn_down_.load(); });
   {
     std::lock_guard<std::mutex> e(ev->mu);
     ev->error.clear();
   }
-  uint64_t generation = ev->recorded.fetch_add(1) + 1;
-  ++s->queued;
-  q.fifo.push_back(Task{s, nullptr, ev, generation});
-  q.pushed.notify_all();
+  const uint64_t generation = ev->recorded.fetch_add(1) + 1;  // pending from now on
+  push(s, Task{nullptr, nullptr, ev, generation}, "cudaEventRecord");
 }
 
 bool EmulatedDevice::event_done(Event event, const char* what) {
