@@ -46,6 +46,7 @@ class Communicator {
   int size() const { return world_; }
   const Config& config() const { return config_; }
   const char* transport_name() const { return transport_->name(); }
+  std::string data_path() const { return transport_->data_path(); }
 
   // AllToAllv of raw bytes. send/recv: base pointers the layout's offsets are relative to; they
   // must stay valid until the op completes. Validates the layout (InvalidArgument) and throws

@@ -30,6 +30,9 @@ class HostTransport : public Transport {
   ~HostTransport() override;
 
   const char* name() const override { return "host"; }
+  std::string data_path() const override {
+    return "host: CPU copies through shared memory (no GPU work)";
+  }
   void post(const std::shared_ptr<OpState>& op) override;
   bool can_send(const Transfer& t) const override;
   void send_chunk(const Transfer& t, const Chunk& c) override;

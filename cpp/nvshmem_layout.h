@@ -9,15 +9,19 @@
 // Every rank's arena (same size on every rank, as symmetric allocations must be):
 //   recv    [src][lane][slot] slot_bytes   chunks put here by rank src
 //   staging [dst][lane][slot] slot_bytes   chunks staged here before the put to rank dst
-//   ready   [src][lane]     uint64         chunks of src's pair-lane that landed here (SET n + 1)
-//   freed   [dst][lane]     uint64         chunks of ours dst has copied out (SET n + 1)
-//   audit   [src][window]   uint64         seq + 1 once src's byte count for op seq landed here
-//   recvd   [src][window]   uint64         seq + 1 once src received all of op seq (from everyone)
+//   ready   [src][lane][slot] uint64       n + 1 once src's chunk n (of that pair-lane) landed in the slot
+//   freed   [dst][lane][slot] uint64       n + 1 once dst copied our chunk n out of its slot
+//   audit   [src][window]     uint64       seq + 1 once src's byte count for op seq landed here
+//   recvd   [src][window]     uint64       seq + 1 once src received all of op seq (from everyone)
 //   audit_bytes [src][window] uint64       the bytes src sends us in op seq (put before audit)
 //   audit_out   [dst][lane]   uint64       our byte count for dst, staged as that put's source
 //                                          (reused in the pair-lane's stream order)
-//   notice  [src]           uint64         src's state, written by src: 0 running, 1 closed,
+//   notice  [src]             uint64       src's state, written by src: 0 running, 1 closed,
 //                                          2 + ErrorCode aborted
+// Every signal word has one writer, and each SET to it is issued only after its reader saw the
+// previous one (a slot is refilled only once freed, freed again only once refilled; an op's
+// window entry is reused only once every rank confirmed the op before it): no two signals to one
+// word are ever in flight, so NVSHMEM's unordered delivery (no fence) cannot lower a word.
 #pragma once
 
 #include <cstdint>
@@ -79,23 +83,25 @@ struct NvshmemArenaLayout {
     return slot_bytes * (slots_per_region() + slot_index(dst, lane, n));
   }
   uint64_t signals_offset() const { return 2 * slot_bytes * slots_per_region(); }
-  uint64_t ready(int src, int lane) const { return signals_offset() + 8 * lane_word(src, lane); }
-  uint64_t freed(int dst, int lane) const { return ready(0, 0) + 8 * (lane_words() + lane_word(dst, lane)); }
-  uint64_t audit(int src, uint64_t seq) const { return ready(0, 0) + 8 * (2 * lane_words() + window_word(src, seq)); }
-  uint64_t recvd(int src, uint64_t seq) const {
-    return ready(0, 0) + 8 * (2 * lane_words() + window_words() + window_word(src, seq));
+  uint64_t ready(int src, int lane, uint64_t n) const { return signals_offset() + 8 * slot_index(src, lane, n); }
+  uint64_t freed(int dst, int lane, uint64_t n) const {
+    return signals_offset() + 8 * (slots_per_region() + slot_index(dst, lane, n));
   }
+  uint64_t audit(int src, uint64_t seq) const { return words_offset() + 8 * window_word(src, seq); }
+  uint64_t recvd(int src, uint64_t seq) const { return words_offset() + 8 * (window_words() + window_word(src, seq)); }
   uint64_t audit_bytes(int src, uint64_t seq) const {
-    return ready(0, 0) + 8 * (2 * lane_words() + 2 * window_words() + window_word(src, seq));
+    return words_offset() + 8 * (2 * window_words() + window_word(src, seq));
   }
   uint64_t audit_out(int dst, int lane) const {
-    return ready(0, 0) + 8 * (2 * lane_words() + 3 * window_words() + lane_word(dst, lane));
+    return words_offset() + 8 * (3 * window_words() + lane_word(dst, lane));
   }
-  uint64_t notice(int src) const { return ready(0, 0) + 8 * (3 * lane_words() + 3 * window_words() + src); }
-  uint64_t num_bytes() const { return signals_offset() + 8 * (3 * lane_words() + 3 * window_words() + world); }
+  uint64_t notice(int src) const { return words_offset() + 8 * (3 * window_words() + lane_words() + src); }
+  uint64_t num_bytes() const { return words_offset() + 8 * (3 * window_words() + lane_words() + world); }
+  // Every word from ready on: what the transport's host mirror copies.
   uint64_t signal_bytes() const { return num_bytes() - signals_offset(); }
 
  private:
+  uint64_t words_offset() const { return signals_offset() + 8 * 2 * slots_per_region(); }
   uint64_t lane_words() const { return static_cast<uint64_t>(world) * kNvshmemLanes; }
   uint64_t window_words() const { return static_cast<uint64_t>(world) * window; }
   uint64_t lane_word(int peer, int lane) const { return static_cast<uint64_t>(peer) * kNvshmemLanes + lane; }

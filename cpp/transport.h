@@ -19,6 +19,9 @@ class Transport {
  public:
   virtual ~Transport() = default;
   virtual const char* name() const = 0;
+  // How this transport moves bytes on this machine, and whether that takes SM kernels (and why),
+  // for users deciding what overlaps their compute. Known once it is set up.
+  virtual std::string data_path() const = 0;
 
   // On the submitting thread, before the op exists and outside every lock (it may block, e.g.
   // while a CUDA stream's queue is full): marks the point of `stream` the transfer must wait for.

@@ -236,6 +236,37 @@ TEST(EmulatedDevice, IpcHandlesOpenInAForkedPeerAndCopiesReallyCopy) {
   EXPECT_EQ(device.live_allocations(), 0u);
 }
 
+// One PE of emulated NVSHMEM, its heap mapped, for the signal tests below.
+struct OnePe {
+  EmulatedDevice device;
+  EmulatedShmem shmem;
+  uint64_t* words;
+  explicit OnePe(EmulatedDeviceOptions d = {}, EmulatedShmemOptions o = {}) : device(d), shmem(device, o) {
+    EXPECT_EQ(shmem.init(shmem.unique_id(), 0, 1), 0);
+    words = static_cast<uint64_t*>(shmem.malloc(4 * sizeof(uint64_t)));
+    device.memset_sync(words, 4 * sizeof(uint64_t));
+  }
+  uint64_t load(int i) { return reinterpret_cast<std::atomic<uint64_t>*>(words + i)->load(); }
+};
+
+TEST(EmulatedShmem, ReorderedSignalsLandTheLaterOneFirstAndAHeldOneLandsAlone) {
+  EmulatedShmemOptions o;
+  o.reorder_signals = std::chrono::milliseconds(200);
+  OnePe pe({}, o);
+  Stream s = pe.device.create_stream();
+  pe.shmem.signal_op_on_stream(pe.words, 1, ShmemSignalOp::kSet, 0, s);
+  pe.shmem.signal_op_on_stream(pe.words, 2, ShmemSignalOp::kSet, 0, s);
+  pe.device.synchronize(s);
+  EXPECT_EQ(pe.load(0), 1u) << "SET 2 overtook SET 1, which then lowered the word";
+  EXPECT_EQ(pe.shmem.signals_reordered(), 1u);
+  pe.shmem.signal_op_on_stream(pe.words + 1, 5, ShmemSignalOp::kSet, 0, s);  // held, nothing follows
+  pe.device.synchronize(s);
+  EXPECT_EQ(pe.load(1), 0u) << "a held signal landed at once";
+  auto until = std::chrono::steady_clock::now() + 5s;
+  while (pe.load(1) != 5 && std::chrono::steady_clock::now() < until) std::this_thread::sleep_for(1ms);
+  EXPECT_EQ(pe.load(1), 5u) << "a held signal never landed";
+}
+
 TEST(EmulatedDevice, TeardownEndsWaitsThatCanNeverBeSatisfied) {
   auto device = std::make_unique<EmulatedDevice>();
   Stream s = device->create_stream();

@@ -34,9 +34,10 @@ TEST(NvshmemLayout, SlotsAndSignalsAreAlignedDisjointAndInside) {
           EXPECT_TRUE(slots.insert(l.recv_slot(peer, lane, n)).second);
           EXPECT_TRUE(slots.insert(l.staging_slot(peer, lane, n)).second);
           EXPECT_EQ(l.recv_slot(peer, lane, n), l.recv_slot(peer, lane, n + kNvshmemSlotsPerLane));  // a ring
+          EXPECT_TRUE(words.insert(l.ready(peer, lane, n)).second);  // a word per slot
+          EXPECT_TRUE(words.insert(l.freed(peer, lane, n)).second);
+          EXPECT_EQ(l.ready(peer, lane, n), l.ready(peer, lane, n + kNvshmemSlotsPerLane));
         }
-        EXPECT_TRUE(words.insert(l.ready(peer, lane)).second);
-        EXPECT_TRUE(words.insert(l.freed(peer, lane)).second);
         EXPECT_TRUE(words.insert(l.audit_out(peer, lane)).second);
       }
       for (uint64_t seq = 0; seq < l.window; ++seq) {

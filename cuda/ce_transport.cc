@@ -41,6 +41,10 @@ class CeTransport final : public HostTransport {
   ~CeTransport() override;
 
   const char* name() const override { return "ce"; }
+  std::string data_path() const override {
+    return "ce: no SM kernels: copy engines (cudaMemcpyBatchAsync) and stream memory writes of the ring "
+           "counters; the host drives every step";
+  }
   uintptr_t mark_submission(uintptr_t stream) override { return gate_.mark(stream); }
   void on_submit(OpState& op, uintptr_t mark) override { gate_.on_submit(op, mark); }
   void discard_submission(uintptr_t mark) override { gate_.give_event(mark); }

@@ -109,8 +109,11 @@ class DeviceOps {
   virtual void host_unregister(void* ptr) = 0;
   // Sets `bytes` of device memory to zero and waits for it.
   virtual void memset_sync(void* ptr, size_t bytes) = 0;
-  // Queues setting `bytes` of device memory to `byte` on `stream`.
-  virtual void fill_async(Stream stream, void* ptr, uint8_t byte, size_t bytes) = 0;
+  // Makes remote writes that reached this device over the network (GPUDirect RDMA: NVSHMEM puts
+  // from peers without P2P) visible to work enqueued after this call, as NVSHMEM's own stream
+  // wait does with its flush flag (cudaDeviceFlushGPUDirectRDMAWrites to the owner; a no-op where
+  // the device orders them natively). A host call: no kernel.
+  virtual void flush_remote_writes() = 0;
 
   // --- inter-process handles of device allocations (same node) ---
   // A printable handle of `ptr` (from device_alloc) that ipc_open maps in a peer process.
@@ -119,7 +122,9 @@ class DeviceOps {
   virtual void ipc_close(void* ptr) = 0;
 };
 
-// NVSHMEM's host API as the transport uses it (host-initiated, on-stream: no kernels).
+// NVSHMEM's host API as the transport uses it: host-initiated, on-stream puts and SET signals,
+// which to a P2P-mapped peer are copy-engine copies and stream memory writes, and to a peer
+// without P2P go through NVSHMEM's proxy, posted from a one-thread kernel per call. No waits.
 enum class ShmemSignalOp { kSet, kAdd };
 
 class ShmemOps {
@@ -143,14 +148,14 @@ class ShmemOps {
 
   // Collective symmetric allocation (same offset on every PE); nullptr on failure.
   virtual void* malloc(size_t bytes) = 0;
+  // True if PE `pe`'s copy of `symmetric` is mapped here (P2P: nvshmem_ptr is not null).
+  virtual bool is_mapped(const void* symmetric, int pe) = 0;
 
   // On `stream`: copies `bytes` from local `src` to `dest` on PE `pe`, then applies `op` with
   // `value` to the 64-bit `signal` word on PE `pe` (after the data is visible there).
   virtual void put_signal_on_stream(void* dest, const void* src, size_t bytes, uint64_t* signal, uint64_t value,
                                     ShmemSignalOp op, int pe, Stream stream) = 0;
   virtual void signal_op_on_stream(uint64_t* signal, uint64_t value, ShmemSignalOp op, int pe, Stream stream) = 0;
-  // Blocks `stream` until the local word `signal` >= value.
-  virtual void signal_wait_geq_on_stream(uint64_t* signal, uint64_t value, Stream stream) = 0;
 };
 
 // The real implementations, in CUDA builds (Error(kUnsupported) otherwise). Process singletons.

@@ -176,8 +176,10 @@ class CudaDeviceOps final : public DeviceOps {
     check_cuda(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
   }
 
-  void fill_async(Stream stream, void* ptr, uint8_t byte, size_t bytes) override {
-    check_cuda(cudaMemsetAsync(ptr, byte, bytes, as_stream(stream)), "cudaMemsetAsync");
+  void flush_remote_writes() override {
+    check_cuda(cudaDeviceFlushGPUDirectRDMAWrites(cudaFlushGPUDirectRDMAWritesTargetCurrentDevice,
+                                                  cudaFlushGPUDirectRDMAWritesToOwner),
+               "cudaDeviceFlushGPUDirectRDMAWrites");
   }
 
   std::string ipc_handle(void* ptr) override {

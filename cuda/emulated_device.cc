@@ -524,15 +524,9 @@ void EmulatedDevice::host_unregister(void* ptr) {
 
 void EmulatedDevice::memset_sync(void* ptr, size_t bytes) { std::memset(ptr, 0, bytes); }
 
-void EmulatedDevice::fill_async(Stream stream, void* ptr, uint8_t byte, size_t bytes) {
-  enqueue(stream, [ptr, byte, bytes] {
-    // Word by word, atomically: stream waits on other threads read these words.
-    auto* words = static_cast<std::atomic<uint64_t>*>(ptr);
-    uint64_t value = 0x0101010101010101ull * byte;
-    for (size_t i = 0; i < bytes / 8; ++i) words[i].store(value, std::memory_order_release);
-    auto* tail = static_cast<uint8_t*>(ptr) + bytes / 8 * 8;
-    for (size_t i = 0; i < bytes % 8; ++i) __atomic_store_n(tail + i, byte, __ATOMIC_RELAXED);
-  });
+void EmulatedDevice::flush_remote_writes() {
+  check_no_fault("cudaDeviceFlushGPUDirectRDMAWrites");
+  flushes_.fetch_add(1);
 }
 
 std::string EmulatedDevice::ipc_handle(void* ptr) {
@@ -584,10 +578,20 @@ struct Rendezvous {
 
 }  // namespace
 
-EmulatedShmem::EmulatedShmem(EmulatedDevice& device, EmulatedShmemOptions options) : device_(device), options_(options) {}
+EmulatedShmem::EmulatedShmem(EmulatedDevice& device, EmulatedShmemOptions options) : device_(device), options_(options) {
+  if (options_.reorder_signals.count() > 0) holder_ = std::thread([this] { deliver_held_signals(); });
+}
 
 EmulatedShmem::~EmulatedShmem() {
   device_.shutdown();  // stream work may still touch the heaps
+  if (holder_.joinable()) {
+    {
+      std::lock_guard<std::mutex> lock(held_mu_);
+      stopping_ = true;
+    }
+    held_cv_.notify_all();
+    holder_.join();  // it lands what it still holds first
+  }
   for (size_t p = 0; p < heaps_.size(); ++p) {
     if (heaps_[p] != nullptr) munmap(heaps_[p], heap_bytes_);
   }
@@ -671,27 +675,64 @@ void EmulatedShmem::put_signal_on_stream(void* dest, const void* src, size_t byt
                                          ShmemSignalOp op, int pe, Stream stream) {
   uint8_t* to = remote(dest, pe);
   auto* word = reinterpret_cast<std::atomic<uint64_t>*>(remote(signal, pe));
-  device_.enqueue(stream, [to, src, bytes, word, value, op] {
+  if (options_.limited_mpg) std::_Exit(86);  // what NVSHMEM 3.8 may do (ShmemOps::fully_initialized)
+  if (op == ShmemSignalOp::kAdd || !is_mapped(dest, pe)) kernels_.fetch_add(1);  // NVSHMEM's kernels
+  device_.enqueue(stream, [this, to, src, bytes, word, value, op] {
     dma_copy(to, src, bytes);
-    apply_signal(word, value, op);
+    deliver(word, value, op);
   });
 }
 
 void EmulatedShmem::signal_op_on_stream(uint64_t* signal, uint64_t value, ShmemSignalOp op, int pe, Stream stream) {
   auto* word = reinterpret_cast<std::atomic<uint64_t>*>(remote(signal, pe));
-  device_.enqueue(stream, [word, value, op] { apply_signal(word, value, op); });
+  if (options_.limited_mpg) std::_Exit(86);
+  if (op == ShmemSignalOp::kAdd || !is_mapped(signal, pe)) kernels_.fetch_add(1);
+  device_.enqueue(stream, [this, word, value, op] { deliver(word, value, op); });
 }
 
-void EmulatedShmem::signal_wait_geq_on_stream(uint64_t* signal, uint64_t value, Stream stream) {
-  if (options_.limited_mpg) {
-    // What NVSHMEM 3.8 does here in a limited-MPG run (see ShmemOps::fully_initialized).
-    std::_Exit(86);
+bool EmulatedShmem::is_mapped(const void*, int pe) {
+  return std::find(options_.network_pes.begin(), options_.network_pes.end(), pe) == options_.network_pes.end();
+}
+
+void EmulatedShmem::deliver(std::atomic<uint64_t>* word, uint64_t value, ShmemSignalOp op) {
+  if (options_.reorder_signals.count() == 0) {
+    apply_signal(word, value, op);
+    return;
   }
-  signal_waits_.fetch_add(1);
-  auto* word = reinterpret_cast<std::atomic<uint64_t>*>(signal);
-  device_.enqueue(stream, [this, word, value] {
-    device_.spin_until([&] { return word->load(std::memory_order_acquire) >= value; });
-  });
+  std::lock_guard<std::mutex> lock(held_mu_);
+  auto it = held_.find(word);
+  if (it == held_.end()) {
+    held_[word] = HeldSignal{value, op, std::chrono::steady_clock::now() + options_.reorder_signals};
+    held_cv_.notify_all();
+    return;
+  }
+  apply_signal(word, value, op);  // the later signal overtakes the held one
+  apply_signal(word, it->second.value, it->second.op);
+  held_.erase(it);
+  reordered_.fetch_add(1);
+}
+
+void EmulatedShmem::deliver_held_signals() {
+  std::unique_lock<std::mutex> lock(held_mu_);
+  while (true) {
+    const auto now = std::chrono::steady_clock::now();
+    auto next = std::chrono::steady_clock::time_point::max();
+    for (auto it = held_.begin(); it != held_.end();) {
+      if (stopping_ || it->second.until <= now) {
+        apply_signal(it->first, it->second.value, it->second.op);
+        it = held_.erase(it);
+      } else {
+        next = std::min(next, it->second.until);
+        ++it;
+      }
+    }
+    if (stopping_) return;
+    if (next == std::chrono::steady_clock::time_point::max()) {
+      held_cv_.wait(lock);
+    } else {
+      held_cv_.wait_until(lock, next);
+    }
+  }
 }
 
 }  // namespace freescale

@@ -26,17 +26,21 @@
 // graph capture, peer access rules. Device attributes read 1 unless listed in
 // EmulatedDeviceOptions::unsupported. Stream and event creation block while a stream wait runs.
 // EmulatedShmem adds NVSHMEM's host API: one symmetric heap per PE, shared by every PE, with
-// put-with-signal, signal ops and signal waits on emulated streams, and init status.
+// put-with-signal and signal ops on emulated streams, init status, optional out-of-order signal
+// delivery (reorder_signals: NVSHMEM orders signals only across a fence), network PEs (no P2P
+// mapping: NVSHMEM's proxy kernels, counted) and the limited-MPG mode's process exit.
 #pragma once
 
 #include <atomic>
 #include <chrono>
+#include <condition_variable>
 #include <cstdint>
 #include <functional>
 #include <map>
 #include <memory>
 #include <mutex>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "cuda/device_ops.h"
@@ -101,7 +105,7 @@ class EmulatedDevice final : public DeviceOps {
   DevicePtr host_register(void* ptr, size_t bytes) override;
   void host_unregister(void* ptr) override;
   void memset_sync(void* ptr, size_t bytes) override;
-  void fill_async(Stream stream, void* ptr, uint8_t byte, size_t bytes) override;
+  void flush_remote_writes() override;  // counts (every write here is visible at once)
 
   std::string ipc_handle(void* ptr) override;
   void* ipc_open(const std::string& handle) override;
@@ -128,6 +132,8 @@ class EmulatedDevice final : public DeviceOps {
   size_t queued(Stream stream);
   // The hardware queues in use (after any override).
   int hardware_queues() const { return options_.hardware_queues; }
+  // flush_remote_writes() calls so far.
+  size_t remote_write_flushes() const { return flushes_.load(); }
   // The context's fault ("" while healthy).
   std::string fault() const;
 
@@ -149,6 +155,7 @@ class EmulatedDevice final : public DeviceOps {
   std::atomic<bool> torn_down_{false};
   std::atomic<bool> faulted_{false};
   std::atomic<int> waits_running_{0};  // stream waits spinning now
+  std::atomic<size_t> flushes_{0};
   mutable std::mutex fault_mu_;  // guards fault_
   std::string fault_;
   mutable std::mutex mu_;  // guards the maps and queues below
@@ -171,9 +178,17 @@ struct EmulatedShmemOptions {
   // Each PE's symmetric heap when NVSHMEM_SYMMETRIC_SIZE (bytes) is unset at the first call.
   size_t heap_bytes = 64ull << 20;
   // Emulates NVSHMEM 3.8's "limited MPG" run: init returns 0, init status says it is not fully
-  // initialized, and a stream signal wait terminates the process, as the real library does.
+  // initialized, and an on-stream call terminates the process (as its stream waits do).
   bool limited_mpg = false;
+  // PEs reached over the network (no P2P mapping): is_mapped() is false for them, and each put or
+  // signal to them counts as a kernel (NVSHMEM's proxy launch). Their bytes still move.
+  std::vector<int> network_pes;
   int init_status = 0;  // what init() returns, after joining the others (non-zero: a failed init)
+  // Out-of-order signals, as NVSHMEM allows: it orders delivery to a PE only across a fence, and
+  // on-stream puts over proxy (network) transports complete locally. When set, a signal to a word
+  // that has none held back is held back until the next signal to the same word arrives (that
+  // one lands first, then the held one) or for at most this long. 0: signals land in order.
+  std::chrono::microseconds reorder_signals{0};
 };
 
 class EmulatedShmem final : public ShmemOps {
@@ -191,10 +206,13 @@ class EmulatedShmem final : public ShmemOps {
   void put_signal_on_stream(void* dest, const void* src, size_t bytes, uint64_t* signal, uint64_t value,
                             ShmemSignalOp op, int pe, Stream stream) override;
   void signal_op_on_stream(uint64_t* signal, uint64_t value, ShmemSignalOp op, int pe, Stream stream) override;
-  void signal_wait_geq_on_stream(uint64_t* signal, uint64_t value, Stream stream) override;
+  bool is_mapped(const void* symmetric, int pe) override;
 
-  // Stream signal waits this process has queued (tests: none may be queued in a limited run).
-  size_t signal_waits_queued() const { return signal_waits_.load(); }
+  // SM kernels NVSHMEM would have launched for this process's calls: one per put or signal to a
+  // PE of EmulatedShmemOptions::network_pes (its proxy), one per ADD signal.
+  size_t kernels_launched() const { return kernels_.load(); }
+  // Signals that landed after a later one to the same word (reorder_signals).
+  size_t signals_reordered() const { return reordered_.load(); }
   // NVSHMEM_REMOTE_TRANSPORT as the library read it: once, at the first unique_id() or init(),
   // as NVSHMEM reads its environment ("<unset>" if it was not set then).
   const std::string& remote_transport_seen() const { return remote_transport_seen_; }
@@ -202,8 +220,16 @@ class EmulatedShmem final : public ShmemOps {
 
  private:
   void read_environment_once();
-
   uint8_t* remote(const void* local, int pe) const;
+  // Applies a signal that reached its word, through the reordering hold when it is on.
+  void deliver(std::atomic<uint64_t>* word, uint64_t value, ShmemSignalOp op);
+  void deliver_held_signals();  // the hold's thread: lands signals whose time ran out
+
+  struct HeldSignal {
+    uint64_t value;
+    ShmemSignalOp op;
+    std::chrono::steady_clock::time_point until;
+  };
 
   EmulatedDevice& device_;
   EmulatedShmemOptions options_;
@@ -213,7 +239,13 @@ class EmulatedShmem final : public ShmemOps {
   int heap_fd_ = -1;
   std::vector<uint8_t*> heaps_;  // [world] every PE's heap mapped here (ours: own)
   size_t used_ = 0;              // bump allocator: the same sequence of malloc on every PE
-  std::atomic<size_t> signal_waits_{0};
+  std::atomic<size_t> kernels_{0};
+  std::atomic<size_t> reordered_{0};
+  std::mutex held_mu_;  // guards held_ and stopping_; signals land under it (one at a time)
+  std::condition_variable held_cv_;
+  std::map<std::atomic<uint64_t>*, HeldSignal> held_;
+  bool stopping_ = false;
+  std::thread holder_;  // runs deliver_held_signals() while reorder_signals is on
   bool environment_read_ = false;
   std::string remote_transport_seen_;
   size_t heap_bytes_ = 0;

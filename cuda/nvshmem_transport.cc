@@ -1,45 +1,44 @@
-// The NVSHMEM transport (see cpp/nvshmem_layout.h for the arena and the lane rules). Every
-// cross-rank dependency is a stream wait on an NVSHMEM signal; the host enqueues, checks local
-// events and audits. Per chunk n of the pair-lane (me -> dst, lane):
+// The NVSHMEM transport (see cpp/nvshmem_layout.h for the arena, the lanes and the signal words).
+// Host driven: no device-side wait anywhere. The device moves bytes (copy engines, NVSHMEM puts)
+// and sets signal words; a watch stream that never waits copies our arena's signal words into
+// pinned host memory (the mirror), and the host enqueues each step once the mirror shows what it
+// depends on. So no hardware queue, shared or not, can hold a step behind a wait that only a
+// later step (ours or a peer's) would satisfy (design.md §4). Per chunk n of a pair-lane, slot
+// k = n % S:
 //
-//   send stream (dst, lane):  wait freed[dst][lane] >= n + 1 - S     (dst copied out chunk n - S)
-//                             copy input piece(s) -> staging slot     (copy engines)
-//                             putmem_signal staging -> dst's recv slot, ready[me][lane] = n + 1
-//   after an op's last chunk: audit_out[dst][lane] = bytes; put it to dst's audit_bytes[me][seq],
-//                             signal audit[me][seq] = seq + 1
-//   recv stream (src, lane):  wait ready[src][lane] >= n + 1; copy slot -> output piece(s);
-//                             signal freed[me][lane] = n + 1 at src
-//   audit stream (src, lane): wait audit[src][seq] >= seq + 1; copy audit_bytes to the host, which
-//                             compares them with its own count (kSizeMismatch otherwise)
-//   receipt stream (lane):    once every part of op seq landed and matched: signal
-//                             recvd[me][seq] = seq + 1 at every rank
-//   confirm stream (lane):    wait recvd[p][seq] >= seq + 1 for every p -> op confirmed
+//   sender, once freed[dst][lane][k] >= n + 1 - S (dst copied chunk n - S out), on the send
+//   stream (dst, lane): copy input piece(s) -> staging slot (copy engines); putmem_signal staging
+//   -> dst's recv slot k, SET ready[me][lane][k] = n + 1. After an op's last chunk, same stream:
+//   audit_out[dst][lane] = bytes; put it to dst's audit_bytes[me][seq], SET audit[me][seq] = seq + 1.
+//   receiver, once ready[src][lane][k] >= n + 1, on the recv stream (src, lane): copy slot ->
+//   output piece(s); SET freed[me][lane][k] = n + 1 at src. Once audit[src][seq] >= seq + 1 (and
+//   a later mirror copy, which sees the bytes that landed before that signal): compare
+//   audit_bytes with our own count (kSizeMismatch otherwise).
+//   receipts, once every receive part of op seq landed (an event after its last copy) and
+//   matched: SET recvd[me][seq] = seq + 1 at every rank; the op is confirmed once the mirror
+//   shows recvd[p][seq] >= seq + 1 for every p.
 //
-// Every stream is fed from a host queue a bounded number of steps at a time (SteppedStream), so
-// the progress thread never blocks on a full device queue whose head waits for work it has yet
-// to enqueue (e.g. a receive waiting for our own send). Streams are per (peer, lane) so that a
-// stream blocked on one pair never holds another pair's traffic. The staging copy makes every
-// put's source symmetric memory (network peers need that). An op is started once its submitter's
-// stream passed its submission (SubmitGate). A rank that fails or closes writes a notice into
-// every peer's arena; peers read theirs with check_peers() (and watch same-host pids), so a
-// failure anywhere fails every survivor promptly, naming the rank.
+// Cost: each slot refill takes a host round trip on both ranks (see the README). Remote writes
+// from a network peer are flushed (DeviceOps::flush_remote_writes) before the copies that read
+// them are enqueued, as NVSHMEM's own stream wait does. An op starts once its submitter's stream
+// passed its submission (SubmitGate). A rank that fails or closes writes a notice into every
+// peer's arena; peers read theirs with check_peers() (and watch same-host pids), so a failure
+// anywhere fails every survivor promptly, naming the rank.
 #include "cuda/nvshmem_transport.h"
 
 #include <unistd.h>
 
 #include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <condition_variable>
 #include <cstdlib>
 #include <deque>
-#include <functional>
-#include <chrono>
 #include <map>
 #include <mutex>
 #include <optional>
 #include <sstream>
 #include <string>
-#include <thread>
 #include <vector>
 
 #include "cpp/host_layout.h"
@@ -56,28 +55,12 @@ namespace freescale {
 namespace {
 
 constexpr std::chrono::microseconds kPollWhileBusy{50};  // device progress rings no doorbell
-constexpr std::chrono::seconds kDrainLimit{30};  // drain_streams gives up (and leaks) after this
-// Steps queued on a stream beyond its completed ones. A step is at most ~6 stream operations,
-// so a stream never holds more than ~12: far below a GPU's queue, and the emulated tests' 16.
-constexpr size_t kStepsAhead = kNvshmemSlotsPerLane;
 constexpr uint64_t kHeapMargin = 64ull << 20;  // symmetric heap beyond our arena
+constexpr uint64_t S = kNvshmemSlotsPerLane;
 
 std::atomic<bool> g_nvshmem_taken{false};  // NVSHMEM is initialized once per process
 
 uint64_t chunks_of(uint64_t bytes, uint64_t chunk) { return bytes == 0 ? 0 : (bytes + chunk - 1) / chunk; }
-
-// A device stream fed from a host queue, at most kStepsAhead steps ahead of what completed.
-struct SteppedStream {
-  struct Step {
-    std::function<void(Stream)> enqueue;  // queues the step's stream operations
-    std::function<void()> done;           // progress thread, once they completed (may throw)
-  };
-  Stream stream = 0;
-  std::deque<Step> pending;                                     // not queued yet
-  std::deque<std::pair<Event, std::function<void()>>> in_flight;  // queued: event after each
-  size_t queued() const { return pending.size() + in_flight.size(); }
-  bool busy() const { return queued() > 0; }
-};
 
 class NvshmemTransport final : public Transport {
  public:
@@ -85,6 +68,7 @@ class NvshmemTransport final : public Transport {
   ~NvshmemTransport() override;
 
   const char* name() const override { return "nvshmem"; }
+  std::string data_path() const override { return data_path_; }
   uintptr_t mark_submission(uintptr_t stream) override { return gate_.mark(stream); }
   void on_submit(OpState& op, uintptr_t mark) override { gate_.on_submit(op, mark); }
   void discard_submission(uintptr_t mark) override { gate_.give_event(mark); }
@@ -102,9 +86,25 @@ class NvshmemTransport final : public Transport {
   void wake() override;
   void abort(ErrorCode code, int culprit) override { notify_peers(nvshmem_abort_notice(code, culprit)); }
   void close() override { notify_peers(kNvshmemNoticeClosed); }
-  void quiesce() override { drain_streams(); }
+  // Nothing more is enqueued; every stream of ours holds copies, puts and SETs only, so it runs out.
+  void quiesce() override { settle_streams(); }
 
  private:
+  struct RecvChunk {  // a chunk expected on a pair-lane, in FIFO order
+    std::shared_ptr<OpState> op;
+    uint64_t n, offset, len;
+    bool last;  // the op's last chunk from this source
+  };
+  struct Audit {  // an op's byte count from `src`, awaited
+    std::shared_ptr<OpState> op;
+    int src, lane;
+    uint64_t seen_in = 0;  // the mirror copy that first showed the audit signal (0: not yet)
+  };
+  struct Landing {  // a receive part whose last copy was enqueued
+    std::shared_ptr<OpState> op;
+    int src, lane;
+    Event event;  // recorded after that copy
+  };
   struct RecvPart {  // (op, src): landed and matched, or not yet
     bool landed = false;
     bool audited = false;
@@ -113,26 +113,30 @@ class NvshmemTransport final : public Transport {
   int pair(int peer, int lane) const { return peer * kNvshmemLanes + lane; }
   uint64_t* word(uint64_t offset) const { return reinterpret_cast<uint64_t*>(arena_ + offset); }
   DevicePtr device_word(uint64_t offset) const { return reinterpret_cast<DevicePtr>(arena_ + offset); }
-  // Queues what completed and tops the stream up; true if anything moved.
-  bool pump(SteppedStream& s, const char* what);
+  // A signal word of our arena as the last completed mirror copy saw it.
+  uint64_t seen(uint64_t offset) const {
+    return read_mapped_word(signal_mirror_ + (offset - layout_.signals_offset()) / sizeof(uint64_t));
+  }
+  Stream stream_of(std::vector<Stream>& streams, size_t index);
   void start(const std::shared_ptr<OpState>& op);
-  void push_receives(const std::shared_ptr<OpState>& op, int src, int lane);
+  // Acts on a completed mirror copy, then starts the next one while anything awaits a signal.
+  bool watch();
+  bool act_on_signals();
   // Once op's data from `src` landed and its byte count matched, the receive part is finished;
   // once every part is, our receipt goes to every rank (as with the host transport, an op
   // completes only when every rank received all of it and found the byte counts right).
-  void part_checked(const std::shared_ptr<OpState>& op, int src, int lane);
+  void part_checked(const std::shared_ptr<OpState>& op, int src);
   void notify_peers(uint64_t notice);
-  // Sets every signal word of our arena to the maximum, so every wait of ours (all GE, on our
-  // own words) passes, until every stream ran out: a live peer's later SET can lower a word
-  // again before a queued wait reads it, so the fill repeats (peers send a bounded amount
-  // before they stop). Once it returns, no work of ours touches an op's buffers; the transport
-  // is unusable. Returns false if a stream failed or did not run out within kDrainLimit (its
-  // work may still hold the mirrors). Never throws.
-  bool drain_streams();
-  std::vector<SteppedStream*> all_streams();
+  // Waits until every stream of ours ran out (none ever waits on the device: they do), and
+  // enqueues nothing more. False if a stream failed (its work may still hold the mirrors). Never throws.
+  bool settle_streams();
+  std::vector<Stream> all_streams() const;
   // Queues on `s` a copy of the notices peers wrote into our arena into notice_mirror_.
   void copy_notices(Stream s);
   bool any_busy() const;
+  // Which peers NVSHMEM reaches by P2P mapping (no kernels) and which through its proxy (a kernel
+  // launch per put and per signal): sets data_path_ and network_peer_.
+  void describe_data_path();
 
   DeviceOps& ops_;
   ShmemOps& shmem_;
@@ -141,26 +145,34 @@ class NvshmemTransport final : public Transport {
   NvshmemArenaLayout layout_;
   uint8_t* arena_ = nullptr;  // symmetric: the same offsets address every rank's arena
   std::vector<ProcessId> procs_;  // [world] ranks on this host (pid -1 for others)
+  bool network_peer_ = false;  // some peer is not P2P-mapped: its puts need a flush
+  std::string data_path_;
   bool took_ = false;         // this transport holds the process's NVSHMEM
 
-  std::vector<SteppedStream> send_, recv_, audit_;  // [pair]
-  std::vector<SteppedStream> confirm_;              // [lane]
-  std::vector<SteppedStream> receipt_;              // [lane]: our receipts (never wait)
-  SteppedStream health_;                            // reads the notices peers wrote us
-  Stream notice_stream_ = 0;                        // our notices to peers (never waits)
-  uint64_t* audit_mirror_ = nullptr;   // mapped host: [kOpWindow][world] byte counts peers sent
-  DevicePtr audit_mirror_device_ = 0;
+  std::vector<Stream> send_, recv_;  // [pair], created on first use
+  Stream receipt_stream_ = 0;        // our receipts (SETs)
+  Stream watch_stream_ = 0;          // the mirror copies
+  Stream health_stream_ = 0;         // the notice copies
+  Stream notice_stream_ = 0;         // our notices to peers
+  uint64_t* signal_mirror_ = nullptr;  // mapped host: our arena's signal words (layout_.signal_bytes())
   uint64_t* notice_mirror_ = nullptr;  // mapped host: [world] notices copied from the arena
-  DevicePtr notice_mirror_device_ = 0;
+  DevicePtr mirror_device_ = 0, notice_mirror_device_ = 0;
   std::atomic<bool> notified_{false};
-  SubmitGate gate_;  // callers' streams: start gate, events, completion flags
+  SubmitGate gate_;  // callers' streams: start gate, events
 
   // Progress thread only.
-  std::map<uint64_t, std::shared_ptr<OpState>> started_;
+  bool settled_ = false;           // quiesced: nothing more is enqueued
+  std::optional<Event> watching_;  // the mirror copy in flight
+  uint64_t mirror_copies_ = 0;     // completed mirror copies (the mirror shows copy #mirror_copies_)
+  std::optional<Event> health_;    // the notice copy in flight
+  std::map<uint64_t, std::shared_ptr<OpState>> started_;  // not confirmed yet
   std::map<std::pair<uint64_t, int>, RecvPart> recv_parts_;  // (seq, src)
-  std::vector<std::deque<uint64_t>> send_fifo_;  // [pair] ops (seq) still to send, in start order
-  std::vector<uint64_t> sent_chunks_;            // [pair] non-empty chunks put so far
-  std::vector<uint64_t> recv_chunks_;            // [pair] non-empty chunks expected so far
+  std::vector<std::deque<uint64_t>> send_fifo_;   // [pair] ops (seq) still to send, in start order
+  std::vector<uint64_t> sent_chunks_;             // [pair] non-empty chunks enqueued so far
+  std::vector<uint64_t> recv_chunks_;             // [pair] non-empty chunks expected so far
+  std::vector<std::deque<RecvChunk>> expected_;   // [pair] chunks not landed yet, in order
+  std::deque<Audit> audits_;
+  std::vector<Landing> landing_;
 
   std::atomic<uint32_t> epoch_{0};
   std::mutex wake_mu_;
@@ -176,15 +188,13 @@ NvshmemTransport::NvshmemTransport(Bootstrap& bootstrap, const Config& config, D
       chunk_bytes_(config.chunk_bytes),
       layout_(NvshmemArenaLayout::plan(world_, config.chunk_bytes, kOpWindow)),
       procs_(static_cast<size_t>(world_)),
-      send_(static_cast<size_t>(world_ * kNvshmemLanes)),
-      recv_(static_cast<size_t>(world_ * kNvshmemLanes)),
-      audit_(static_cast<size_t>(world_ * kNvshmemLanes)),
-      confirm_(kNvshmemLanes),
-      receipt_(kNvshmemLanes),
+      send_(static_cast<size_t>(world_ * kNvshmemLanes), 0),
+      recv_(static_cast<size_t>(world_ * kNvshmemLanes), 0),
       gate_(ops, device_),
       send_fifo_(static_cast<size_t>(world_ * kNvshmemLanes)),
       sent_chunks_(static_cast<size_t>(world_ * kNvshmemLanes), 0),
-      recv_chunks_(static_cast<size_t>(world_ * kNvshmemLanes), 0) {
+      recv_chunks_(static_cast<size_t>(world_ * kNvshmemLanes), 0),
+      expected_(static_cast<size_t>(world_ * kNvshmemLanes)) {
   // Each step's outcome is announced so that every rank fails together (with the failing rank's
   // code), and nobody enters NVSHMEM's collective init while a peer cannot.
   auto announce = [&](ErrorCode code, const std::string& error, const std::string& payload) {
@@ -215,7 +225,8 @@ NvshmemTransport::NvshmemTransport(Bootstrap& bootstrap, const Config& config, D
                         "group); use FREESCALE_TRANSPORT=ce for this one or one NVSHMEM group per process");
     }
     guard.emplace(ops_, device_);
-    audit_mirror_ = static_cast<uint64_t*>(ops_.host_alloc_mapped(sizeof(uint64_t) * kOpWindow * world_, &audit_mirror_device_));
+    signal_mirror_ = static_cast<uint64_t*>(ops_.host_alloc_mapped(layout_.signal_bytes(), &mirror_device_));
+    std::fill(signal_mirror_, signal_mirror_ + layout_.signal_bytes() / sizeof(uint64_t), 0);
     notice_mirror_ = static_cast<uint64_t*>(ops_.host_alloc_mapped(sizeof(uint64_t) * world_, &notice_mirror_device_));
     std::fill(notice_mirror_, notice_mirror_ + world_, 0);
   } catch (const std::exception& e) {
@@ -268,10 +279,10 @@ NvshmemTransport::NvshmemTransport(Bootstrap& bootstrap, const Config& config, D
     }
     if (!shmem_.fully_initialized()) {
       // NVSHMEM 3.8 reports success here with several PEs on one GPU and no (or an oversubscribed)
-      // MPS, and then exit()s the process at the first stream signal wait: refuse instead.
+      // MPS, and its on-stream calls exit() the process in that mode: refuse instead.
       code = ErrorCode::kUnsupported;
       throw Error(code, "NVSHMEM started in a limited mode (" + shmem_.init_status_text() +
-                            "): its stream signal waits would end the process. Several ranks on one GPU need MPS "
+                            "): its on-stream calls would end the process. Several ranks on one GPU need MPS "
                             "(nvidia-cuda-mps-control -d, thread percentages summing to at most 100); or use "
                             "FREESCALE_TRANSPORT=ce within a node");
     }
@@ -288,7 +299,11 @@ NvshmemTransport::NvshmemTransport(Bootstrap& bootstrap, const Config& config, D
                             " bytes failed (raise NVSHMEM_SYMMETRIC_SIZE)");
     }
     ops_.memset_sync(arena_ + layout_.signals_offset(), layout_.signal_bytes());
+    describe_data_path();
     notice_stream_ = ops_.create_stream();
+    receipt_stream_ = ops_.create_stream();
+    watch_stream_ = ops_.create_stream();
+    health_stream_ = ops_.create_stream();
   } catch (const std::exception& e) {
     error = e.what();
   }
@@ -297,8 +312,7 @@ NvshmemTransport::NvshmemTransport(Bootstrap& bootstrap, const Config& config, D
 
 NvshmemTransport::~NvshmemTransport() {
   // Best effort, never throws. NVSHMEM's teardown and nvshmem_free are collective (a closing rank
-  // cannot count on its peers): the arena and NVSHMEM stay for the life of the process. Steps
-  // already queued may wait on signals a failed peer will never set: drain_streams() ends them.
+  // cannot count on its peers): the arena and NVSHMEM stay for the life of the process.
   DeviceGuard guard(ops_, device_, std::nothrow);
   auto quietly = [](auto&& fn) {
     try {
@@ -306,78 +320,46 @@ NvshmemTransport::~NvshmemTransport() {
     } catch (...) {
     }
   };
-  bool drained = drain_streams();
-  for (SteppedStream* s : all_streams()) {
-    if (s->stream != 0) quietly([&] { ops_.destroy_stream(s->stream); });
-    for (auto& [ev, done] : s->in_flight) quietly([&, e = ev] { ops_.destroy_event(e); });
-  }
-  if (notice_stream_ != 0) quietly([&] { ops_.destroy_stream(notice_stream_); });
-  if (drained) {
-    if (audit_mirror_ != nullptr) quietly([&] { ops_.host_free(audit_mirror_); });
+  bool settled = settle_streams();
+  for (Stream s : all_streams()) quietly([&] { ops_.destroy_stream(s); });
+  for (Landing& l : landing_) quietly([&] { ops_.destroy_event(l.event); });
+  if (watching_) quietly([&] { ops_.destroy_event(*watching_); });
+  if (health_) quietly([&] { ops_.destroy_event(*health_); });
+  if (settled) {
+    if (signal_mirror_ != nullptr) quietly([&] { ops_.host_free(signal_mirror_); });
     if (notice_mirror_ != nullptr) quietly([&] { ops_.host_free(notice_mirror_); });
   } else {
     gate_.leak();  // a failed stream may still hold work that reads them
   }
 }
 
-std::vector<SteppedStream*> NvshmemTransport::all_streams() {
-  std::vector<SteppedStream*> all = {&health_};
-  for (auto* v : {&send_, &recv_, &audit_, &confirm_, &receipt_})
-    for (auto& s : *v) all.push_back(&s);
+std::vector<Stream> NvshmemTransport::all_streams() const {
+  std::vector<Stream> all;
+  for (Stream s : {notice_stream_, receipt_stream_, watch_stream_, health_stream_})
+    if (s != 0) all.push_back(s);
+  for (const auto* v : {&send_, &recv_})
+    for (Stream s : *v)
+      if (s != 0) all.push_back(s);
   return all;
 }
 
-bool NvshmemTransport::drain_streams() {
+bool NvshmemTransport::settle_streams() {
+  settled_ = true;
   DeviceGuard guard(ops_, device_, std::nothrow);
-  std::vector<SteppedStream*> all = all_streams();
-  std::vector<bool> settled(all.size(), false);  // ran out, or failed (then drained = false)
-  bool drained = true;
-  const auto give_up = std::chrono::steady_clock::now() + kDrainLimit;
-  while (true) {
-    if (arena_ != nullptr && notice_stream_ != 0) {
-      try {
-        ops_.fill_async(notice_stream_, arena_ + layout_.signals_offset(), 0xff, layout_.signal_bytes());
-        ops_.synchronize(notice_stream_);
-      } catch (...) {
-        // Waits on a word the fill did not reach may stay: the limit below ends this then.
-      }
+  bool settled = true;
+  for (Stream s : all_streams()) {
+    try {
+      ops_.synchronize(s);
+    } catch (...) {
+      settled = false;  // a failed stream (the context faulted) runs nothing more
     }
-    bool all_settled = true;
-    for (size_t i = 0; i < all.size(); ++i) {
-      if (settled[i] || all[i]->stream == 0) continue;
-      try {
-        settled[i] = ops_.stream_idle(all[i]->stream);
-      } catch (...) {
-        settled[i] = true;  // a failed stream runs nothing more
-        drained = false;
-      }
-      all_settled = all_settled && settled[i];
-    }
-    if (all_settled) return drained;
-    if (std::chrono::steady_clock::now() > give_up) return false;
-    std::this_thread::sleep_for(kPollWhileBusy);
   }
+  return settled;
 }
 
-bool NvshmemTransport::pump(SteppedStream& s, const char* what) {
-  bool moved = false;
-  while (!s.in_flight.empty() && gate_.event_done(s.in_flight.front().first, what)) {
-    std::function<void()> done = std::move(s.in_flight.front().second);
-    s.in_flight.pop_front();
-    moved = true;
-    if (done) done();
-  }
-  while (s.in_flight.size() < kStepsAhead && !s.pending.empty()) {
-    if (s.stream == 0) s.stream = ops_.create_stream();
-    SteppedStream::Step step = std::move(s.pending.front());
-    s.pending.pop_front();
-    step.enqueue(s.stream);
-    Event ev = gate_.take_event();
-    ops_.record_event(ev, s.stream);
-    s.in_flight.emplace_back(ev, std::move(step.done));
-    moved = true;
-  }
-  return moved;
+Stream NvshmemTransport::stream_of(std::vector<Stream>& streams, size_t index) {
+  if (streams[index] == 0) streams[index] = ops_.create_stream();
+  return streams[index];
 }
 
 void NvshmemTransport::post(const std::shared_ptr<OpState>& op) {
@@ -389,75 +371,171 @@ void NvshmemTransport::post(const std::shared_ptr<OpState>& op) {
 void NvshmemTransport::start(const std::shared_ptr<OpState>& op) {
   started_[op->seq] = op;
   const int lane = nvshmem_lane(op->priority);
-  for (int p = 0; p < world_; ++p) {
-    send_fifo_[static_cast<size_t>(pair(p, lane))].push_back(op->seq);
-    push_receives(op, p, lane);
+  for (int src = 0; src < world_; ++src) {
+    const auto index = static_cast<size_t>(pair(src, lane));
+    send_fifo_[index].push_back(op->seq);
+    const uint64_t bytes = op->layout.recv_bytes[src];
+    const uint64_t first = recv_chunks_[index];
+    const uint64_t chunks = chunks_of(bytes, chunk_bytes_);
+    recv_chunks_[index] = first + chunks;
+    recv_parts_[{op->seq, src}] = RecvPart{chunks == 0, false};
+    for (uint64_t k = 0; k < chunks; ++k) {
+      const uint64_t offset = k * chunk_bytes_;
+      expected_[index].push_back(RecvChunk{op, first + k, offset, std::min(chunk_bytes_, bytes - offset), k + 1 == chunks});
+    }
+    audits_.push_back(Audit{op, src, lane});
   }
-  confirm_[static_cast<size_t>(lane)].pending.push_back(SteppedStream::Step{
-      [this, seq = op->seq](Stream s) {
-        for (int p = 0; p < world_; ++p) shmem_.signal_wait_geq_on_stream(word(layout_.recvd(p, seq)), seq + 1, s);
-      },
-      [op] {
-        if (op->is_completed()) return;  // failed meanwhile
-        op->confirmed = true;
-        op->part_done();
-      }});
 }
 
-void NvshmemTransport::push_receives(const std::shared_ptr<OpState>& op, int src, int lane) {
-  const auto index = static_cast<size_t>(pair(src, lane));
-  const uint64_t bytes = op->layout.recv_bytes[src];
-  const uint64_t first = recv_chunks_[index];
-  const uint64_t chunks = chunks_of(bytes, chunk_bytes_);
-  recv_chunks_[index] = first + chunks;
-  recv_parts_[{op->seq, src}] = RecvPart{};
-  for (uint64_t k = 0; k < chunks; ++k) {
-    const uint64_t n = first + k;
-    const uint64_t offset = k * chunk_bytes_;
-    const uint64_t len = std::min(chunk_bytes_, bytes - offset);
-    recv_[index].pending.push_back(SteppedStream::Step{[this, op, src, lane, n, offset, len](Stream s) {
-                                                          shmem_.signal_wait_geq_on_stream(word(layout_.ready(src, lane)), n + 1, s);
-                                                          CopyList copies;
-                                                          copies.to_recv_block(*op, src, offset, len, arena_ + layout_.recv_slot(src, lane, n));
-                                                          ops_.copy_batch(s, copies.batch);
-                                                          shmem_.signal_op_on_stream(word(layout_.freed(rank_, lane)), n + 1, ShmemSignalOp::kSet, src, s);
-                                                        },
-                                                        nullptr});
+bool NvshmemTransport::can_send(const Transfer& t) const {
+  if (settled_ || !gate_.started(*t.op)) return false;  // its submitter's stream has not got there yet
+  const int lane = nvshmem_lane(t.op->priority);
+  const auto index = static_cast<size_t>(pair(t.peer, lane));
+  // FIFO within a pair-lane (the receiver counts on it).
+  if (send_fifo_[index].empty() || send_fifo_[index].front() != t.op->seq) return false;
+  if (t.bytes == 0) return true;  // its one empty chunk carries the audit only
+  // The slot of our next chunk n is free once the peer copied chunk n - S out of it.
+  const uint64_t n = sent_chunks_[index];
+  return n < S || seen(layout_.freed(t.peer, lane, n)) >= n + 1 - S;
+}
+
+void NvshmemTransport::send_chunk(const Transfer& t, const Chunk& c) {
+  ops_.prepare_progress_thread(device_);
+  const std::shared_ptr<OpState>& op = t.op;
+  const int lane = nvshmem_lane(op->priority);
+  const int dst = t.peer;
+  const auto index = static_cast<size_t>(pair(dst, lane));
+  if (c.bytes > chunk_bytes_) throw Error(ErrorCode::kInternal, "chunk larger than an nvshmem slot");
+  const Stream s = stream_of(send_, index);
+  if (c.bytes > 0) {
+    const uint64_t n = sent_chunks_[index]++;
+    uint8_t* staging = arena_ + layout_.staging_slot(dst, lane, n);
+    CopyList copies;
+    copies.from_send_block(*op, dst, c.offset, c.bytes, staging);
+    ops_.copy_batch(s, copies.batch);
+    shmem_.put_signal_on_stream(arena_ + layout_.recv_slot(rank_, lane, n), staging, c.bytes,
+                                word(layout_.ready(rank_, lane, n)), n + 1, ShmemSignalOp::kSet, dst, s);
   }
-  // The last chunk step's completion (or, for an empty block, nothing) means the data landed.
-  auto landed = [this, op, src, lane] {
-    recv_parts_[{op->seq, src}].landed = true;
-    part_checked(op, src, lane);
-  };
-  if (chunks == 0) {
-    recv_parts_[{op->seq, src}].landed = true;
-  } else {
-    recv_[index].pending.back().done = landed;
+  if (c.offset + c.bytes == t.bytes) {  // the transfer's last chunk (or its one empty chunk): our byte count
+    ops_.write_value64(s, device_word(layout_.audit_out(dst, lane)), t.bytes);
+    shmem_.put_signal_on_stream(word(layout_.audit_bytes(rank_, op->seq)), word(layout_.audit_out(dst, lane)),
+                                sizeof(uint64_t), word(layout_.audit(rank_, op->seq)), op->seq + 1, ShmemSignalOp::kSet,
+                                dst, s);
+    send_fifo_[index].pop_front();
   }
-  // The sender's byte count, to the host, which compares it with ours.
-  const uint64_t slot = (op->seq % kOpWindow) * world_ + static_cast<uint64_t>(src);
-  audit_[index].pending.push_back(SteppedStream::Step{
-      [this, seq = op->seq, src, slot](Stream s) {
-        shmem_.signal_wait_geq_on_stream(word(layout_.audit(src, seq)), seq + 1, s);
-        CopyBatch batch;
-        batch.add(audit_mirror_ + slot, word(layout_.audit_bytes(src, seq)), sizeof(uint64_t));
-        ops_.copy_batch(s, batch);
-      },
-      [this, op, src, lane, slot, bytes] {
-        const uint64_t announced = read_mapped_word(audit_mirror_ + slot);
-        if (announced != bytes) {
-          throw CommError(ErrorCode::kSizeMismatch,
-                          "all_to_all op #" + std::to_string(op->seq) + ": rank " + std::to_string(rank_) + " expected " +
-                              std::to_string(bytes) + " bytes from rank " + std::to_string(src) + ", which sends " +
-                              std::to_string(announced) + " bytes: the ranks' split sizes disagree",
-                          src);
+}
+
+bool NvshmemTransport::poll() {
+  ops_.prepare_progress_thread(device_);
+  if (settled_) return false;
+  bool moved = gate_.start_ready([this](const std::shared_ptr<OpState>& op) { start(op); });
+  for (auto it = landing_.begin(); it != landing_.end();) {
+    if (!gate_.event_done(it->event, "a receive copy of the nvshmem transport failed")) {
+      ++it;
+      continue;
+    }
+    Landing l = std::move(*it);
+    it = landing_.erase(it);
+    recv_parts_[{l.op->seq, l.src}].landed = true;
+    part_checked(l.op, l.src);
+    moved = true;
+  }
+  moved = watch() || moved;
+  for (auto it = started_.begin(); it != started_.end();) it = it->second->is_completed() ? started_.erase(it) : std::next(it);
+  return moved;
+}
+
+bool NvshmemTransport::watch() {
+  bool moved = false;
+  if (watching_) {
+    if (!gate_.event_done(*watching_, "copying the nvshmem signal words to the host failed")) return false;
+    watching_.reset();
+    ++mirror_copies_;
+    moved = act_on_signals();
+  }
+  // Every started op awaits a signal (at least the receipts that confirm it).
+  if (!started_.empty() && !settled_) {
+    CopyBatch batch;
+    batch.add(signal_mirror_, arena_ + layout_.signals_offset(), layout_.signal_bytes());
+    ops_.copy_batch(watch_stream_, batch);
+    watching_ = gate_.take_event();
+    ops_.record_event(*watching_, watch_stream_);
+  }
+  return moved;
+}
+
+bool NvshmemTransport::act_on_signals() {
+  bool moved = false;
+  // Chunks that landed: copy each out, then free its slot for the sender (stream order).
+  bool flushed = !network_peer_;
+  for (int src = 0; src < world_; ++src) {
+    for (int lane = 0; lane < kNvshmemLanes; ++lane) {
+      const auto index = static_cast<size_t>(pair(src, lane));
+      auto& queue = expected_[index];
+      while (!queue.empty() && seen(layout_.ready(src, lane, queue.front().n)) >= queue.front().n + 1) {
+        if (!flushed) {
+          ops_.flush_remote_writes();  // a network peer's puts, visible to the copies below
+          flushed = true;
         }
-        recv_parts_[{op->seq, src}].audited = true;
-        part_checked(op, src, lane);
-      }});
+        const RecvChunk c = std::move(queue.front());
+        queue.pop_front();
+        const Stream s = stream_of(recv_, index);
+        CopyList copies;
+        copies.to_recv_block(*c.op, src, c.offset, c.len, arena_ + layout_.recv_slot(src, lane, c.n));
+        ops_.copy_batch(s, copies.batch);
+        shmem_.signal_op_on_stream(word(layout_.freed(rank_, lane, c.n)), c.n + 1, ShmemSignalOp::kSet, src, s);
+        if (c.last) {
+          Event ev = gate_.take_event();
+          ops_.record_event(ev, s);
+          landing_.push_back(Landing{c.op, src, lane, ev});
+        }
+        moved = true;
+      }
+    }
+  }
+  // Byte counts: the signal lands after its word, but one mirror copy may read them in either
+  // order; a copy started after the host saw the signal sees the word.
+  for (auto it = audits_.begin(); it != audits_.end();) {
+    const uint64_t seq = it->op->seq;
+    if (it->seen_in == 0) {
+      if (seen(layout_.audit(it->src, seq)) >= seq + 1) it->seen_in = mirror_copies_;
+      ++it;
+      continue;
+    }
+    if (mirror_copies_ == it->seen_in) {
+      ++it;
+      continue;
+    }
+    Audit a = std::move(*it);
+    it = audits_.erase(it);
+    moved = true;
+    if (a.op->is_completed()) continue;  // failed meanwhile
+    const uint64_t bytes = a.op->layout.recv_bytes[a.src];
+    const uint64_t announced = seen(layout_.audit_bytes(a.src, seq));
+    if (announced != bytes) {
+      throw CommError(ErrorCode::kSizeMismatch,
+                      "all_to_all op #" + std::to_string(seq) + ": rank " + std::to_string(rank_) + " expected " +
+                          std::to_string(bytes) + " bytes from rank " + std::to_string(a.src) + ", which sends " +
+                          std::to_string(announced) + " bytes: the ranks' split sizes disagree",
+                      a.src);
+    }
+    recv_parts_[{seq, a.src}].audited = true;
+    part_checked(a.op, a.src);
+  }
+  // Receipts: an op every rank received is confirmed.
+  for (auto& [seq, op] : started_) {
+    if (op->confirmed || op->is_completed()) continue;
+    bool all = true;
+    for (int p = 0; p < world_ && all; ++p) all = seen(layout_.recvd(p, seq)) >= seq + 1;
+    if (!all) continue;
+    op->confirmed = true;
+    op->part_done();
+    moved = true;
+  }
+  return moved;
 }
 
-void NvshmemTransport::part_checked(const std::shared_ptr<OpState>& op, int src, int lane) {
+void NvshmemTransport::part_checked(const std::shared_ptr<OpState>& op, int src) {
   auto it = recv_parts_.find({op->seq, src});
   if (it == recv_parts_.end() || !it->second.landed || !it->second.audited) return;
   recv_parts_.erase(it);
@@ -465,66 +543,9 @@ void NvshmemTransport::part_checked(const std::shared_ptr<OpState>& op, int src,
   op->recv_finished[src] = 1;
   op->part_done();
   if (--op->recv_parts_left > 0) return;
-  receipt_[static_cast<size_t>(lane)].pending.push_back(SteppedStream::Step{
-      [this, seq = op->seq](Stream s) {
-        for (int p = 0; p < world_; ++p) {
-          shmem_.signal_op_on_stream(word(layout_.recvd(rank_, seq)), seq + 1, ShmemSignalOp::kSet, p, s);
-        }
-      },
-      nullptr});
-}
-
-bool NvshmemTransport::can_send(const Transfer& t) const {
-  if (!gate_.started(*t.op)) return false;  // its submitter's stream has not got there yet
-  const auto index = static_cast<size_t>(pair(t.peer, nvshmem_lane(t.op->priority)));
-  // FIFO within a pair-lane (the receiver counts on it), and a bounded queue on its stream.
-  return !send_fifo_[index].empty() && send_fifo_[index].front() == t.op->seq && send_[index].queued() < kStepsAhead;
-}
-
-void NvshmemTransport::send_chunk(const Transfer& t, const Chunk& c) {
-  ops_.prepare_progress_thread(device_);
-  const std::shared_ptr<OpState> op = t.op;
-  const int lane = nvshmem_lane(op->priority);
-  const int dst = t.peer;
-  const auto index = static_cast<size_t>(pair(dst, lane));
-  if (c.bytes > chunk_bytes_) throw Error(ErrorCode::kInternal, "chunk larger than an nvshmem slot");
-  const bool last = c.offset + c.bytes == t.bytes;  // the transfer's last chunk (or its one empty chunk)
-  const uint64_t n = c.bytes > 0 ? sent_chunks_[index]++ : 0;
-  send_[index].pending.push_back(SteppedStream::Step{
-      [this, op, dst, lane, n, c, last, total = t.bytes](Stream s) {
-        if (c.bytes > 0) {
-          if (n >= kNvshmemSlotsPerLane) {  // the receiver copied out the slot's previous chunk
-            shmem_.signal_wait_geq_on_stream(word(layout_.freed(dst, lane)), n + 1 - kNvshmemSlotsPerLane, s);
-          }
-          uint8_t* staging = arena_ + layout_.staging_slot(dst, lane, n);
-          CopyList copies;
-          copies.from_send_block(*op, dst, c.offset, c.bytes, staging);
-          ops_.copy_batch(s, copies.batch);
-          shmem_.put_signal_on_stream(arena_ + layout_.recv_slot(rank_, lane, n), staging, c.bytes,
-                                      word(layout_.ready(rank_, lane)), n + 1, ShmemSignalOp::kSet, dst, s);
-        }
-        if (last) {  // our byte count for this op, then its signal
-          ops_.write_value64(s, device_word(layout_.audit_out(dst, lane)), total);
-          shmem_.put_signal_on_stream(word(layout_.audit_bytes(rank_, op->seq)), word(layout_.audit_out(dst, lane)),
-                                      sizeof(uint64_t), word(layout_.audit(rank_, op->seq)), op->seq + 1,
-                                      ShmemSignalOp::kSet, dst, s);
-        }
-      },
-      nullptr});
-  if (last) send_fifo_[index].pop_front();
-  pump(send_[index], "an NVSHMEM put failed");
-}
-
-bool NvshmemTransport::poll() {
-  ops_.prepare_progress_thread(device_);
-  bool moved = gate_.start_ready([this](const std::shared_ptr<OpState>& op) { start(op); });
-  for (auto& s : send_) moved = pump(s, "an NVSHMEM put failed") || moved;
-  for (auto& s : recv_) moved = pump(s, "a receive of the nvshmem transport failed") || moved;
-  for (auto& s : audit_) moved = pump(s, "an audit of the nvshmem transport failed") || moved;
-  for (auto& s : confirm_) moved = pump(s, "waiting for the peers' receipts failed") || moved;
-  for (auto& s : receipt_) moved = pump(s, "sending receipts failed") || moved;
-  for (auto it = started_.begin(); it != started_.end();) it = it->second->is_completed() ? started_.erase(it) : std::next(it);
-  return moved;
+  for (int p = 0; p < world_; ++p) {
+    shmem_.signal_op_on_stream(word(layout_.recvd(rank_, op->seq)), op->seq + 1, ShmemSignalOp::kSet, p, receipt_stream_);
+  }
 }
 
 void NvshmemTransport::check_peers() {
@@ -539,15 +560,19 @@ void NvshmemTransport::check_peers() {
       if (dead < 0 && !op->is_completed() && op->needs_peer(p)) dead = p;
     }
   }
-  // The notices peers wrote into our arena: one asynchronous copy in flight at a time.
-  if (!health_.busy()) health_.pending.push_back(SteppedStream::Step{[this](Stream s) { copy_notices(s); }, nullptr});
-  pump(health_, "reading the peers' notices failed");
+  // The notices peers wrote into our arena: one asynchronous copy in flight at a time (the
+  // health stream holds copies only: it never waits on a peer).
+  if (health_ && gate_.event_done(*health_, "reading the peers' notices failed")) health_.reset();
+  if (!health_) {
+    copy_notices(health_stream_);
+    health_ = gate_.take_event();
+    ops_.record_event(*health_, health_stream_);
+  }
   if (dead >= 0) {
     // The copy in flight may have started before the dead peer's notice landed: read afresh.
-    // Copies only: the health stream never waits on a peer.
-    ops_.synchronize(health_.stream);
-    copy_notices(health_.stream);
-    ops_.synchronize(health_.stream);
+    ops_.synchronize(health_stream_);
+    copy_notices(health_stream_);
+    ops_.synchronize(health_stream_);
   }
   // Liveness was read first, the notices now: a dead peer's notice is in view (root_cause.h).
   std::vector<PeerSight> sight(static_cast<size_t>(world_));
@@ -586,13 +611,28 @@ void NvshmemTransport::notify_peers(uint64_t notice) {
   }
 }
 
-bool NvshmemTransport::any_busy() const {
-  if (gate_.waiting()) return true;
-  for (const auto* v : {&send_, &recv_, &audit_, &confirm_, &receipt_})
-    for (const auto& s : *v)
-      if (s.busy()) return true;
-  return false;
+void NvshmemTransport::describe_data_path() {
+  std::string proxied;
+  int count = 0;
+  for (int p = 0; p < world_; ++p) {
+    if (p == rank_ || shmem_.is_mapped(arena_, p)) continue;
+    proxied += (count++ > 0 ? ", " : "") + std::to_string(p);
+  }
+  network_peer_ = count > 0;
+  const std::string common =
+      "chunks are staged and copied out on copy engines, and the host drives every step from a copy of the "
+      "signal words (no signal waits, so no NVSHMEM wait kernels)";
+  if (count == 0) {
+    data_path_ = "nvshmem: no SM kernels: every peer is P2P-mapped, so NVSHMEM's puts are copy-engine copies and "
+                 "its signals stream memory writes; " + common;
+  } else {
+    data_path_ = "nvshmem: SM kernels for " + std::to_string(count) + " of " + std::to_string(world_ - 1) +
+                 " peers (ranks " + proxied + "): NVSHMEM posts puts and signals to peers without P2P through its "
+                 "proxy, from a one-thread kernel per call; " + common;
+  }
 }
+
+bool NvshmemTransport::any_busy() const { return gate_.waiting() || !started_.empty(); }
 
 void NvshmemTransport::wait_for_activity(uint32_t epoch, std::chrono::microseconds timeout) {
   std::unique_lock<std::mutex> lock(wake_mu_);

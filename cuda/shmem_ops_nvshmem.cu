@@ -50,7 +50,7 @@ class NvshmemOps final : public ShmemOps {
     return api_.hostlib_init_attr(NVSHMEMX_INIT_WITH_UNIQUEID, &attr);
   }
   // Full MPG (MPS with thread percentages summing to at most 100) and a plain init are usable;
-  // limited MPG is not: NVSHMEM 3.8's stream signal waits exit() the process there.
+  // limited MPG is not: NVSHMEM 3.8's on-stream calls may exit() the process there.
   bool fully_initialized() override {
     int status = api_.init_status();
     return status == NVSHMEM_STATUS_IS_INITIALIZED || status == NVSHMEM_STATUS_FULL_MPG;
@@ -58,15 +58,13 @@ class NvshmemOps final : public ShmemOps {
   std::string init_status_text() override { return status_name(api_.init_status()); }
 
   void* malloc(size_t bytes) override { return api_.malloc(bytes); }
+  bool is_mapped(const void* symmetric, int pe) override { return api_.ptr(symmetric, pe) != nullptr; }
   void put_signal_on_stream(void* dest, const void* src, size_t bytes, uint64_t* signal, uint64_t value, ShmemSignalOp op,
                             int pe, Stream stream) override {
     api_.putmem_signal_on_stream(dest, src, bytes, signal, value, signal_op(op), pe, as_stream(stream));
   }
   void signal_op_on_stream(uint64_t* signal, uint64_t value, ShmemSignalOp op, int pe, Stream stream) override {
     api_.signal_op_on_stream(signal, value, signal_op(op), pe, as_stream(stream));
-  }
-  void signal_wait_geq_on_stream(uint64_t* signal, uint64_t value, Stream stream) override {
-    api_.signal_wait_until_on_stream(signal, NVSHMEM_CMP_GE, value, as_stream(stream));
   }
 
  private:

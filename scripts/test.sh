@@ -8,11 +8,10 @@ cmake -S . -B build/ctest -DFREESCALE_BUILD_TESTS=ON -DCMAKE_BUILD_TYPE=Release 
 cmake --build build/ctest -j2 >> build-ctest.log 2>&1 || { cat build-ctest.log; exit 1; }
 rm -f build-ctest.log
 ctest --test-dir build/ctest --output-on-failure
-# The copy-engine transport and the emulator again with every stream on ONE hardware queue (the
-# default above is 8, a GPU's): a device-side wait that depends on work enqueued after it hangs
-# here (design.md §4). Once, in this build only. (The nvshmem suite keeps a queue per stream
-# until its transport is redesigned: issue 30.)
-FREESCALE_EMULATED_HW_QUEUES=1 ctest --test-dir build/ctest --output-on-failure -R '(^|/)(Ce|EmulatedDevice|SubmitGate)'
+# The CUDA transports (copy engines, NVSHMEM) and the emulator again with every stream on ONE
+# hardware queue (the default above is 8, a GPU's): a device-side wait that depends on work
+# enqueued after it hangs here (design.md §4). Once, in this build only.
+FREESCALE_EMULATED_HW_QUEUES=1 ctest --test-dir build/ctest --output-on-failure -R '(^|/)(Ce|Nvshmem|EmulatedDevice|EmulatedShmem|SubmitGate)'
 # GoogleTest again under ASan + UBSan, any report failing the run (CUDA off: the emulated device
 # still runs the transports' logic, which needs no nvcc).
 cmake -S . -B build/asan -DFREESCALE_BUILD_TESTS=ON -DFREESCALE_BUILD_PYTHON=OFF -DFREESCALE_CUDA=OFF \

@@ -171,6 +171,7 @@ void register_communicator(py::module_& m) {
       .def_property_readonly("rank", &Communicator::rank)
       .def_property_readonly("size", &Communicator::size)
       .def_property_readonly("transport", &Communicator::transport_name)
+      .def_property_readonly("data_path", &Communicator::data_path)
       .def_property_readonly("config", &Communicator::config)
       .def(
           "all_to_all",
