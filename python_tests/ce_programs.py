@@ -146,14 +146,20 @@ def back_to_back_ops_without_a_host_sync(info, nbytes: int, ops: int) -> list[in
 
 def cuda_transport_name(info) -> str:
     """The transport of this rank's CUDA core after one AllToAll of CUDA tensors."""
+    return cuda_transport_and_data_path(info)[0]
+
+
+def cuda_transport_and_data_path(info) -> tuple[str, str]:
+    """The transport of this rank's CUDA core after one AllToAll of CUDA tensors, and its
+    Communicator.data_paths entry."""
     torch.cuda.set_device(0)
     comm = fc.Communicator()
     x = torch.ones(4 * info.world_size, device="cuda")
     comm.all_to_all_single(torch.empty_like(x), x)
     torch.cuda.synchronize()
-    name = comm._cuda_cores[0].transport
+    name, path = comm._cuda_cores[0].transport, comm.data_paths["cuda:0"]
     comm.close()
-    return name
+    return name, path
 
 
 def futures_order_the_waiting_stream(info, nbytes: int) -> dict[str, int]:

@@ -1,6 +1,6 @@
 """The NVSHMEM transport on a GPU (skipped without CUDA or without NVSHMEM in the build). One
 PE puts to itself; several PEs on one GPU need NVSHMEM to allow it (without MPS it runs them in
-"limited MPG" mode, which refuses the signal waits this transport is made of)."""
+"limited MPG" mode, whose on-stream calls may end the process: the transport refuses it)."""
 
 import pytest
 
@@ -19,8 +19,10 @@ CASES = [("float32", 0), ("float32", 4096), ("bfloat16", 300_000), ("int64", 3 *
          ("float16", 64 * MiB)]
 
 
-def test_the_forced_transport_is_nvshmem():
-    assert spawn(ce_programs.cuda_transport_name, 1, env=NVSHMEM, timeout_s=300) == ["nvshmem"]
+def test_the_forced_transport_is_nvshmem_and_takes_no_kernels_to_itself():
+    [(name, path)] = spawn(ce_programs.cuda_transport_and_data_path, 1, env=NVSHMEM, timeout_s=300)
+    assert name == "nvshmem"
+    assert path.startswith("nvshmem: no SM kernels"), path  # one PE: mapped to itself
 
 
 def test_one_pe_put_to_self_matches_a_pure_torch_reference():

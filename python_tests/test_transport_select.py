@@ -14,6 +14,7 @@ def _core_over(config: "_core.Config") -> "_core.Communicator":
 def test_cpu_communicators_take_the_host_transport():
     comm = _core_over(_core.Config())
     assert comm.transport == "host"
+    assert comm.data_path.startswith("host: CPU copies")  # fc.Communicator.data_paths()["cpu"]
     comm.close()
 
 

@@ -186,6 +186,15 @@ class Communicator:
         return self._core.transport
 
     @property
+    def data_paths(self) -> dict[str, str]:
+        """How each transport built so far moves bytes on this machine, and whether that takes
+        SM kernels from the compute it overlaps (and why): {"cpu": ..., "cuda:<index>": ...}.
+        A device's entry appears after the first op on that device's tensors."""
+        paths = {"cpu": self._core.data_path}
+        paths.update({f"cuda:{index}": core.data_path for index, core in sorted(self._cuda_cores.items())})
+        return paths
+
+    @property
     def group(self) -> Optional[dist.ProcessGroup]:
         """The group it was built on; None once that group is destroyed (or if built on a store)."""
         return self._group() if self._group is not None else None
