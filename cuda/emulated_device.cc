@@ -65,11 +65,14 @@ int open_peer_fd(const std::string& handle, size_t* bytes) {
   return local;
 }
 
-// Moves bytes as a DMA engine does: aligned 8-byte words whole, as relaxed atomic accesses, so
-// a host thread polling mapped memory and concurrent device writes (a flag fill, a peer's put)
-// see whole words, as on the hardware, and TSan sees intended concurrency, not races. Ordering
-// comes from the stream (events, value writes with release). Where source and destination are
-// not equally aligned (bulk data at byte offsets, which nobody polls), a plain copy.
+// Moves bytes as a DMA engine does: aligned 8-byte words whole, as atomic accesses, so a host
+// thread polling mapped memory and concurrent device writes (a peer's put) see whole words, as on
+// the hardware, and TSan sees intended concurrency, not races. Word loads acquire and stores
+// release: a copy that read a signal word carries what landed before that signal to whoever reads
+// the copy (the host reading a mirror of signal words, then enqueuing a copy of the data), as a
+// GPU's copy does. Other ordering comes from the stream (events, value writes with release).
+// Where source and destination are not equally aligned (bulk data at byte offsets, which nobody
+// polls), a plain copy.
 void dma_copy(void* to, const void* from, size_t bytes) {
   auto* dst = static_cast<uint8_t*>(to);
   const auto* src = static_cast<const uint8_t*>(from);
@@ -83,7 +86,7 @@ void dma_copy(void* to, const void* from, size_t bytes) {
   }
   for (; i + 8 <= bytes; i += 8) {
     __atomic_store_n(reinterpret_cast<uint64_t*>(dst + i),
-                     __atomic_load_n(reinterpret_cast<const uint64_t*>(src + i), __ATOMIC_RELAXED), __ATOMIC_RELAXED);
+                     __atomic_load_n(reinterpret_cast<const uint64_t*>(src + i), __ATOMIC_ACQUIRE), __ATOMIC_RELEASE);
   }
   for (; i < bytes; ++i) __atomic_store_n(dst + i, __atomic_load_n(src + i, __ATOMIC_RELAXED), __ATOMIC_RELAXED);
 }
