@@ -164,6 +164,7 @@ class NvshmemTransport final : public Transport {
   bool settled_ = false;           // quiesced: nothing more is enqueued
   std::optional<Event> watching_;  // the mirror copy in flight
   uint64_t mirror_copies_ = 0;     // completed mirror copies (the mirror shows copy #mirror_copies_)
+  bool flush_before_copy_ = false;  // a network peer's byte count is read by the next mirror copy
   std::optional<Event> health_;    // the notice copy in flight
   std::map<uint64_t, std::shared_ptr<OpState>> started_;  // not confirmed yet
   std::map<std::pair<uint64_t, int>, RecvPart> recv_parts_;  // (seq, src)
@@ -455,6 +456,8 @@ bool NvshmemTransport::watch() {
   }
   // Every started op awaits a signal (at least the receipts that confirm it).
   if (!started_.empty() && !settled_) {
+    if (flush_before_copy_) ops_.flush_remote_writes();
+    flush_before_copy_ = false;
     CopyBatch batch;
     batch.add(signal_mirror_, arena_ + layout_.signals_offset(), layout_.signal_bytes());
     ops_.copy_batch(watch_stream_, batch);
@@ -498,7 +501,10 @@ bool NvshmemTransport::act_on_signals() {
   for (auto it = audits_.begin(); it != audits_.end();) {
     const uint64_t seq = it->op->seq;
     if (it->seen_in == 0) {
-      if (seen(layout_.audit(it->src, seq)) >= seq + 1) it->seen_in = mirror_copies_;
+      if (seen(layout_.audit(it->src, seq)) >= seq + 1) {
+        it->seen_in = mirror_copies_;
+        flush_before_copy_ = flush_before_copy_ || network_peer_;
+      }
       ++it;
       continue;
     }
