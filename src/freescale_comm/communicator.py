@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import atexit
 import datetime
-import logging
 import math
 import operator
 import os
@@ -24,7 +23,6 @@ from freescale_comm.work import Work
 
 SplitSizes = Optional[Union[Sequence[int], torch.Tensor]]
 
-logger = logging.getLogger("freescale_comm")
 
 _live: "weakref.WeakSet[Communicator]" = weakref.WeakSet()
 _live_lock = threading.Lock()
@@ -329,11 +327,7 @@ class Communicator:
         if self._forked_from is not None:
             return  # the parent's: left alone
         for work in self._inflight:
-            if work.device_waited and not work.is_completed():
-                try:
-                    work._comm.wait(work._handle, self._timeout_ms / 1000)
-                except Exception:  # noqa: BLE001 - its failure is the caller's to see at its next call
-                    logger.debug("an op waited for on CUDA failed while closing", exc_info=True)
+            work._complete_if_device_waited(self._timeout_ms / 1000)
         for core in self._cuda_cores.values():
             core.close()
         self._core.close()

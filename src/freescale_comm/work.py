@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime
+import logging
 import threading
 from typing import Any, Optional, Union
 
@@ -12,6 +13,7 @@ from freescale_comm import _core
 from freescale_comm._capture import refuse_capture
 
 Timeout = Union[None, float, int, datetime.timedelta]
+logger = logging.getLogger("freescale_comm")
 
 
 def _timeout_seconds(timeout: Timeout) -> Optional[float]:
@@ -66,6 +68,17 @@ class Work:
             raise self._timed_out(timeout, "the op is still pending")
         self._keepalive = None
         return True
+
+    def _complete_if_device_waited(self, seconds: float) -> None:
+        """Before its communicator closes: an op a CUDA stream was made to wait for (wait()) is
+        driven to completion on the host, within `seconds`. Its failure is the caller's to see at
+        its next call, not here."""
+        if not self.device_waited or self._handle.is_completed():
+            return
+        try:
+            self._comm.wait(self._handle, seconds)
+        except Exception:  # noqa: BLE001
+            logger.debug("an op waited for on CUDA failed while closing", exc_info=True)
 
     def _timed_out(self, timeout: Timeout, why: str) -> Exception:
         err = _core.CommError(f"all_to_all op #{self.seq} did not complete within {timeout} ({why}; it goes on)")
