@@ -76,6 +76,16 @@ def roundtrip_is_identity(info, seed: int, device: str = "cpu") -> int:
     return cases
 
 
+def roundtrip_through_the_layout_kernels(info, seed: int) -> int:
+    """roundtrip_is_identity on CPU tensors, once a dispatch proved it took the layout kernels
+    (FREESCALE_LAYOUT_KERNELS_ON_CPU=1 and TRITON_INTERPRET=1 in the environment)."""
+    from freescale_comm._device_dispatch import DevicePlan
+
+    values, lengths, dest = _inputs("random", seed, info.rank, info.world_size, (3,), torch.float32)
+    assert isinstance(fc.dispatch(values, lengths, dest).handle.plan, DevicePlan), "the CPU planner ran"
+    return roundtrip_is_identity(info, seed)
+
+
 def gradients_match_single_process(info, seed: int, device: str = "cpu") -> float:
     """loss = Σ_r <combine(dispatch(x).values * (r + 1) + r), g>  +  Σ_r <dispatch(x).values, w_r>:
     the gradient of x on every rank equals the one autograd computes over all ranks' data in one

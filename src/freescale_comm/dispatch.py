@@ -1,6 +1,6 @@
 """fc.dispatch / fc.combine: move jagged samples (runs of rows) to other ranks and back, with
 autograd (the backward of one is the other). The layout work (counting, putting samples in
-destination order and back) runs in C++ for CPU tensors and in CUDA kernels for CUDA tensors; the
+destination order and back) runs in C++ for CPU tensors and in Triton kernels for CUDA tensors; the
 bytes move on freescale's transports (host shared memory, copy engines)."""
 
 from __future__ import annotations
@@ -177,7 +177,7 @@ def dispatch(values: torch.Tensor, lengths: torch.Tensor, dest_ranks: torch.Tens
     if not dist.is_initialized():
         raise RuntimeError("fc.dispatch needs torch.distributed: call dist.init_process_group(...) first")
     world = dist.get_world_size(group)
-    if values.device.type == "cuda":
+    if values.device.type == "cuda" or _device_dispatch.forced_on_cpu():
         return _dispatch_cuda(values, lengths, dest_ranks, world, group, priority)
     # Local checks (ValueError naming a bad length or rank) before anything collective.
     plan = _core.plan_jagged_dispatch(lengths.data_ptr(), dest_ranks.data_ptr(), lengths.numel(), world)
@@ -199,9 +199,11 @@ def dispatch(values: torch.Tensor, lengths: torch.Tensor, dest_ranks: torch.Tens
 
 def _dispatch_cuda(values: torch.Tensor, lengths: torch.Tensor, dest_ranks: torch.Tensor, world: int,
                    group: Optional[dist.ProcessGroup], priority: int) -> DispatchResult:
-    """dispatch of CUDA tensors: the plan kernel, one host sync for its counts, the counts over
-    the host transport, the lengths and rows over the copy engines."""
-    refuse_capture(values.device, "fc.dispatch")  # before the plan's host sync would invalidate the capture
+    """dispatch of CUDA tensors: the plan kernels, one host sync for its counts, the counts over
+    the host transport, the lengths and rows over the copy engines. (CPU tensors too, through
+    Triton's interpreter, when a test forces the kernels: _device_dispatch.forced_on_cpu.)"""
+    if values.device.type == "cuda":
+        refuse_capture(values.device, "fc.dispatch")  # before the plan's host sync would invalidate the capture
     _device_dispatch.check_device_support(world)
     plan = _device_dispatch.plan(lengths, dest_ranks.contiguous(), world)
     if plan.rows != values.shape[0]:
