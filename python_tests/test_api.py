@@ -9,7 +9,8 @@ from freescale_comm import _core
 
 def test_build_info_reports_what_was_compiled():
     info = fc.build_info()
-    assert set(info) >= {"version", "cuda", "nvshmem", "cuda_archs", "transports"}
+    assert set(info) >= {"version", "cuda", "nvshmem", "cuda_archs", "transports", "layout_kernels"}
+    assert info["layout_kernels"].startswith("triton: ")
     assert info["version"] == fc.__version__
     assert isinstance(info["cuda"], bool) and isinstance(info["nvshmem"], bool)
     assert all(isinstance(a, int) for a in info["cuda_archs"])

@@ -78,5 +78,8 @@ def test_load_balancer_on_gpu_equals_the_unbalanced_step():
     assert stats[0]["moved"] > 0 and all(s == stats[0] for s in stats)
 
 
-def test_the_build_has_the_layout_kernels():
-    assert fc.build_info()["cuda"] and hasattr(_core, "plan_jagged_dispatch_cuda")
+def test_the_layout_kernels_are_triton_and_the_core_has_no_kernels():
+    from freescale_comm import _device_dispatch
+
+    assert _device_dispatch.kernels().__name__ == "freescale_comm._layout_kernels"
+    assert not hasattr(_core, "plan_jagged_dispatch_cuda")

@@ -9,9 +9,6 @@
 
 #include "cpp/bindings/bindings.h"
 #include "cpp/jagged_layout.h"
-#ifdef FREESCALE_WITH_CUDA
-#include "cuda/layout_kernels.h"
-#endif
 
 namespace py = pybind11;
 
@@ -45,32 +42,6 @@ void register_jagged(py::module_& m) {
         "AllToAllLayout sending the plan's samples straight from their home rows, received packed by source.");
   m.def("combine_layout", &combine_layout, py::arg("plan"), py::arg("row_bytes"), py::arg("recv_rows"),
         "AllToAllLayout sending received rows back packed, landing straight in their home rows.");
-#ifdef FREESCALE_WITH_CUDA
-  m.attr("max_device_plan_world") = kMaxDevicePlanWorld;
-  m.def(
-      "plan_jagged_dispatch_cuda",
-      [](uintptr_t lengths, uintptr_t dest, int64_t samples, int world, uintptr_t counts, uintptr_t sent_lengths,
-         uintptr_t home_row, uintptr_t packed_row, uintptr_t stream) {
-        plan_jagged_dispatch_cuda(reinterpret_cast<const int64_t*>(lengths), reinterpret_cast<const int64_t*>(dest),
-                                  samples, world, reinterpret_cast<int64_t*>(counts),
-                                  reinterpret_cast<int64_t*>(sent_lengths), reinterpret_cast<int64_t*>(home_row),
-                                  reinterpret_cast<int64_t*>(packed_row), stream);
-      },
-      py::arg("lengths_ptr"), py::arg("dest_ptr"), py::arg("samples"), py::arg("world"), py::arg("counts_ptr"),
-      py::arg("sent_lengths_ptr"), py::arg("home_row_ptr"), py::arg("packed_row_ptr"), py::arg("stream"),
-      "Enqueues the dispatch plan kernel (int64 device arrays; counts: 2 * world + 1 entries).");
-  m.def(
-      "copy_jagged_runs_cuda",
-      [](uintptr_t home, uintptr_t packed, bool to_packed, uintptr_t sent_lengths, uintptr_t home_row,
-         uintptr_t packed_row, int64_t runs, int64_t packed_rows, uint64_t row_bytes, uintptr_t stream) {
-        copy_jagged_runs_cuda(reinterpret_cast<void*>(home), reinterpret_cast<void*>(packed), to_packed,
-                              reinterpret_cast<const int64_t*>(sent_lengths), reinterpret_cast<const int64_t*>(home_row),
-                              reinterpret_cast<const int64_t*>(packed_row), runs, packed_rows, row_bytes, stream);
-      },
-      py::arg("home_ptr"), py::arg("packed_ptr"), py::arg("to_packed"), py::arg("sent_lengths_ptr"),
-      py::arg("home_row_ptr"), py::arg("packed_row_ptr"), py::arg("runs"), py::arg("packed_rows"), py::arg("row_bytes"),
-      py::arg("stream"), "Enqueues the copy of a plan's runs home -> packed (to_packed) or back.");
-#endif
 }
 
 }  // namespace freescale

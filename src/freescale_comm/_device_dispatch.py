@@ -90,16 +90,16 @@ def _words(t: torch.Tensor, word: torch.dtype) -> torch.Tensor:
 def copy_runs(home: torch.Tensor, packed: torch.Tensor, plan: DevicePlan, to_packed: bool) -> None:
     """Gathers the plan's samples from `home` into send order in `packed` (to_packed), or
     scatters them back; both contiguous, same dtype and row shape, on the current stream."""
-    row_bytes = math.prod(home.shape[1:]) * home.element_size()
-    rows, runs = packed.shape[0], plan.sent_lengths.numel()
-    if rows == 0 or row_bytes == 0:
-        return
     if home.device.type == "cuda":
         stream = torch.cuda.current_stream(home.device)
         for t in (plan.sent_lengths, plan.home_row, plan.packed_row):
             # Made on the dispatch's stream; this kernel may run on another (combine, dispatch_like):
             # the allocator must not reuse them before it ran, even if the handle goes first.
             t.record_stream(stream)
+    row_bytes = math.prod(home.shape[1:]) * home.element_size()
+    rows, runs = packed.shape[0], plan.sent_lengths.numel()
+    if rows == 0 or row_bytes == 0:
+        return
     # The widest word that divides a row and both buffers' alignment: fewer, wider accesses.
     word, size = next(((w, n) for w, n in ((torch.int64, 8), (torch.int32, 4), (torch.int16, 2))
                        if row_bytes % n == 0 and home.data_ptr() % n == 0 and packed.data_ptr() % n == 0),
