@@ -21,6 +21,25 @@
 namespace py = pybind11;
 
 namespace freescale {
+
+std::shared_ptr<Communicator> owned_by_python(Communicator* comm, std::shared_ptr<void> keep) {
+  // Destroying a communicator joins its progress thread, which may need the GIL for a
+  // done-callback: never join while holding it. `keep` goes after the communicator.
+  return std::shared_ptr<Communicator>(comm, [keep = std::move(keep)](Communicator* c) mutable {
+    if (c->on_progress_thread()) {
+      // The last reference went away in a done-callback on the progress thread, which the
+      // destructor joins: destroy it from another thread instead.
+      std::thread([c, keep = std::move(keep)] { delete c; }).detach();
+      return;
+    }
+    if (Py_IsInitialized() && PyGILState_Check()) {
+      py::gil_scoped_release release;
+      delete c;
+    } else {
+      delete c;
+    }
+  });
+}
 namespace {
 
 // Python subclasses implement rank(), size() and allgather(bytes) -> list[bytes].
@@ -150,22 +169,7 @@ void register_communicator(py::module_& m) {
 
   py::class_<Communicator, std::shared_ptr<Communicator>>(m, "Communicator")
       .def(py::init([](Bootstrap& bootstrap, const Config& config) {
-             // Destroying a communicator joins its progress thread, which may need the GIL for a
-             // done-callback: never join while holding it.
-             return std::shared_ptr<Communicator>(new Communicator(bootstrap, config), [](Communicator* c) {
-               if (c->on_progress_thread()) {
-                 // The last reference went away in a done-callback on the progress thread, which
-                 // the destructor joins: destroy it from another thread instead.
-                 std::thread([c] { delete c; }).detach();
-                 return;
-               }
-               if (Py_IsInitialized() && PyGILState_Check()) {
-                 py::gil_scoped_release release;
-                 delete c;
-               } else {
-                 delete c;
-               }
-             });
+             return owned_by_python(new Communicator(bootstrap, config));
            }),
            py::arg("bootstrap"), py::arg("config"))
       .def_property_readonly("rank", &Communicator::rank)
