@@ -97,12 +97,12 @@ class NvshmemTransport final : public Transport {
   };
   struct Audit {  // an op's byte count from `src`, awaited
     std::shared_ptr<OpState> op;
-    int src, lane;
+    int src;
     uint64_t seen_in = 0;  // the mirror copy that first showed the audit signal (0: not yet)
   };
   struct Landing {  // a receive part whose last copy was enqueued
     std::shared_ptr<OpState> op;
-    int src, lane;
+    int src;
     Event event;  // recorded after that copy
   };
   struct RecvPart {  // (op, src): landed and matched, or not yet
@@ -384,7 +384,7 @@ void NvshmemTransport::start(const std::shared_ptr<OpState>& op) {
       const uint64_t offset = k * chunk_bytes_;
       expected_[index].push_back(RecvChunk{op, first + k, offset, std::min(chunk_bytes_, bytes - offset), k + 1 == chunks});
     }
-    audits_.push_back(Audit{op, src, lane});
+    audits_.push_back(Audit{op, src});
   }
 }
 
@@ -490,7 +490,7 @@ bool NvshmemTransport::act_on_signals() {
         if (c.last) {
           Event ev = gate_.take_event();
           ops_.record_event(ev, s);
-          landing_.push_back(Landing{c.op, src, lane, ev});
+          landing_.push_back(Landing{c.op, src, ev});
         }
         moved = true;
       }
