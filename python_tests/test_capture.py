@@ -82,7 +82,6 @@ def test_work_wait_under_capture_is_refused(monkeypatch):
 def test_dispatch_under_capture_is_refused_before_the_plan_reads_counts_back(monkeypatch):
     """The plan's host read (counts.tolist()) invalidates a capture instead of raising."""
     FakeGpus(monkeypatch, capturing={0})
-    monkeypatch.setattr(_device_dispatch, "check_device_support", lambda world: None)
     monkeypatch.setattr(_device_dispatch, "plan", lambda *a: pytest.fail("the plan ran (and synced) under capture"))
     with pytest.raises(fc.InvalidUsageError, match="fc.dispatch"):
         dispatch._dispatch_cuda(FakeTensor(0), None, None, 2, None, 0)

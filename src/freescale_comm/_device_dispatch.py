@@ -42,15 +42,10 @@ def kernels() -> ModuleType:
     return _layout_kernels
 
 
-def check_device_support(world: int) -> None:
-    """ValueError naming the fix when the layout kernels cannot run here."""
-    del world  # any group size: the plan keeps no per-rank state in a program
-    kernels()
-
-
 def plan(lengths: torch.Tensor, dest_ranks: torch.Tensor, world: int) -> DevicePlan:
     """Runs the plan kernels on the current stream and reads the counts back (the one host sync).
-    ValueError naming the first bad sample, as the CPU planner does, before anything collective."""
+    ValueError naming the first bad sample, as the CPU planner does, before anything collective
+    (or naming the fix when triton does not import: kernels())."""
     k = kernels()
     device, samples = lengths.device, lengths.numel()
     blocks = max(1, k.plan_grid(samples))
