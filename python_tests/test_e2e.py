@@ -1,11 +1,13 @@
 """freescale-bench e2e: every mode does the same math; traces are valid; the CLI writes its rows."""
 
 import json
+import os
 
 import pytest
 import torch
 
 from freescale_comm.bench import cli, e2e, trace
+from freescale_comm.bench import placement as placement_module
 from freescale_comm.planner import CostModel
 
 # A fixed cost model (attention-like, quadratic in length): which samples move must not hang on
@@ -34,6 +36,46 @@ def test_balanced_modes_really_move_samples(small_run):
     assert all(n == SMALL["samples"] for rank in per_rank["vanilla"] for n in rank)
     assert any(n != SMALL["samples"] for rank in per_rank["freescale"] for n in rank)
     assert [sum(step) for step in zip(*per_rank["freescale"])] == [2 * SMALL["samples"]] * len(per_rank["freescale"][0])
+
+
+def test_every_mode_computes_a_ranks_samples_in_the_same_chunks(small_run):
+    # Chunking changes compute time (the working set): vanilla computed each rank's samples in one
+    # piece and the overlapped modes in `groups`, so the same work took different times by mode.
+    for mode, tl in small_run.timelines.items():
+        chunks: dict[tuple[int, int], int] = {}
+        for b in tl.busy:
+            if b.name == "forward_backward":
+                chunks[(b.rank, b.step)] = chunks.get((b.rank, b.step), 0) + 1
+        computed = small_run.computed_samples[mode]
+        for (rank, step), n in chunks.items():
+            assert n == min(SMALL["groups"], computed[rank][step]), (mode, rank, step)
+
+
+def test_each_rank_runs_on_its_own_core(small_run):
+    placement = small_run.placement
+    assert placement.ranks == SMALL["ranks"]
+    # Read in each rank at its end: every thread (the communicator's and gloo's too) on its core.
+    assert small_run.rank_cores == [[c] for c in placement.cores]
+    if len(os.sched_getaffinity(0)) >= SMALL["ranks"]:
+        assert len(set(placement.cores)) == SMALL["ranks"] and not placement.oversubscribed
+
+
+def test_modes_take_turns_in_a_rotated_order():
+    names = list(e2e.MODES)
+    orders = [e2e.rotated(names, k) for k in range(len(names))]
+    assert all(sorted(o) == sorted(names) for o in orders)
+    assert [o[0] for o in orders] == names  # every mode leads a round: no mode always follows another
+    assert e2e.rotated(names, len(names)) == names
+
+
+def test_more_ranks_than_cores_are_placed_round_robin_and_the_cli_says_so(monkeypatch, capsys):
+    monkeypatch.setattr(placement_module, "usable_cores", lambda: [0])
+    code = cli.main(["e2e", "--ranks", "2", "--steps", "1", "--warmup", "0", "--samples", "2", "--length-scale", "0.01",
+                     "--dim", "16", "--modes", "vanilla", "--no-progress"])
+    assert code == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith("# oversubscribed: 2 ranks share 1 CPU cores")
+    assert lines[1].startswith("# e2e, 2 ranks (sharing cores)")
 
 
 def test_a_different_seed_gives_different_losses(small_run):
@@ -78,7 +120,9 @@ def test_cli_writes_rows_and_the_fitted_cost_model(tmp_path, capsys):
     doc = json.loads(out.read_text())
     assert doc["bench"] == "e2e" and [r["mode"] for r in doc["rows"]] == ["vanilla", "freescale"]
     assert set(doc["cost_model"]) == {"quadratic", "linear", "constant"}
-    assert "bubble ms per step" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "# vanilla -> freescale: step " in out and " ms (" in out and "bubbles (idle + exposed comm)" in out
+    assert "# compute per step (mean over ranks), the same work in every mode" in out
 
 
 @pytest.mark.parametrize("argv", [["--ranks", "1"], ["--modes", "fast"], ["--workload", "nope"], ["--length-scale", "2"]])

@@ -3,6 +3,7 @@ each with a gloo default group, and collects what each returned (or how it died)
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import multiprocessing as mp
 import os
@@ -11,7 +12,7 @@ import socket
 import time
 import traceback
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterator, Optional
 
 
 @dataclass(frozen=True)
@@ -78,23 +79,40 @@ def _rank_main(fn: Callable[..., Any], info: RankInfo, args: tuple, env: dict, b
                 pass
 
 
+@contextlib.contextmanager
+def _environ(env: dict[str, str]) -> Iterator[None]:
+    """os.environ with `env` on top while inside (spawned children copy it when they start)."""
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
 def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, backend: Optional[str] = "gloo",
               timeout_s: float = 120.0, env: Optional[dict[str, str]] = None) -> list[RankResult]:
     """Runs ``fn(RankInfo, *args)`` in `world_size` spawned processes (each with a `backend`
     default group unless backend is None) and returns one RankResult per rank. `fn` and its
-    return value must be picklable. Ranks still alive after `timeout_s` are killed."""
+    return value must be picklable. Ranks still alive after `timeout_s` are killed. `env` is in
+    each rank's environment from the start of its interpreter."""
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
     ctx = mp.get_context("spawn")
     results_q: "mp.Queue" = ctx.Queue()
     port = free_port()
     procs = []
-    for rank in range(world_size):
-        info = RankInfo(rank, world_size, "127.0.0.1", port)
-        p = ctx.Process(target=_rank_main, args=(fn, info, args, dict(env or {}), backend, timeout_s, results_q),
-                        name=f"freescale-rank{rank}", daemon=True)
-        p.start()
-        procs.append(p)
+    with _environ(env or {}):  # a rank's interpreter starts with `env` (glibc reads some at start)
+        for rank in range(world_size):
+            info = RankInfo(rank, world_size, "127.0.0.1", port)
+            p = ctx.Process(target=_rank_main, args=(fn, info, args, dict(env or {}), backend, timeout_s, results_q),
+                            name=f"freescale-rank{rank}", daemon=True)
+            p.start()
+            procs.append(p)
     results = [RankResult(rank) for rank in range(world_size)]
     deadline = time.monotonic() + timeout_s
     pending = set(range(world_size))

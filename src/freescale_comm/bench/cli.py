@@ -8,6 +8,7 @@ import sys
 from typing import Any, Optional, Sequence
 
 from freescale_comm.bench import trace
+from freescale_comm.bench.placement import DEFAULT_MEASURED_RANKS, default_ranks
 
 
 def _size(text: str) -> int:
@@ -192,14 +193,20 @@ def _modes(simulated: bool = False) -> tuple[str, ...]:
     return tuple(MODES)
 
 
-def _step_args(e: argparse.ArgumentParser, dim: int = 64, layers: int = 2) -> None:
+def _step_args(e: argparse.ArgumentParser, dim: int = 64, layers: int = 2, steps: int = 8,
+               length_scale: float = 1 / 16) -> None:
     """The training step's shape, shared by e2e and pec-sweep."""
-    e.add_argument("--ranks", type=int, default=4, help="processes on this host (default 4)")
-    e.add_argument("--steps", type=int, default=3, help="measured steps per mode (default 3)")
+    e.add_argument("--ranks", type=int, default=None,
+                   help="processes on this host, each on a CPU core of its own (default: one per usable core, "
+                        f"2 to {DEFAULT_MEASURED_RANKS}; here {default_ranks()})")
+    e.add_argument("--no-pin", action="store_true",
+                   help="leave the ranks unpinned (default: each on its own core, standing for one device per rank)")
+    e.add_argument("--steps", type=int, default=steps, help=f"measured steps per mode (default {steps})")
     e.add_argument("--warmup", type=int, default=1, help="unmeasured steps before them (default 1)")
     e.add_argument("--samples", type=int, default=8, help="samples per rank and step (default 8)")
     e.add_argument("--workload", default="kuairand", help="kuairand | ml20m | zipf (default kuairand)")
-    e.add_argument("--length-scale", type=float, default=1 / 12, help="history lengths scaled by this (default 1/12)")
+    e.add_argument("--length-scale", type=float, default=length_scale,
+                   help=f"history lengths scaled by this (default 1/{round(1 / length_scale)})")
     e.add_argument("--dim", type=int, default=dim, help=f"embedding / model dim (default {dim})")
     e.add_argument("--layers", type=int, default=layers, help=f"HSTU layers of the dense tower (default {layers})")
     e.add_argument("--groups", type=int, default=4, help="compute groups of the overlapped modes (default 4)")
@@ -208,13 +215,14 @@ def _step_args(e: argparse.ArgumentParser, dim: int = 64, layers: int = 2) -> No
 def _step_config(args: argparse.Namespace, **more: object) -> "Any":
     from freescale_comm.bench import e2e
 
-    return e2e.E2EConfig(ranks=args.ranks, steps=args.steps, warmup=args.warmup, samples=args.samples,
+    ranks = default_ranks() if args.ranks is None else args.ranks
+    return e2e.E2EConfig(ranks=ranks, pin_cores=not args.no_pin, steps=args.steps, warmup=args.warmup, samples=args.samples,
                          workload=args.workload, length_scale=args.length_scale, dim=args.dim, layers=args.layers,
                          groups=args.groups, seed=args.seed, **more)
 
 
 def _pec_sweep_args(ps: argparse.ArgumentParser) -> None:
-    _step_args(ps, dim=256, layers=1)
+    _step_args(ps, dim=256, layers=1, steps=3, length_scale=1 / 12)
     ps.add_argument("--rates", type=float, nargs="+", default=[0.0, 0.1, 0.2, 0.4, 0.6, 0.8, 1.0],
                     help="collision rates in [0, 1] (default 0 0.1 0.2 0.4 0.6 0.8 1)")
     ps.add_argument("--seed", type=int, default=0, help="data and weight seed")
@@ -234,8 +242,13 @@ def run_pec_sweep(args: argparse.Namespace) -> int:
     except ValueError as err:
         print(f"freescale-bench pec-sweep: {err}", file=sys.stderr)
         return 2
+    from freescale_comm.bench.placement import oversubscription_note, place_ranks
+
     rows = pec_sweep.run(sweep, progress=not args.no_progress)
     cfg = sweep.e2e
+    note = oversubscription_note(place_ranks(cfg.ranks))
+    if note:
+        print(note)
     title = (f"pec-sweep, {cfg.ranks} ranks x {cfg.samples} samples, {cfg.workload} x {cfg.length_scale:.3g}, "
              f"dim {cfg.dim}, {platform.node()}; ms per step, mean of {cfg.steps}")
     print(pec_sweep.table(rows, title))
@@ -260,7 +273,9 @@ def run_e2e(args: argparse.Namespace) -> int:
     import dataclasses
 
     from freescale_comm.bench import e2e
-    from freescale_comm.bench.report import bubble_summary, step_table, write_json
+    from freescale_comm.bench.placement import oversubscription_note
+    from freescale_comm.bench.report import (bubble_summary, busy_note, compute_line, overlap_note, step_table,
+                                             write_json)
 
     try:
         cfg = _step_config(args, modes=tuple(args.modes), device=args.device, collision_rate=args.collision_rate)
@@ -269,18 +284,25 @@ def run_e2e(args: argparse.Namespace) -> int:
         print(f"freescale-bench e2e: {err}", file=sys.stderr)
         return 2
     res = e2e.run(cfg, progress=not args.no_progress)
-    title = (f"e2e, {cfg.ranks} ranks x {cfg.samples} samples, {cfg.workload} x {cfg.length_scale:.3g}, "
+    pinned = "each on its own core" if cfg.pin_cores and not res.placement.oversubscribed else (
+        "sharing cores" if cfg.pin_cores else "unpinned")
+    title = (f"e2e, {cfg.ranks} ranks ({pinned}) x {cfg.samples} samples, {cfg.workload} x {cfg.length_scale:.3g}, "
              f"dim {cfg.dim}, {cfg.device}, {platform.node()}; ms per step, mean of {cfg.steps}")
-    print(step_table(res.rows, title, extra=("sparsity", "loss")))
-    print(bubble_summary(res.rows))
+    # Ranks sharing cores wait for each other's: the oversubscription line says it, not the busy one.
+    busy = "" if res.placement.oversubscribed else busy_note(res.rows)
+    print("\n".join(line for line in (oversubscription_note(res.placement), busy,
+                                      step_table(res.rows, title, extra=("sparsity", "loss")),
+                                      bubble_summary(res.rows), compute_line(res.rows), overlap_note(res.rows)) if line))
     print("# losses per step (same seed, every mode): "
           + "; ".join(f"{m} " + " ".join(f"{v:.6f}" for v in ls) for m, ls in res.losses.items()))
     if args.trace:
-        paths = trace.write_all(args.trace, res.timelines, res.rows, f"e2e {cfg.ranks} ranks: bubbles per step")
+        paths = trace.write_all(args.trace, res.timelines, res.rows, f"e2e {cfg.ranks} ranks: step time and bubbles")
         print("# wrote " + ", ".join(paths))
     if args.json:
         write_json(args.json, "e2e", res.rows, config=dataclasses.asdict(cfg),
-                   cost_model=dataclasses.asdict(res.cost_model), losses=res.losses, reduction=res.reduction())
+                   cost_model=dataclasses.asdict(res.cost_model), losses=res.losses, reduction=res.reduction(),
+                   placement={"cores": list(res.placement.cores), "usable_cores": res.placement.available,
+                              "oversubscribed": res.placement.oversubscribed, "rank_cores": res.rank_cores})
     return 0
 
 
@@ -313,7 +335,7 @@ def run_simulate(args: argparse.Namespace) -> int:
                            f"{p.bandwidth_gbps:g} GB/s, {p.latency_us:g} µs; ms per step, mean of {p.steps}"))
     print(bubble_summary(rows))
     if args.trace:
-        paths = trace.write_all(args.trace, timelines, rows, f"simulate {p.ranks} ranks: bubbles per step")
+        paths = trace.write_all(args.trace, timelines, rows, f"simulate {p.ranks} ranks: step time and bubbles")
         print("# wrote " + ", ".join(paths))
     if args.json:
         import dataclasses

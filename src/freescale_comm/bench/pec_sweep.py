@@ -18,9 +18,7 @@ import textwrap
 from dataclasses import dataclass
 from typing import Any, Optional
 
-import torch
-
-from freescale_comm.bench.e2e import MODES, E2EConfig, trainer_for
+from freescale_comm.bench.e2e import MODES, E2EConfig, enter_rank, spawn_measured, trainer_for
 from freescale_comm.bench.timeline import Timeline, mode_metrics
 from freescale_comm.planner import CostModel
 
@@ -34,7 +32,7 @@ DENSE_OPS = ("dense_allreduce",)
 
 @dataclass(frozen=True)
 class SweepConfig:
-    e2e: E2EConfig = E2EConfig(dim=256, layers=1, modes=SWEEP_MODES)
+    e2e: E2EConfig = E2EConfig(dim=256, layers=1, steps=3, length_scale=1 / 12, modes=SWEEP_MODES)
     rates: tuple[float, ...] = (0.0, 0.1, 0.2, 0.4, 0.6, 0.8, 1.0)
 
     def check(self) -> None:
@@ -50,8 +48,8 @@ def _only(tl: Timeline, names: tuple[str, ...]) -> Timeline:
                     list(tl.steps))
 
 
-def _rank_program(info: Any, sweep: SweepConfig, progress: bool) -> dict[str, Any]:
-    torch.set_num_threads(1)
+def _rank_program(info: Any, sweep: SweepConfig, progress: bool, cores: Optional[tuple[int, ...]]) -> dict[str, Any]:
+    enter_rank(info, cores)
     bar = None
     if progress and info.rank == 0:
         from tqdm import tqdm
@@ -74,11 +72,9 @@ def _rank_program(info: Any, sweep: SweepConfig, progress: bool) -> dict[str, An
 def run(sweep: SweepConfig, progress: bool = True, timeout_s: float = 1200.0) -> list[dict[str, Any]]:
     """Rows `mode, collision_rate, exposed_comm_ms` (embedding traffic) + exposed_dense_ms,
     step_ms, idle_ms, per mode and rate."""
-    from freescale_comm.testing import spawn
-
     sweep.check()
     cfg = sweep.e2e
-    per_rank = spawn(_rank_program, cfg.ranks, sweep, progress, backend="freescale", timeout_s=timeout_s)
+    per_rank, _ = spawn_measured(_rank_program, cfg, sweep, progress, timeout_s=timeout_s)
     rows = []
     for rate in sweep.rates:
         for mode in cfg.modes:

@@ -84,12 +84,69 @@ def bubble_reduction(rows: Sequence[dict[str, Any]], mode: str = "freescale", ba
     return 1.0 - by[mode]["bubble_ms"] / by[baseline]["bubble_ms"]
 
 
+def _change(before: float, after: float, fewer: str, more: str) -> str:
+    if before <= 0:
+        return "n/a"
+    delta = 1.0 - after / before
+    return f"{100 * abs(delta):.1f}% {fewer if delta >= 0 else more}"
+
+
 def bubble_summary(rows: Sequence[dict[str, Any]], mode: str = "freescale", baseline: str = "vanilla") -> str:
-    """'# bubble ms per step, vanilla -> freescale: a -> b (x% fewer)', or '' if a mode is missing."""
-    reduction = bubble_reduction(rows, mode, baseline)
-    if reduction is None:
-        return ""
+    """'# vanilla -> freescale: step a -> b ms (x% faster), bubbles c -> d ms (y% fewer)', or ''
+    if a mode is missing: the step time and the bubbles together, as the plot shows them."""
     by = {r["mode"]: r for r in rows}
-    a, b = by[baseline]["bubble_ms"], by[mode]["bubble_ms"]
-    return (f"# bubble ms per step (idle + exposed comm), {baseline} -> {mode}: {a:.2f} -> {b:.2f} "
-            f"({100 * reduction:.1f}% fewer); step {by[baseline]['step_ms']:.1f} -> {by[mode]['step_ms']:.1f} ms")
+    if mode not in by or baseline not in by:
+        return ""
+    a, b = by[baseline], by[mode]
+    return (f"# {baseline} -> {mode}: step {a['step_ms']:.1f} -> {b['step_ms']:.1f} ms "
+            f"({_change(a['step_ms'], b['step_ms'], 'faster', 'slower')}), bubbles (idle + exposed comm) "
+            f"{a['bubble_ms']:.1f} -> {b['bubble_ms']:.1f} ms ({_change(a['bubble_ms'], b['bubble_ms'], 'fewer', 'more')})")
+
+
+def compute_spread(rows: Sequence[dict[str, Any]]) -> float:
+    """(max - min) / min of the modes' compute_ms: every mode computes the same work, so this is
+    how far the measurement moved between modes (noise, or ranks sharing cores)."""
+    compute = [r["compute_ms"] for r in rows]
+    return max(compute) / min(compute) - 1.0 if compute and min(compute) > 0 else math.nan
+
+
+def compute_line(rows: Sequence[dict[str, Any]]) -> str:
+    """'# compute per step, the same work in every mode: a to b ms (spread x%)'."""
+    if len(rows) < 2:
+        return ""
+    compute = [r["compute_ms"] for r in rows]
+    return (f"# compute per step (mean over ranks), the same work in every mode: {min(compute):.1f} to "
+            f"{max(compute):.1f} ms (spread {100 * compute_spread(rows):.1f}%)")
+
+
+def overlap_note(rows: Sequence[dict[str, Any]]) -> str:
+    """Why `overlap` shows more bubbles than `vanilla` when it does ('' otherwise): overlapping
+    hides communication only; idle time is the ranks' imbalance, which it does not change."""
+    by = {r["mode"]: r for r in rows}
+    if "overlap" not in by or "vanilla" not in by or by["overlap"]["bubble_ms"] <= by["vanilla"]["bubble_ms"]:
+        return ""
+    o, v = by["overlap"], by["vanilla"]
+    return (f"# overlap shows more bubbles than vanilla ({o['bubble_ms']:.1f} vs {v['bubble_ms']:.1f} ms): overlapping "
+            f"hides communication only (exposed {v['exposed_comm_ms']:.1f} -> {o['exposed_comm_ms']:.1f} ms); the rest "
+            f"is idle time from the ranks' imbalance, which it does not change ({v['idle_ms']:.1f} -> "
+            f"{o['idle_ms']:.1f} ms) and which moves with compute noise ({v['compute_ms']:.1f} vs "
+            f"{o['compute_ms']:.1f} ms of the same work)")
+
+
+# Above this share of compute spent waiting for a core, the run says the machine was busy.
+BUSY_SHARE = 0.05
+
+
+def busy_note(rows: Sequence[dict[str, Any]]) -> str:
+    """One line when other threads held the ranks' cores for more than BUSY_SHARE of their compute
+    ('' otherwise, and where the rows carry no core_wait_ms): the figures then stand for slower and
+    uneven devices, which balancing by sample cost does not see."""
+    shares = [(r["core_wait_ms"] / r["compute_ms"], r["mode"]) for r in rows
+              if r.get("core_wait_ms") is not None and r["compute_ms"] > 0]
+    if not shares or max(shares)[0] <= BUSY_SHARE:
+        return ""
+    mean = sum(s for s, _ in shares) / len(shares)
+    worst, mode = max(shares)
+    return (f"# busy machine: other processes held the ranks' cores for {100 * mean:.0f}% of their compute "
+            f"({100 * worst:.0f}% in {mode}), so ranks computed as slower, uneven devices, which balancing by "
+            f"sample cost does not see; for one idle device per rank, run on an idle machine")

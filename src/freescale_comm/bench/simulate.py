@@ -22,8 +22,8 @@ from typing import Optional, Sequence
 import numpy as np
 
 from freescale_comm.bench import workloads
-from freescale_comm.bench.e2e import EMBEDDING_PRIORITY, GRADIENT_PRIORITY, PREFETCH_PRIORITY, Mode
-from freescale_comm.bench.e2e import MODES as E2E_MODES
+from freescale_comm.bench.e2e_config import EMBEDDING_PRIORITY, GRADIENT_PRIORITY, PREFETCH_PRIORITY, Mode
+from freescale_comm.bench.e2e_config import MODES as E2E_MODES
 from freescale_comm.bench.timeline import Blocked, Busy, OpSeen, StepWindow, Timeline, mode_metrics
 from freescale_comm.planner import CostModel, plan_rebalance
 

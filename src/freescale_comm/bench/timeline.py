@@ -23,7 +23,7 @@ from typing import Any, Callable, Iterator, Optional
 
 import numpy as np
 
-__all__ = ["Busy", "Blocked", "OpSeen", "StepWindow", "Timeline", "StepRecorder", "idle_end", "last_issue",
+__all__ = ["Busy", "Blocked", "OpSeen", "StepWindow", "Timeline", "StepRecorder", "idle_end", "last_issue", "run_queue_wait",
            "step_breakdown", "mode_metrics"]
 
 
@@ -34,6 +34,7 @@ class Busy:
     name: str
     t0: float
     t1: float
+    core_wait: float = 0.0  # seconds of [t0, t1] the thread was ready but other threads held its core
 
 
 @dataclass(frozen=True)
@@ -91,6 +92,16 @@ class Timeline:
                    [OpSeen(**x) for x in d["ops"]], [StepWindow(**x) for x in d["steps"]])
 
 
+def run_queue_wait() -> float:
+    """Seconds this thread has spent ready to run but waiting for a core (Linux schedstat's
+    run_delay), 0.0 where the kernel does not say. Other processes on a rank's core show here."""
+    try:
+        with open("/proc/thread-self/schedstat") as f:
+            return int(f.read().split()[1]) * 1e-9
+    except (OSError, IndexError, ValueError):
+        return 0.0
+
+
 class StepRecorder:
     """Records one rank's timeline while it runs. `sync` (e.g. torch.cuda.synchronize) is called
     before a compute interval closes, so asynchronous devices are timed to completion."""
@@ -118,11 +129,13 @@ class StepRecorder:
 
     @contextmanager
     def compute(self, name: str) -> Iterator[None]:
+        waited0 = run_queue_wait()
         t0 = self.clock()
         yield
         if self.sync is not None:
             self.sync()
-        self.timeline.busy.append(Busy(self.rank, self.step, name, t0, self.clock()))
+        t1 = self.clock()
+        self.timeline.busy.append(Busy(self.rank, self.step, name, t0, t1, run_queue_wait() - waited0))
 
     def _key(self, name: str) -> str:
         self._counts[name] += 1
@@ -181,14 +194,16 @@ def idle_end(b: Blocked, last_issued: float) -> float:
 
 def step_breakdown(tl: Timeline) -> dict[tuple[int, int], dict[str, float]]:
     """(step, rank) -> seconds of step, compute, comm (issued: from the op's last issue to its
-    completion here), exposed_comm and idle. A blocked interval is idle until the last rank issued
+    completion here), exposed_comm, idle and core_wait (of compute: the core was another's). A blocked interval is idle until the last rank issued
     the op, exposed comm after."""
     last = last_issue(tl.ops)
     out: dict[tuple[int, int], dict[str, float]] = {}
     for w in tl.steps:
-        out[(w.step, w.rank)] = {"step": w.t1 - w.t0, "compute": 0.0, "comm": 0.0, "exposed_comm": 0.0, "idle": 0.0}
+        out[(w.step, w.rank)] = {"step": w.t1 - w.t0, "compute": 0.0, "comm": 0.0, "exposed_comm": 0.0, "idle": 0.0,
+                                 "core_wait": 0.0}
     for b in tl.busy:
         out[(b.step, b.rank)]["compute"] += b.t1 - b.t0
+        out[(b.step, b.rank)]["core_wait"] += b.core_wait
     for o in tl.ops:
         out[(o.step, o.rank)]["comm"] += max(0.0, o.done - last[(o.step, o.op)])
     for b in tl.blocked:
@@ -202,7 +217,8 @@ def step_breakdown(tl: Timeline) -> dict[tuple[int, int], dict[str, float]]:
 def mode_metrics(tl: Timeline) -> dict[str, float]:
     """Per-step means over the recorded steps: step_ms (the slowest rank's step), straggler_pct
     (mean over ranks of idle / step time), and mean-over-ranks idle_ms, exposed_comm_ms,
-    bubble_ms (= idle + exposed comm), compute_ms, comm_ms."""
+    bubble_ms (= idle + exposed comm), compute_ms, comm_ms, core_wait_ms (the part of compute_ms
+    the ranks' threads waited for a core other threads held)."""
     rows = step_breakdown(tl)
     steps = sorted({s for s, _ in rows})
     if not steps:
@@ -211,7 +227,7 @@ def mode_metrics(tl: Timeline) -> dict[str, float]:
     for s in steps:
         ranks = [v for (st, _), v in rows.items() if st == s]
         step_s = max(v["step"] for v in ranks)
-        mean = {k: float(np.mean([v[k] for v in ranks])) for k in ("compute", "comm", "exposed_comm", "idle")}
+        mean = {k: float(np.mean([v[k] for v in ranks])) for k in ("compute", "comm", "exposed_comm", "idle", "core_wait")}
         per_step.append({
             "step_ms": step_s * 1e3,
             "straggler_pct": 100.0 * float(np.mean([v["idle"] for v in ranks])) / step_s if step_s > 0 else 0.0,
@@ -220,5 +236,6 @@ def mode_metrics(tl: Timeline) -> dict[str, float]:
             "bubble_ms": (mean["idle"] + mean["exposed_comm"]) * 1e3,
             "compute_ms": mean["compute"] * 1e3,
             "comm_ms": mean["comm"] * 1e3,
+            "core_wait_ms": mean["core_wait"] * 1e3,  # of compute_ms: other threads held the rank's core
         })
     return {k: float(np.mean([p[k] for p in per_step])) for k in per_step[0]}

@@ -3,7 +3,8 @@
 trace.json (Chrome trace format; open in Perfetto or chrome://tracing): one process per mode, one
 thread track per rank with its compute, idle and exposed-comm slices (they never overlap: a rank
 is computing or blocked); the comm each rank issued shows as async slices beside it.
-timeline.png: one step of each mode, a row per rank. bubbles.png: idle + exposed comm per mode.
+timeline.png: one step of each mode, a row per rank. bubbles.png: per mode, the step time and its
+bubbles together (compute, idle and exposed comm stacked).
 """
 
 from __future__ import annotations
@@ -93,23 +94,32 @@ def plot_timeline(path: str, timelines: dict[str, Timeline], modes: Sequence[str
 
 
 def plot_bubbles(path: str, rows: Sequence[dict[str, Any]], title: str) -> None:
-    """Stacked bars per mode: idle (straggler) ms and exposed comm ms per step."""
+    """Per mode, the step and its bubbles together: a stacked bar of compute, idle (straggler) and
+    exposed comm ms per step (means over ranks), labelled with the step time (the slowest rank's)
+    and the bubbles; a dashed line at the first mode's step time (the baseline)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     modes = [r["mode"] for r in rows]
+    compute = [r["compute_ms"] for r in rows]
     idle = [r["idle_ms"] for r in rows]
     exposed = [r["exposed_comm_ms"] for r in rows]
-    fig, ax = plt.subplots(figsize=(1.6 * len(modes) + 2, 4))
-    ax.bar(modes, idle, color=COLORS["idle"], label="idle (stragglers)")
-    ax.bar(modes, exposed, bottom=idle, color=COLORS["exposed_comm"], label="exposed comm")
+    fig, ax = plt.subplots(figsize=(1.7 * len(modes) + 2, 4.5))
+    ax.bar(modes, compute, color=COLORS["compute"], label="compute")
+    ax.bar(modes, idle, bottom=compute, color=COLORS["idle"], label="idle (stragglers)")
+    ax.bar(modes, exposed, bottom=[c + i for c, i in zip(compute, idle)], color=COLORS["exposed_comm"],
+           label="exposed comm")
     for i, r in enumerate(rows):
-        ax.text(i, r["bubble_ms"], f"{r['bubble_ms']:.1f}", ha="center", va="bottom", fontsize=9)
-    ax.set_ylabel("bubble ms per step (mean over ranks)")
+        top = compute[i] + idle[i] + exposed[i]
+        ax.text(i, top, f"step {r['step_ms']:.0f}\nbubbles {r['bubble_ms']:.0f}", ha="center", va="bottom", fontsize=8)
+    if rows:
+        ax.axhline(rows[0]["step_ms"], color="gray", linestyle="--", linewidth=1, label=f"{modes[0]} step")
+    ax.set_ylabel("ms per step (mean over ranks)")
+    ax.set_ylim(0, 1.2 * max([c + i + e for c, i, e in zip(compute, idle, exposed)] + [r["step_ms"] for r in rows] + [1.0]))
     ax.set_title(title, fontsize=10)
-    ax.legend()
+    ax.legend(loc="lower right", fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
