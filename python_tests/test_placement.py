@@ -132,3 +132,55 @@ def test_the_summary_gives_step_time_and_bubbles_together_and_explains_overlap()
     assert "exposed 4.0 -> 2.0 ms" in note
     rows[1]["bubble_ms"] = 90.0
     assert report.overlap_note(rows) == ""
+
+
+def _wait_for(predicate, seconds=10.0):
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.02)
+    return predicate()
+
+
+def _scheduler_of(pid):
+    try:
+        return os.sched_getscheduler(pid)
+    except ProcessLookupError:
+        return None
+
+
+def test_a_held_core_runs_an_idle_priority_spinner_there_until_released():
+    core = placement.usable_cores()[-1]
+    with placement.hold_core(core) as holder:
+        assert _wait_for(lambda: _scheduler_of(holder.pid) == os.SCHED_IDLE), "the holder never went SCHED_IDLE"
+        assert os.sched_getaffinity(holder.pid) == {core}
+        assert holder.poll() is None
+    assert holder.poll() is not None
+
+
+def _hold_and_vanish(info, core, pid_file):
+    with placement.hold_core(core) as holder:
+        with open(pid_file, "w") as f:
+            f.write(str(holder.pid))
+        _wait_for(lambda: _scheduler_of(holder.pid) == os.SCHED_IDLE)
+        os._exit(0)  # no cleanup: the holder must go with us
+
+
+def _gone(pid):
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    try:
+        with open(f"/proc/{pid}/stat") as f:  # a zombie not yet reaped is gone too
+            return f.read().split(")")[-1].split()[0] == "Z"
+    except FileNotFoundError:
+        return True
+
+
+def test_a_holder_dies_with_a_rank_that_exits_without_cleanup(tmp_path):
+    pid_file = tmp_path / "holder.pid"
+    run_ranks(_hold_and_vanish, 1, placement.usable_cores()[-1], str(pid_file), backend=None, timeout_s=60)
+    pid = int(pid_file.read_text())
+    assert _wait_for(lambda: _gone(pid)), f"holder {pid} outlived its rank"

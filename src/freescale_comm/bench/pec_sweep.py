@@ -18,7 +18,7 @@ import textwrap
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from freescale_comm.bench.e2e import MODES, E2EConfig, enter_rank, spawn_measured, trainer_for
+from freescale_comm.bench.e2e import MODES, E2EConfig, measured_rank, spawn_measured, trainer_for
 from freescale_comm.bench.timeline import Timeline, mode_metrics
 from freescale_comm.planner import CostModel
 
@@ -49,7 +49,11 @@ def _only(tl: Timeline, names: tuple[str, ...]) -> Timeline:
 
 
 def _rank_program(info: Any, sweep: SweepConfig, progress: bool, cores: Optional[tuple[int, ...]]) -> dict[str, Any]:
-    enter_rank(info, cores)
+    with measured_rank(info, cores):
+        return _sweep(info, sweep, progress)
+
+
+def _sweep(info: Any, sweep: SweepConfig, progress: bool) -> dict[str, Any]:
     bar = None
     if progress and info.rank == 0:
         from tqdm import tqdm
