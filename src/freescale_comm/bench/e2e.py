@@ -27,10 +27,11 @@ Every mode does the same math: same seed → same losses (to float rounding).
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import math
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
 import numpy as np
 import torch
@@ -39,12 +40,13 @@ from freescale_comm.bench.e2e_config import (EMBEDDING_PRIORITY, GRADIENT_PRIORI
                                              E2EConfig, Mode, home_batch)
 from freescale_comm.bench.e2e_pec import PECTrainer
 from freescale_comm.bench.e2e_trainer import StepTrainer, calibrate
-from freescale_comm.bench.placement import RankPlacement, device_like_env, pin_this_process, place_ranks, thread_cores
+from freescale_comm.bench.placement import (RankPlacement, device_like_env, hold_core, pin_this_process, place_ranks,
+                                            thread_cores)
 from freescale_comm.bench.report import bubble_reduction
 from freescale_comm.bench.timeline import Timeline, mode_metrics
 from freescale_comm.planner import CostModel
 
-__all__ = ["MODES", "Mode", "E2EConfig", "E2EResult", "run", "home_batch", "trainer_for", "calibrate", "enter_rank",
+__all__ = ["MODES", "Mode", "E2EConfig", "E2EResult", "run", "home_batch", "trainer_for", "calibrate", "measured_rank",
            "spawn_measured", "rotated",
            "EMBEDDING_PRIORITY", "GRADIENT_PRIORITY", "PREFETCH_PRIORITY"]
 
@@ -72,11 +74,17 @@ def trainer_for(cfg: E2EConfig, mode: Mode, rank: int, cost_model: CostModel, pr
     return StepTrainer(cfg, mode, rank, cost_model, progress)
 
 
-def enter_rank(info: Any, cores: Optional[tuple[int, ...]]) -> None:
-    """A measured rank's first act: one compute thread, and (if `cores`) every thread on its core."""
+@contextlib.contextmanager
+def measured_rank(info: Any, cores: Optional[tuple[int, ...]]) -> Iterator[None]:
+    """A measured rank's setting while inside: one compute thread and, if `cores`, every thread on
+    this rank's core, held while the rank waits (placement.hold_core)."""
     torch.set_num_threads(1)  # one compute thread per rank
-    if cores is not None:
-        pin_this_process(cores[info.rank])
+    if cores is None:
+        yield
+        return
+    pin_this_process(cores[info.rank])
+    with hold_core(cores[info.rank]):
+        yield
 
 
 def rotated(names: list[str], k: int) -> list[str]:
@@ -86,7 +94,11 @@ def rotated(names: list[str], k: int) -> list[str]:
 
 
 def _rank_program(info: Any, cfg: E2EConfig, progress: bool, cores: Optional[tuple[int, ...]]) -> dict[str, Any]:
-    enter_rank(info, cores)
+    with measured_rank(info, cores):
+        return _measure(info, cfg, progress)
+
+
+def _measure(info: Any, cfg: E2EConfig, progress: bool) -> dict[str, Any]:
     bar = None
     if progress and info.rank == 0:
         from tqdm import tqdm
