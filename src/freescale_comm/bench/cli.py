@@ -216,9 +216,9 @@ def _step_config(args: argparse.Namespace, **more: object) -> "Any":
     from freescale_comm.bench import e2e
 
     ranks = default_ranks() if args.ranks is None else args.ranks
-    return e2e.E2EConfig(ranks=ranks, pin_cores=not args.no_pin, steps=args.steps, warmup=args.warmup, samples=args.samples,
-                         workload=args.workload, length_scale=args.length_scale, dim=args.dim, layers=args.layers,
-                         groups=args.groups, seed=args.seed, **more)
+    return e2e.E2EConfig(ranks=ranks, pin_cores=not args.no_pin, steps=args.steps, warmup=args.warmup,
+                         samples=args.samples, workload=args.workload, length_scale=args.length_scale, dim=args.dim,
+                         layers=args.layers, groups=args.groups, seed=args.seed, **more)
 
 
 def _pec_sweep_args(ps: argparse.ArgumentParser) -> None:
@@ -286,8 +286,9 @@ def run_e2e(args: argparse.Namespace) -> int:
     res = e2e.run(cfg, progress=not args.no_progress)
     pinned = "each on its own core" if cfg.pin_cores and not res.placement.oversubscribed else (
         "sharing cores" if cfg.pin_cores else "unpinned")
-    title = (f"e2e, {cfg.ranks} ranks ({pinned}) x {cfg.samples} samples, {cfg.workload} x {cfg.length_scale:.3g}, "
-             f"dim {cfg.dim}, {cfg.device}, {platform.node()}; ms per step, mean of {cfg.steps}")
+    title = (f"e2e, {cfg.ranks} ranks ({pinned}) x {cfg.samples} samples, {cfg.workload} x "
+             f"{cfg.length_scale:.3g}, dim {cfg.dim}, {cfg.device}, {platform.node()}; "
+             f"ms per step, mean of {cfg.steps}")
     # Ranks sharing cores wait for each other's: the oversubscription line says it, not the busy one.
     busy = "" if res.placement.oversubscribed else busy_note(res.rows)
     print("\n".join(line for line in (oversubscription_note(res.placement), busy,

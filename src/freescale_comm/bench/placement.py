@@ -17,8 +17,8 @@ import sys
 from dataclasses import dataclass
 from typing import Iterator, Optional
 
-__all__ = ["usable_cores", "default_ranks", "RankPlacement", "place_ranks", "pin_this_process", "hold_core", "thread_cores",
-           "device_like_env", "oversubscription_note", "DEFAULT_MEASURED_RANKS"]
+__all__ = ["usable_cores", "default_ranks", "RankPlacement", "place_ranks", "pin_this_process", "hold_core",
+           "thread_cores", "device_like_env", "oversubscription_note", "DEFAULT_MEASURED_RANKS"]
 
 DEFAULT_MEASURED_RANKS = 4  # what the demo runs when the machine has a core for each
 

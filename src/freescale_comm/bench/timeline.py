@@ -23,8 +23,8 @@ from typing import Any, Callable, Iterator, Optional
 
 import numpy as np
 
-__all__ = ["Busy", "Blocked", "OpSeen", "StepWindow", "Timeline", "StepRecorder", "idle_end", "last_issue", "run_queue_wait",
-           "step_breakdown", "mode_metrics"]
+__all__ = ["Busy", "Blocked", "OpSeen", "StepWindow", "Timeline", "StepRecorder", "idle_end", "last_issue",
+           "run_queue_wait", "step_breakdown", "mode_metrics"]
 
 
 @dataclass(frozen=True)
@@ -194,8 +194,8 @@ def idle_end(b: Blocked, last_issued: float) -> float:
 
 def step_breakdown(tl: Timeline) -> dict[tuple[int, int], dict[str, float]]:
     """(step, rank) -> seconds of step, compute, comm (issued: from the op's last issue to its
-    completion here), exposed_comm, idle and core_wait (of compute: the core was another's). A blocked interval is idle until the last rank issued
-    the op, exposed comm after."""
+    completion here), exposed_comm, idle and core_wait (of compute: the core was another's). A
+    blocked interval is idle until the last rank issued the op, exposed comm after."""
     last = last_issue(tl.ops)
     out: dict[tuple[int, int], dict[str, float]] = {}
     for w in tl.steps:
@@ -227,7 +227,8 @@ def mode_metrics(tl: Timeline) -> dict[str, float]:
     for s in steps:
         ranks = [v for (st, _), v in rows.items() if st == s]
         step_s = max(v["step"] for v in ranks)
-        mean = {k: float(np.mean([v[k] for v in ranks])) for k in ("compute", "comm", "exposed_comm", "idle", "core_wait")}
+        mean = {k: float(np.mean([v[k] for v in ranks]))
+                for k in ("compute", "comm", "exposed_comm", "idle", "core_wait")}
         per_step.append({
             "step_ms": step_s * 1e3,
             "straggler_pct": 100.0 * float(np.mean([v["idle"] for v in ranks])) / step_s if step_s > 0 else 0.0,
