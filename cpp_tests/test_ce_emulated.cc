@@ -86,6 +86,42 @@ TEST(CeEmulatedFlowControl, DefaultConfigMoves64MiBPerPeerWithoutOverwritingUnre
   expect_all_ok(outcomes);
 }
 
+// Who executes the ce transport's copies, counted (issue 37 item 1): each chunk into the sender's
+// own arena slot and the block a rank sends itself are copies within a device, SM kernels before
+// driver 13.1 (or without the batch API); copies from a peer's arena run on copy engines; and
+// data_path() says so (it said "no SM kernels" whatever the driver).
+TEST(CeEmulatedDataPath, CountsTheCopiesThatTakeSmsAndSaysWhichAndWhy) {
+  struct Case {
+    int driver;
+    bool batch_api;
+    const char* path;
+  };
+  for (Case c : {Case{13000, true, "ce (driver 13.0): SM kernels for copies within a device"},
+                 Case{13010, true, "ce (driver 13.1): no SM kernels"},
+                 Case{13010, false, "ce (driver 13.1): SM kernels for copies within a device"}}) {
+    auto outcomes = run_forked_ranks(2, [c](int rank, Bootstrap& bootstrap) -> std::string {
+      EmulatedDeviceOptions options;
+      options.driver_version = c.driver;
+      options.batch_api = c.batch_api;
+      EmulatedDevice device(options);
+      auto comm = ce_communicator(bootstrap, small_config(), device);
+      Exchange x(uniform_counts(2, 1 << 20), rank, 3);
+      comm->wait(comm->all_to_all(x.send.data(), x.recv.data(), x.layout, 0, false), kForever);
+      if (std::string e = x.check(rank); !e.empty()) return e;
+      const CopyCounts counts = device.copy_counts();
+      const std::string path = comm->data_path();
+      comm->close();
+      const bool sm = c.driver < 13010 || !c.batch_api;
+      if (path.rfind(c.path, 0) != 0) return "expected \"" + std::string(c.path) + "...\", got: " + path;
+      if (counts.ce_copies == 0) return "no copy-engine copy counted (the copies from the peer's arena)";
+      if (sm && counts.sm_copies == 0) return "no SM copy counted for the copies within the device";
+      if (!sm && counts.sm_copies != 0) return std::to_string(counts.sm_copies) + " SM copies on a 13.1 driver";
+      return "";
+    });
+    expect_all_ok(outcomes);
+  }
+}
+
 TEST(CeEmulatedPriority, LaterUrgentOpCompletesBeforeABulkOneInProgress) {
   auto outcomes = run_forked_ranks(2, [](int rank, Bootstrap& bootstrap) -> std::string {
     EmulatedDevice device;

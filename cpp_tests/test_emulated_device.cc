@@ -267,6 +267,59 @@ TEST(EmulatedShmem, ReorderedSignalsLandTheLaterOneFirstAndAHeldOneLandsAlone) {
   EXPECT_EQ(pe.load(1), 5u) << "a held signal never landed";
 }
 
+// Who executes a copy (design.md §4): within this device (its allocations and the callers'
+// tensors) an SM kernel before driver 13.1 or without the batch API, a copy engine through the
+// batch API from 13.1; to or from another device (an IPC mapping) or the host, a copy engine.
+TEST(EmulatedDevice, CountsCopiesByExecutorAsTheDriverVersionAndTheBatchApiDecide) {
+  struct Case {
+    int driver;
+    bool batch_api;
+    CopyExecutor within;
+  };
+  for (Case c : {Case{13000, true, CopyExecutor::kSm}, Case{13010, true, CopyExecutor::kCopyEngine},
+                 Case{13010, false, CopyExecutor::kSm}}) {
+    SCOPED_TRACE("driver " + std::to_string(c.driver) + (c.batch_api ? ", batch API" : ", per-copy fallback"));
+    EmulatedDeviceOptions options;
+    options.driver_version = c.driver;
+    options.batch_api = c.batch_api;
+    EmulatedDevice device(options);
+    EXPECT_EQ(device.driver_version(), c.driver);
+    EXPECT_EQ(device.batch_copies(), c.batch_api);
+    auto* own = static_cast<uint8_t*>(device.device_alloc(4096));
+    std::vector<uint8_t> tensor(4096, 7);  // a caller's tensor: this device's memory
+    DevicePtr mapped_address = 0;
+    auto* host = static_cast<uint8_t*>(device.host_alloc_mapped(4096, &mapped_address));
+    auto* peer = static_cast<uint8_t*>(device.ipc_open(device.ipc_handle(own)));  // as another device maps it
+    EXPECT_EQ(device.executor(own + 100, tensor.data()), c.within);
+    EXPECT_EQ(device.executor(tensor.data(), own + 4095), c.within);
+    EXPECT_EQ(device.executor(own, peer + 10), CopyExecutor::kCopyEngine);
+    EXPECT_EQ(device.executor(peer, tensor.data()), CopyExecutor::kCopyEngine);
+    EXPECT_EQ(device.executor(host + 64, own), CopyExecutor::kCopyEngine);
+    Stream s = device.create_stream();
+    CopyBatch batch;
+    batch.add(own, tensor.data(), 100);  // within the device
+    batch.add(host, own, 50);            // to the host
+    device.copy_batch(s, batch);
+    device.write_value64(s, mapped_address + 64, 1);
+    device.synchronize(s);
+    EXPECT_EQ(host[0], 7);
+    CopyCounts counts = device.copy_counts();
+    const bool sm = c.within == CopyExecutor::kSm;
+    EXPECT_EQ(counts.sm_copies, sm ? 1u : 0u);
+    EXPECT_EQ(counts.sm_bytes, sm ? 100u : 0u);
+    EXPECT_EQ(counts.ce_copies, sm ? 1u : 2u);
+    EXPECT_EQ(counts.ce_bytes, sm ? 50u : 150u);
+    DriverCalls calls = device.driver_calls();
+    EXPECT_EQ(calls.copy_batches, c.batch_api ? 1u : 0u);
+    EXPECT_EQ(calls.copies, c.batch_api ? 0u : 2u);
+    EXPECT_EQ(calls.value_writes, 1u);
+    device.destroy_stream(s);
+    device.ipc_close(peer);
+    device.host_free(host);
+    device.device_free(own);
+  }
+}
+
 TEST(EmulatedDevice, TeardownEndsWaitsThatCanNeverBeSatisfied) {
   auto device = std::make_unique<EmulatedDevice>();
   Stream s = device->create_stream();

@@ -399,9 +399,11 @@ TEST(NvshmemEmulatedOrdering, OpsCompleteIntactWhenSignalsToOneWordLandOutOfOrde
 // puts are copies, its SETs stream writes; the transport waits on nothing). A peer without P2P:
 // one proxy kernel per put and signal to it, and its puts are flushed before they are read.
 TEST(NvshmemEmulatedDataPath, SaysWhenItTakesKernelsAndWhyAndFlushesNetworkPeersWrites) {
-  for (bool network : {false, true}) {
-    auto outcomes = run_forked_ranks(2, [network](int rank, Bootstrap& bootstrap) -> std::string {
-      EmulatedDevice device(kSmallQueue);
+  for (auto [network, driver] : {std::pair{false, 13000}, std::pair{false, 13010}, std::pair{true, 13000}}) {
+    auto outcomes = run_forked_ranks(2, [network = network, driver = driver](int rank, Bootstrap& bootstrap) -> std::string {
+      EmulatedDeviceOptions device_options = kSmallQueue;
+      device_options.driver_version = driver;
+      EmulatedDevice device(device_options);
       EmulatedShmemOptions o;
       if (network) o.network_pes = {1 - rank};
       EmulatedShmem shmem(device, o);
@@ -410,8 +412,17 @@ TEST(NvshmemEmulatedDataPath, SaysWhenItTakesKernelsAndWhyAndFlushesNetworkPeers
       comm->wait(comm->all_to_all(x.send.data(), x.recv.data(), x.layout, 0, false), kForever);
       if (std::string e = x.check(rank); !e.empty()) return e;
       const std::string path = comm->data_path();
+      const CopyCounts counts = device.copy_counts();
+      if (!network && driver >= 13010) {
+        if (path.rfind("nvshmem (driver 13.1): no SM kernels", 0) != 0) return "P2P peers on 13.1, but: " + path;
+        if (counts.sm_copies != 0) return std::to_string(counts.sm_copies) + " SM copies on a 13.1 driver";
+      } else if (!network) {
+        // Staging into and copying out of the own heap: copies within a device, SM kernels on 13.0.
+        if (path.rfind("nvshmem (driver 13.0): SM kernels for copies within this GPU only", 0) != 0)
+          return "P2P peers on 13.0, but: " + path;
+        if (counts.sm_copies == 0) return "no SM copy counted on a 13.0 driver";
+      }
       if (!network) {
-        if (path.rfind("nvshmem: no SM kernels", 0) != 0) return "P2P peers, but: " + path;
         if (shmem.kernels_launched() != 0 || device.remote_write_flushes() != 0) return "kernels or flushes over P2P";
       } else {
         if (path.find("SM kernels for 1 of 1 peers (ranks " + std::to_string(1 - rank) + ")") == std::string::npos)

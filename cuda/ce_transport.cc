@@ -34,6 +34,31 @@ namespace {
 
 constexpr std::chrono::microseconds kPollWhileBusy{50};  // device writes ring no doorbell: poll
 constexpr const char* kUnsupportedMark = "unsupported: ";  // an announced setup error that is a refusal
+constexpr int kOverlapFlagHonoredWithinADevice = 13010;  // the driver from which intra-device copies go on CEs
+
+// Who executes this transport's copies (design.md §4). Each chunk is copied into the sender's own
+// arena slot and a rank's block to itself lands directly: copies within one device, which run as
+// SM kernels unless the batch API carries cudaMemcpyFlagPreferOverlapWithCompute to a 13.1+
+// driver (NCCL's ce_coll.cc: honored for intra-device copies only from CUDA 13.1); so do copies
+// between ranks that share one GPU. Copies from a peer GPU's arena run on copy engines.
+std::string ce_data_path(int driver_version, bool batch_copies) {
+  const std::string driver = "driver " + std::to_string(driver_version / 1000) + "." +
+                             std::to_string(driver_version % 1000 / 10);
+  const std::string counters = "; ring counters by stream memory writes; the host drives every step";
+  if (!batch_copies) {
+    return "ce (" + driver + "): SM kernels for copies within a device (each chunk into this rank's arena slot, "
+           "the block a rank sends itself, copies between ranks on one GPU): the driver refused cudaMemcpyBatchAsync, "
+           "so copies go one by one through cudaMemcpyAsync; copies from peer GPUs' arenas on copy engines" + counters;
+  }
+  if (driver_version < kOverlapFlagHonoredWithinADevice) {
+    return "ce (" + driver + "): SM kernels for copies within a device (each chunk into this rank's arena slot, "
+           "the block a rank sends itself, copies between ranks on one GPU): drivers before 13.1 ignore "
+           "cudaMemcpyFlagPreferOverlapWithCompute for them; copies from peer GPUs' arenas on copy engines "
+           "(cudaMemcpyBatchAsync)" + counters;
+  }
+  return "ce (" + driver + "): no SM kernels: every copy on copy engines (cudaMemcpyBatchAsync with "
+         "cudaMemcpyFlagPreferOverlapWithCompute, honored within a device from 13.1)" + counters;
+}
 
 class CeTransport final : public HostTransport {
  public:
@@ -41,10 +66,7 @@ class CeTransport final : public HostTransport {
   ~CeTransport() override;
 
   const char* name() const override { return "ce"; }
-  std::string data_path() const override {
-    return "ce: no SM kernels: copy engines (cudaMemcpyBatchAsync) and stream memory writes of the ring "
-           "counters; the host drives every step";
-  }
+  std::string data_path() const override { return ce_data_path(driver_version_, ops_.batch_copies()); }
   uintptr_t mark_submission(uintptr_t stream) override { return gate_.mark(stream); }
   void on_submit(OpState& op, uintptr_t mark) override { gate_.on_submit(op, mark); }
   void discard_submission(uintptr_t mark) override { gate_.give_event(mark); }
@@ -91,6 +113,7 @@ class CeTransport final : public HostTransport {
 
   DeviceOps& ops_;
   int device_;
+  int driver_version_ = 0;  // cudaDriverGetVersion, read at setup
   Stream stream_ = 0;                  // the comm stream: every copy and counter write
   std::vector<CeArenaLayout> arenas_;  // [world] each rank's arena layout
   std::vector<uint8_t*> arena_ptr_;    // [world] mapped base of each rank's arena (ours: own)
@@ -134,6 +157,7 @@ void CeTransport::setup(Bootstrap& bootstrap, const Config& config) {
                                              {DeviceAttribute::kCanUse64BitStreamMemOps, DeviceAttribute::kCanMapHostMemory,
                                               DeviceAttribute::kHostRegisterSupported, DeviceAttribute::kUnifiedAddressing});
     if (!missing.empty()) throw Error(ErrorCode::kUnsupported, missing);
+    driver_version_ = ops_.driver_version();
     stream_ = ops_.create_stream();
     if (mine.num_bytes() > 0) {
       arena_ptr_[rank_] = static_cast<uint8_t*>(ops_.device_alloc(mine.num_bytes()));

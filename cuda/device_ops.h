@@ -55,6 +55,15 @@ class DeviceOps {
   virtual ~DeviceOps() = default;
   virtual const char* name() const = 0;  // "cuda" or "emulated"
 
+  // --- the driver: who executes a copy depends on it (design.md §4) ---
+  // The CUDA driver's version as cudaDriverGetVersion gives it (13010 = 13.1).
+  virtual int driver_version() = 0;
+  // True while copy_batch goes through cudaMemcpyBatchAsync with
+  // cudaMemcpyFlagPreferOverlapWithCompute; false once the driver refused the batch API
+  // (cudaErrorNotSupported) and copies went per copy through cudaMemcpyAsync (SM kernels for
+  // intra-device copies, whatever the driver).
+  virtual bool batch_copies() const = 0;
+
   // --- devices ---
   // Visible devices; 0 without a driver or a device (never throws).
   virtual int device_count() = 0;

@@ -41,6 +41,12 @@ static_assert(same(DeviceAttribute::kCanMapHostMemory, CU_DEVICE_ATTRIBUTE_CAN_M
 class CudaDeviceOps final : public DeviceOps {
  public:
   const char* name() const override { return "cuda"; }
+  int driver_version() override {
+    int version = 0;
+    check_cuda(cudaDriverGetVersion(&version), "cudaDriverGetVersion");
+    return version;
+  }
+  bool batch_copies() const override { return batch_api_.load(std::memory_order_relaxed); }
 
   int device_count() override {
     int count = 0;

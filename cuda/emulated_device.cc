@@ -424,6 +424,7 @@ void EmulatedDevice::destroy_event(Event event) {
 }
 
 void EmulatedDevice::record_event(Event event, Stream stream) {
+  count_call(&DriverCalls::event_records);
   std::shared_ptr<EventState> ev = event_of(event);
   std::shared_ptr<StreamState> s = stream_of(stream);
   check_no_fault("cudaEventRecord");
@@ -445,6 +446,7 @@ bool EmulatedDevice::event_done(Event event, const char* what) {
 }
 
 void EmulatedDevice::wait_event(Stream stream, Event event) {
+  count_call(&DriverCalls::event_waits);
   std::shared_ptr<EventState> ev = event_of(event);
   const uint64_t generation = ev->recorded.load();  // the record at the time of the call, as CUDA
   if (generation == 0) return;                      // never recorded: nothing to wait for
@@ -453,28 +455,87 @@ void EmulatedDevice::wait_event(Stream stream, Event event) {
        }, nullptr, 0}, "cudaStreamWaitEvent");
 }
 
+namespace {
+
+// The block of `blocks` (start -> what, bytes_of(what) bytes; a 0-byte block holds its start)
+// that holds `p`, or nullptr.
+template <typename T, typename BytesOf>
+const T* block_holding(const std::map<void*, T>& blocks, const void* p, BytesOf bytes_of) {
+  auto it = blocks.upper_bound(const_cast<void*>(p));
+  if (it == blocks.begin()) return nullptr;
+  --it;
+  const auto* start = static_cast<const uint8_t*>(it->first);
+  return static_cast<const uint8_t*>(p) < start + std::max<size_t>(bytes_of(it->second), 1) ? &it->second : nullptr;
+}
+
+}  // namespace
+
+CopyExecutor EmulatedDevice::executor(const void* dst, const void* src) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto elsewhere = [this](const void* p) {  // another device's memory (an IPC mapping), or the host's
+    auto n = [](size_t bytes) { return bytes; };
+    const Mapping* m = block_holding(allocations_, p, [](const Mapping& x) { return x.bytes; });
+    return (m != nullptr && m->fd < 0) || block_holding(host_blocks_, p, n) || block_holding(registered_, p, n);
+  };
+  if (elsewhere(dst) || elsewhere(src)) return CopyExecutor::kCopyEngine;
+  return options_.batch_api && options_.driver_version >= 13010 ? CopyExecutor::kCopyEngine : CopyExecutor::kSm;
+}
+
+CopyCounts EmulatedDevice::copy_counts() const {
+  std::lock_guard<std::mutex> lock(counts_mu_);
+  return copies_;
+}
+
+DriverCalls EmulatedDevice::driver_calls() const {
+  std::lock_guard<std::mutex> lock(counts_mu_);
+  return calls_;
+}
+
 void EmulatedDevice::copy_batch(Stream stream, const CopyBatch& batch) {
   if (batch.empty()) return;
+  {
+    CopyCounts counted;
+    for (size_t i = 0; i < batch.dsts.size(); ++i) {
+      bool sm = executor(batch.dsts[i], batch.srcs[i]) == CopyExecutor::kSm;
+      (sm ? counted.sm_copies : counted.ce_copies) += 1;
+      (sm ? counted.sm_bytes : counted.ce_bytes) += batch.sizes[i];
+    }
+    std::lock_guard<std::mutex> lock(counts_mu_);
+    copies_.ce_copies += counted.ce_copies;
+    copies_.sm_copies += counted.sm_copies;
+    copies_.ce_bytes += counted.ce_bytes;
+    copies_.sm_bytes += counted.sm_bytes;
+    (options_.batch_api ? calls_.copy_batches : calls_.copies) += options_.batch_api ? 1 : batch.dsts.size();
+  }
   enqueue(stream, [batch] {
     for (size_t i = 0; i < batch.dsts.size(); ++i) dma_copy(batch.dsts[i], batch.srcs[i], batch.sizes[i]);
   });
 }
 
+void EmulatedDevice::count_call(size_t DriverCalls::*kind) {
+  std::lock_guard<std::mutex> lock(counts_mu_);
+  calls_.*kind += 1;
+}
+
 void EmulatedDevice::write_value32(Stream stream, DevicePtr addr, uint32_t value) {
+  count_call(&DriverCalls::value_writes);
   enqueue(stream, [addr, value] { reinterpret_cast<std::atomic<uint32_t>*>(addr)->store(value, std::memory_order_release); });
 }
 
 void EmulatedDevice::write_value64(Stream stream, DevicePtr addr, uint64_t value) {
+  count_call(&DriverCalls::value_writes);
   enqueue(stream, [addr, value] { reinterpret_cast<std::atomic<uint64_t>*>(addr)->store(value, std::memory_order_release); });
 }
 
 void EmulatedDevice::wait_value32(Stream stream, DevicePtr addr, uint32_t value, WaitCmp cmp) {
+  count_call(&DriverCalls::value_waits);
   enqueue(stream, [this, addr, value, cmp] {
     spin_until([&] { return compare(reinterpret_cast<const std::atomic<uint32_t>*>(addr), value, cmp); });
   });
 }
 
 void EmulatedDevice::wait_value64(Stream stream, DevicePtr addr, uint64_t value, WaitCmp cmp) {
+  count_call(&DriverCalls::value_waits);
   enqueue(stream, [this, addr, value, cmp] {
     spin_until([&] { return compare(reinterpret_cast<const std::atomic<uint64_t>*>(addr), value, cmp); });
   });

@@ -21,6 +21,8 @@
 //    GPU: nothing queued on any stream runs after it, and every later call of the device (stream
 //    and event queries, synchronization, enqueues, creation) throws it; releasing memory and
 //    handles still works (teardown must not leak).
+//  - who executes each copy (executor(): copy engine or SM kernel, by where its ends live, the
+//    driver version and whether the batch API is there), counted with the driver calls;
 // Not modelled: timing and bandwidth, concurrency within a queue (a queue runs one operation at a
 // time, which is harsher than a GPU), the legacy default stream's implicit synchronization,
 // graph capture, peer access rules. Device attributes read 1 unless listed in
@@ -63,6 +65,32 @@ struct EmulatedDeviceOptions {
   // Stream and event creation block while a stream wait is running (waiting) on the device, as
   // they may on a GPU: a transport that creates them lazily can deadlock on its own waits.
   bool creation_blocks_while_waiting = true;
+  // The driver (cudaDriverGetVersion's number). Before 13.1 (13010) the driver ignores
+  // cudaMemcpyFlagPreferOverlapWithCompute for intra-device copies: they run as SM kernels.
+  int driver_version = 13000;
+  // False: the driver refuses cudaMemcpyBatchAsync, so copies go per copy (cudaMemcpyAsync) and
+  // every intra-device one runs on SMs.
+  bool batch_api = true;
+};
+
+// Who executes a copy (design.md §4): a copy engine, or an SM copy kernel.
+enum class CopyExecutor { kCopyEngine, kSm };
+
+// Copies the device was given, by executor, counted when they are enqueued.
+struct CopyCounts {
+  size_t ce_copies = 0, sm_copies = 0;
+  size_t ce_bytes = 0, sm_bytes = 0;
+};
+
+// Driver calls made on the device, by kind (a batch counts once, whatever its copies).
+struct DriverCalls {
+  size_t copy_batches = 0;   // cudaMemcpyBatchAsync (or, without the batch API, ...)
+  size_t copies = 0;         // ... cudaMemcpyAsync, one per copy
+  size_t value_writes = 0;   // cuStreamWriteValue32/64
+  size_t value_waits = 0;    // cuStreamWaitValue32/64
+  size_t event_records = 0;  // cudaEventRecord
+  size_t event_waits = 0;    // cudaStreamWaitEvent
+  size_t total() const { return copy_batches + copies + value_writes + value_waits + event_records + event_waits; }
 };
 
 class EmulatedDevice final : public DeviceOps {
@@ -75,6 +103,8 @@ class EmulatedDevice final : public DeviceOps {
   EmulatedDevice& operator=(const EmulatedDevice&) = delete;
 
   const char* name() const override { return "emulated"; }
+  int driver_version() override { return options_.driver_version; }
+  bool batch_copies() const override { return options_.batch_api; }
   int device_count() override { return options_.devices; }
   int current_device() override;
   void set_device(int device) override;
@@ -134,6 +164,13 @@ class EmulatedDevice final : public DeviceOps {
   int hardware_queues() const { return options_.hardware_queues; }
   // flush_remote_writes() calls so far.
   size_t remote_write_flushes() const { return flushes_.load(); }
+  // Who executes a copy from `src` to `dst`: a copy engine when one side is another device's
+  // memory (an IPC mapping) or the host's (mapped or registered); both on this device (its
+  // allocations, and any other address: the callers' tensors stand for this device's memory),
+  // a copy engine only through the batch API on a 13.1+ driver, else an SM kernel.
+  CopyExecutor executor(const void* dst, const void* src) const;
+  CopyCounts copy_counts() const;
+  DriverCalls driver_calls() const;
   // The context's fault ("" while healthy).
   std::string fault() const;
 
@@ -145,6 +182,7 @@ class EmulatedDevice final : public DeviceOps {
   void raise_fault(const std::string& what);
   void check_no_fault(const char* call) const;
   void block_creation_while_waiting();
+  void count_call(size_t DriverCalls::*kind);
   // Appends `task` to its stream's hardware queue, waiting for room in the stream.
   void push(const std::shared_ptr<StreamState>& s, Task task, const char* call);
   std::shared_ptr<StreamState> new_stream_locked();  // holder of mu_
@@ -156,6 +194,9 @@ class EmulatedDevice final : public DeviceOps {
   std::atomic<bool> faulted_{false};
   std::atomic<int> waits_running_{0};  // stream waits spinning now
   std::atomic<size_t> flushes_{0};
+  mutable std::mutex counts_mu_;  // guards copies_ and calls_
+  CopyCounts copies_;
+  DriverCalls calls_;
   mutable std::mutex fault_mu_;  // guards fault_
   std::string fault_;
   mutable std::mutex mu_;  // guards the maps and queues below

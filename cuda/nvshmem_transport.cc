@@ -625,14 +625,30 @@ void NvshmemTransport::describe_data_path() {
     proxied += (count++ > 0 ? ", " : "") + std::to_string(p);
   }
   network_peer_ = count > 0;
+  // Staging a chunk into this rank's heap and copying one out of it are copies within a device:
+  // SM kernels unless the batch API carries the overlap flag to a 13.1+ driver (design.md §4).
+  const int version = ops_.driver_version();
+  const bool batch = ops_.batch_copies();
+  const bool engines_within = batch && version >= 13010;
+  const std::string driver = "nvshmem (driver " + std::to_string(version / 1000) + "." +
+                             std::to_string(version % 1000 / 10) + "): ";
+  const std::string staging =
+      engines_within ? "chunks are staged and copied out on copy engines (cudaMemcpyBatchAsync with "
+                       "cudaMemcpyFlagPreferOverlapWithCompute, honored within a device from 13.1)"
+                     : std::string("chunks are staged into and copied out of this rank's symmetric heap by SM kernels "
+                                   "(copies within a device: ") +
+                           (batch ? "drivers before 13.1 ignore cudaMemcpyFlagPreferOverlapWithCompute for them)"
+                                  : "the driver refused cudaMemcpyBatchAsync, so copies go one by one)");
   const std::string common =
-      "chunks are staged and copied out on copy engines, and the host drives every step from a copy of the "
-      "signal words (no signal waits, so no NVSHMEM wait kernels)";
+      staging + "; the host drives every step from a copy of the signal words (no signal waits, so no NVSHMEM wait "
+                "kernels)";
+  const std::string puts = "every peer is P2P-mapped, so NVSHMEM's puts are copy-engine copies and its signals "
+                           "stream memory writes; ";
   if (count == 0) {
-    data_path_ = "nvshmem: no SM kernels: every peer is P2P-mapped, so NVSHMEM's puts are copy-engine copies and "
-                 "its signals stream memory writes; " + common;
+    data_path_ = driver + (engines_within ? "no SM kernels: " : "SM kernels for copies within this GPU only: ") + puts +
+                 common;
   } else {
-    data_path_ = "nvshmem: SM kernels for " + std::to_string(count) + " of " + std::to_string(world_ - 1) +
+    data_path_ = driver + "SM kernels for " + std::to_string(count) + " of " + std::to_string(world_ - 1) +
                  " peers (ranks " + proxied + "): NVSHMEM posts puts and signals to peers without P2P through its "
                  "proxy, from a one-thread kernel per call; " + common;
   }
