@@ -34,7 +34,6 @@ namespace {
 
 constexpr std::chrono::microseconds kPollWhileBusy{50};  // device writes ring no doorbell: poll
 constexpr const char* kUnsupportedMark = "unsupported: ";  // an announced setup error that is a refusal
-constexpr int kOverlapFlagHonoredWithinADevice = 13010;  // the driver from which intra-device copies go on CEs
 
 // Who executes this transport's copies (design.md §4). Each chunk is copied into the sender's own
 // arena slot and a rank's block to itself lands directly: copies within one device, which run as
@@ -42,15 +41,14 @@ constexpr int kOverlapFlagHonoredWithinADevice = 13010;  // the driver from whic
 // driver (NCCL's ce_coll.cc: honored for intra-device copies only from CUDA 13.1); so do copies
 // between ranks that share one GPU. Copies from a peer GPU's arena run on copy engines.
 std::string ce_data_path(int driver_version, bool batch_copies) {
-  const std::string driver = "driver " + std::to_string(driver_version / 1000) + "." +
-                             std::to_string(driver_version % 1000 / 10);
+  const std::string driver = "driver " + driver_version_text(driver_version);
   const std::string counters = "; ring counters by stream memory writes; the host drives every step";
   if (!batch_copies) {
     return "ce (" + driver + "): SM kernels for copies within a device (each chunk into this rank's arena slot, "
            "the block a rank sends itself, copies between ranks on one GPU): the driver refused cudaMemcpyBatchAsync, "
            "so copies go one by one through cudaMemcpyAsync; copies from peer GPUs' arenas on copy engines" + counters;
   }
-  if (driver_version < kOverlapFlagHonoredWithinADevice) {
+  if (!copies_within_a_device_on_copy_engines(driver_version, batch_copies)) {
     return "ce (" + driver + "): SM kernels for copies within a device (each chunk into this rank's arena slot, "
            "the block a rank sends itself, copies between ranks on one GPU): drivers before 13.1 ignore "
            "cudaMemcpyFlagPreferOverlapWithCompute for them; copies from peer GPUs' arenas on copy engines "

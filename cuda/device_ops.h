@@ -50,6 +50,19 @@ enum class DeviceAttribute {
 // "CU_DEVICE_ATTRIBUTE_..." for messages.
 const char* device_attribute_name(DeviceAttribute attr);
 
+// Who executes a copy within one device (design.md §4): a copy engine only when the batch API
+// carries cudaMemcpyFlagPreferOverlapWithCompute to a driver that honors it there (13.1, 13010,
+// per NCCL's ce_coll.cc); an SM kernel otherwise. The transports' data paths and the emulated
+// device both decide by this.
+inline constexpr int kDriverWithCopyEnginesWithinADevice = 13010;
+inline bool copies_within_a_device_on_copy_engines(int driver_version, bool batch_copies) {
+  return batch_copies && driver_version >= kDriverWithCopyEnginesWithinADevice;
+}
+// "13.1" for cudaDriverGetVersion's 13010.
+inline std::string driver_version_text(int driver_version) {
+  return std::to_string(driver_version / 1000) + "." + std::to_string(driver_version % 1000 / 10);
+}
+
 class DeviceOps {
  public:
   virtual ~DeviceOps() = default;

@@ -478,7 +478,8 @@ CopyExecutor EmulatedDevice::executor(const void* dst, const void* src) const {
     return (m != nullptr && m->fd < 0) || block_holding(host_blocks_, p, n) || block_holding(registered_, p, n);
   };
   if (elsewhere(dst) || elsewhere(src)) return CopyExecutor::kCopyEngine;
-  return options_.batch_api && options_.driver_version >= 13010 ? CopyExecutor::kCopyEngine : CopyExecutor::kSm;
+  return copies_within_a_device_on_copy_engines(options_.driver_version, options_.batch_api) ? CopyExecutor::kCopyEngine
+                                                                                              : CopyExecutor::kSm;
 }
 
 CopyCounts EmulatedDevice::copy_counts() const {

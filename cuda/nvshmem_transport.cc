@@ -629,9 +629,8 @@ void NvshmemTransport::describe_data_path() {
   // SM kernels unless the batch API carries the overlap flag to a 13.1+ driver (design.md §4).
   const int version = ops_.driver_version();
   const bool batch = ops_.batch_copies();
-  const bool engines_within = batch && version >= 13010;
-  const std::string driver = "nvshmem (driver " + std::to_string(version / 1000) + "." +
-                             std::to_string(version % 1000 / 10) + "): ";
+  const bool engines_within = copies_within_a_device_on_copy_engines(version, batch);
+  const std::string driver = "nvshmem (driver " + driver_version_text(version) + "): ";
   const std::string staging =
       engines_within ? "chunks are staged and copied out on copy engines (cudaMemcpyBatchAsync with "
                        "cudaMemcpyFlagPreferOverlapWithCompute, honored within a device from 13.1)"
