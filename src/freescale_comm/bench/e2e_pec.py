@@ -69,9 +69,7 @@ class PECTrainer(StepTrainer):
             next_ids, next_lengths = self.samples(step + 1)
             self.pe.prefetch([next_ids])
         loss_sum, grad = self._compute(step, self._ids, self._lengths, self._rows)
-        params = list(self.dense.parameters())
-        flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in params]
-                         + [loss_sum.reshape(1)]).cpu()
+        params, flat = self.dense_gradients(loss_sum)
         rec.blocking("pec_backward", lambda: self.pe.backward(grad))
         # The OL gradients' round trip (owner update, OL rows back) runs on the runtime's thread
         # under the dense all-reduce; fetch() then mostly finds the rows there.

@@ -182,10 +182,7 @@ class StepTrainer:
             grads_in.append((g, grads, *self._alltoall("gradients", grads, grad_out, g.recv, g.send,
                                                        self._async(GRADIENT_PRIORITY - i))))
         # Dense gradients and the loss, one flat all-reduce (under the rows' update when overlapped).
-        params = [p for p in self.dense.parameters()]
-        # A rank that computed no sample has no gradients: zeros.
-        flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in params]
-                         + [loss_sum.reshape(1)]).cpu()
+        params, flat = self.dense_gradients(loss_sum)
         if self.mode.overlap:
             t0 = rec.clock()
             reduce_work = dist.all_reduce(flat, async_op=True)
@@ -228,6 +225,15 @@ class StepTrainer:
                 between()
         grad = torch.cat(grads) if grads else torch.zeros_like(x, device=self.device)
         return loss_sum, grad
+
+    def dense_gradients(self, loss_sum: torch.Tensor) -> tuple[list[torch.nn.Parameter], torch.Tensor]:
+        """The dense weights and their gradients back to back, then the loss sum: flat float32
+        [Σ numel + 1] on the CPU, what one all-reduce sums. A rank that computed no sample has no
+        gradients: zeros."""
+        params = list(self.dense.parameters())
+        flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in params]
+                         + [loss_sum.reshape(1)]).cpu()
+        return params, flat
 
     def _dense_sgd(self, params: list[torch.nn.Parameter], flat: torch.Tensor) -> None:
         """SGD on the dense weights from `flat`, their all-reduced gradients back to back."""
