@@ -15,7 +15,6 @@ namespace {
 
 constexpr std::chrono::milliseconds kHealthPeriod{10};  // peer / deadline checks while busy
 constexpr std::chrono::microseconds kDriverRetry{200};  // a waiter re-tries to drive this often
-constexpr int kChunksPerRound = 8;                      // sends between two receive drains
 constexpr uint64_t kDefaultTimeoutMs = 30ull * 60 * 1000;
 
 std::unique_ptr<Transport> make_transport(Bootstrap& bootstrap, const Config& config) {
@@ -221,7 +220,7 @@ void Communicator::admit() {
 bool Communicator::send_round() {
   bool moved = false;
   auto ready = [this](const Transfer& t) { return transport_->can_send(t); };
-  for (int i = 0; i < kChunksPerRound; ++i) {
+  for (int i = 0, n = transport_->chunks_per_send_round(); i < n; ++i) {
     Transfer* t = scheduler_.pick(Clock::now(), ready);
     if (t == nullptr) break;
     Chunk c = scheduler_.next_chunk(*t);

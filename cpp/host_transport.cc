@@ -270,6 +270,7 @@ bool HostTransport::drain_from(int src) {
                           " bytes into a slot of " + std::to_string(peer.layout.slot_payload) +
                           ": its shared memory is corrupt (or it runs another freescale_comm build)");
     }
+    if (!can_land(src, h.bytes)) break;  // the data path is full: it waits in its slot
     deliver(src, h, slot_payload(src, tail, slot));
     release_slot(src, tail);
   }

@@ -63,8 +63,15 @@ class HostTransport : public Transport {
   // receive buffer; `last`: the block's last chunk, after which the receive part from src is
   // finished (call finish_recv now, or once the copy landed).
   virtual void land(int src, OpState& op, const SlotHeader& h, const uint8_t* payload, bool last);
+  // Whether a chunk of `bytes` from src may be landed now (false: it waits in its slot, and the
+  // ring's later chunks behind it, until a later poll). Host: always.
+  virtual bool can_land(int /*src*/, uint64_t /*bytes*/) { return true; }
   // The receive part of op from src landed entirely.
   void finish_recv(OpState& op, int src);
+  // Slots of our ring to `peer` written and not yet freed by it.
+  uint64_t slots_in_flight(int peer) const {
+    return filled_[peer] - ring_of(rank_, peer)->tail.load(std::memory_order_acquire);
+  }
   // The posted, not yet completed op `seq` (null if none).
   std::shared_ptr<OpState> posted_op(uint64_t seq) const {
     auto it = posted_.find(seq);

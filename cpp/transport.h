@@ -47,7 +47,12 @@ class Transport {
   // there is room).
   virtual bool can_send(const Transfer& t) const = 0;
   // Moves chunk `c` of `t`; the receiver learns t.bytes with it. Precondition: can_send(t).
+  // The communicator calls poll() after every round of sends: a transport may batch the device
+  // work of a round's chunks until then.
   virtual void send_chunk(const Transfer& t, const Chunk& c) = 0;
+  // Chunks one send round may hand over before the receive side is drained again (a transport
+  // that only queues device work per chunk can take a whole window at once).
+  virtual int chunks_per_send_round() const { return 8; }
   // Receive-side progress: consumes what arrived, finishing receive parts (op->part_done()),
   // and finishes an op's last part once every rank has received its share of it.
   // Returns true if anything moved. Throws CommError on a byte-count mismatch.

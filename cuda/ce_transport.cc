@@ -3,20 +3,32 @@
 // each rank's device arena (CeArenaLayout, shared with peers by IPC handles), whose rings have
 // exactly the host rings' number of slots, so the host flow control guards the device slots:
 //
-//   sender's comm stream:   copy input piece(s) -> own arena slot;  write head = index + 1
-//   receiver (host) polls head, reads the header, then on its comm stream:
-//                           copy peer's arena slot -> output piece(s);  write peer's tail = index + 1
+//   sender's lane:    copy input piece(s) -> own arena slot;  write head = index + 1
+//   receiver (host) polls head, reads the header, then on its lane:
+//                     copy peer's arena slot -> output piece(s);  write peer's tail = index + 1
 //
-// Copies go on copy engines (DeviceOps::copy_batch); head/tail are written by the device with
-// stream memory operations into the host segments (registered, device-mapped), so no copy waits
-// for a host round trip. An op is posted (its first copy may start, peers may send to it) once
-// its submitter's stream passed its submission, and Work.wait() is a stream wait on its
-// completion flag (both: SubmitGate). A receive part finishes when an event after its last copy
-// completed.
+// Lanes are comm streams, each serving a group of peers (so copies to different peers keep
+// several copy engines busy). A progress round's work on a lane goes to the device at once, at
+// the end of the round: one copy batch, one counter write per ring it moved, one event (a
+// "flush"), so driver calls grow with rounds and peers, not with chunks. Heads and tails are
+// written by the device with stream memory operations into the host segments (registered,
+// device-mapped), so no copy waits for a host round trip.
+//
+// Priority reaches the engines through a window (Config::arena_bytes): a rank keeps at most that
+// many bytes in its rings (written, not yet freed by the receiver) and at most that many bytes
+// of copies enqueued on its lanes and not yet executed; a ring or lane with nothing in flight may
+// always take one chunk. So an urgent chunk, which the scheduler hands over first, waits behind
+// at most one window at the sender and one at the receiver, not behind every slot of every ring.
+//
+// An op is posted (its first copy may start, peers may send to it) once its submitter's stream
+// passed its submission, and Work.wait() is a stream wait on an event after its last copy on
+// every lane (both: SubmitGate). A receive part finishes when the flush holding its last copy ran.
 #include "cuda/ce_transport.h"
 
 #include <algorithm>
 #include <atomic>
+#include <deque>
+#include <map>
 #include <optional>
 #include <string>
 #include <unordered_map>
@@ -58,6 +70,8 @@ std::string ce_data_path(int driver_version, bool batch_copies) {
          "cudaMemcpyFlagPreferOverlapWithCompute, honored within a device from 13.1)" + counters;
 }
 
+constexpr int kMaxLanes = 4;  // comm streams per rank: peers spread over them
+
 class CeTransport final : public HostTransport {
  public:
   CeTransport(Bootstrap& bootstrap, const Config& config, DeviceOps& ops);
@@ -73,12 +87,16 @@ class CeTransport final : public HostTransport {
   }
   void post(const std::shared_ptr<OpState>& op) override;
   bool can_send(const Transfer& t) const override;
+  // A whole window per round: sends only queue copies until the round's flush.
+  int chunks_per_send_round() const override {
+    return static_cast<int>(std::max<uint64_t>(8, window_bytes_ / arenas_[rank_].slot_bytes));
+  }
   bool poll() override;
   void wait_for_activity(uint32_t epoch, std::chrono::microseconds timeout) override;
   // Peers, and this device: an asynchronous fault (anywhere in the context) surfaces at the next
-  // query of the comm stream, also when no event of ours is pending to report it.
+  // query of a comm stream, also when no event of ours is pending to report it.
   void check_peers() override;
-  // The comm stream holds copies and counter writes only (no waits): it drains.
+  // The lanes hold copies and counter writes only, the join stream waits on lanes' events: all drain.
   void quiesce() override;
 
  protected:
@@ -86,42 +104,69 @@ class CeTransport final : public HostTransport {
   const uint8_t* slot_payload(int src, uint64_t index, SlotHeader* slot) const override;
   void release_slot(int src, uint64_t index) override;
   void land(int src, OpState& op, const SlotHeader& h, const uint8_t* payload, bool last) override;
+  bool can_land(int src, uint64_t bytes) override;
   bool sends_settled(const OpState& op) override;
 
  private:
+  using Part = std::pair<uint64_t, int>;  // a receive part: (op seq, source rank)
+  // A comm stream and the work of this round not yet given to it.
+  struct Lane {
+    Stream stream = 0;
+    // This round's work, enqueued by flush(): the copies, then each counter's last value.
+    CopyBatch copies;
+    std::map<const std::atomic<uint64_t>*, std::pair<int, uint64_t>> counters;  // -> (segment owner, value)
+    std::vector<Part> finishing;  // parts whose last copy is in `copies`
+    uint64_t pending_bytes = 0;
+    struct Flush {
+      Event event;  // recorded after the flush's work
+      uint64_t bytes;
+      std::vector<Part> finishing;
+    };
+    std::deque<Flush> in_flight;  // enqueued, not known to have run; stream order
+    uint64_t in_flight_bytes = 0;
+    uint64_t flushes = 0;  // flushes enqueued so far (this round's will be number flushes + 1)
+    uint64_t retired = 0;  // flushes known to have run (the first `retired` of them)
+    uint64_t outstanding() const { return in_flight_bytes + pending_bytes; }
+  };
+
   // Collective over `bootstrap`: device resources, then the arenas' exchange. Throws (on every
   // rank alike) if any rank failed or refused.
   void setup(Bootstrap& bootstrap, const Config& config);
-  // Frees what setup made (best effort, never throws); the comm stream drains first.
+  // Frees what setup made (best effort, never throws); the streams drain first.
   void release() noexcept;
-  struct Landing {  // a receive part whose last copy was queued
-    uint64_t seq;
-    int src;
-    Event event;  // recorded after that copy
-  };
   // Posts to the host control plane (in program order) the ops whose submitter's stream passed
   // their submission (SubmitGate).
   bool post_ready_ops();
-  // Writes `value` to `counter` (in rank p's control segment) once the stream's copies so far landed.
-  void write_value(int p, const std::atomic<uint64_t>* counter, uint64_t value);
+  Lane& lane_of(int peer) { return lanes_[static_cast<size_t>(lane_index(peer))]; }
+  int lane_index(int peer) const {
+    return peer == rank_ ? 0 : (peer < rank_ ? peer : peer - 1) % static_cast<int>(lanes_.size());
+  }
+  // Queues op's copies `batch` on `lane` for this round's flush.
+  void add_copies(int lane, const OpState& op, const CopyBatch& batch);
+  // Bytes of copies enqueued on all lanes (or about to be) and not yet executed.
+  uint64_t device_outstanding() const;
+  // Enqueues each lane's round of work: copies, counter writes, an event. True if any.
+  bool flush();
+  // Retires the flushes that ran, in order, finishing the receive parts they held. True if any.
+  bool retire_flushes();
   // Records, for each posted op whose every copy on this rank is now enqueued (every send
-  // chunk filled, every receive chunk landing), an event after them for callers' streams to
-  // wait on (SubmitGate::all_enqueued). True if any.
+  // chunk filled, every receive chunk landing, flushed), an event on the join stream after them
+  // for callers' streams to wait on (SubmitGate::all_enqueued). True if any.
   bool mark_all_enqueued();
 
   DeviceOps& ops_;
   int device_;
   int driver_version_ = 0;  // cudaDriverGetVersion, read at setup
-  Stream stream_ = 0;                  // the comm stream: every copy and counter write
+  uint64_t window_bytes_;   // Config::arena_bytes: in flight in our rings, and on our lanes
+  std::vector<Lane> lanes_;  // [min(kMaxLanes, world - 1), at least 1]: every copy and counter write
+  Stream join_ = 0;          // waits on lanes' flushes; ops' completion events are recorded here
   std::vector<CeArenaLayout> arenas_;  // [world] each rank's arena layout
   std::vector<uint8_t*> arena_ptr_;    // [world] mapped base of each rank's arena (ours: own)
   std::vector<void*> registered_;      // host segments registered with the device
   std::vector<DevicePtr> segment_device_;  // [world] device address of each control segment
   SubmitGate gate_;                    // callers' streams: start gate, events, completion flags
-  std::vector<Landing> landing_;       // progress thread only
-  // seq -> an event re-recorded after each of that op's send copies: the op's reads of the
-  // caller's send buffer are over once it completed. Progress thread only.
-  std::unordered_map<uint64_t, Event> send_fence_;
+  // seq -> [lane] number of the last flush holding the op's copies (0: none). Progress thread only.
+  std::unordered_map<uint64_t, std::vector<uint64_t>> op_flushes_;
   std::unordered_set<uint64_t> enqueued_;  // posted ops whose copies are all enqueued. Progress thread only.
 };
 
@@ -131,6 +176,8 @@ CeTransport::CeTransport(Bootstrap& bootstrap, const Config& config, DeviceOps& 
                         .slots_per_ring),
       ops_(ops),
       device_(config.cuda_device),
+      window_bytes_(config.arena_bytes),
+      lanes_(static_cast<size_t>(std::clamp(bootstrap.size() - 1, 1, kMaxLanes))),
       arenas_(static_cast<size_t>(world_)),
       arena_ptr_(static_cast<size_t>(world_), nullptr),
       gate_(ops, device_) {
@@ -156,7 +203,8 @@ void CeTransport::setup(Bootstrap& bootstrap, const Config& config) {
                                               DeviceAttribute::kHostRegisterSupported, DeviceAttribute::kUnifiedAddressing});
     if (!missing.empty()) throw Error(ErrorCode::kUnsupported, missing);
     driver_version_ = ops_.driver_version();
-    stream_ = ops_.create_stream();
+    for (Lane& lane : lanes_) lane.stream = ops_.create_stream();
+    join_ = ops_.create_stream();
     if (mine.num_bytes() > 0) {
       arena_ptr_[rank_] = static_cast<uint8_t*>(ops_.device_alloc(mine.num_bytes()));
       handle = ops_.ipc_handle(arena_ptr_[rank_]);
@@ -204,8 +252,9 @@ void CeTransport::setup(Bootstrap& bootstrap, const Config& config) {
 CeTransport::~CeTransport() { release(); }
 
 void CeTransport::release() noexcept {
-  // Best effort, never throws. The comm stream holds copies and counter writes only (no waits),
-  // so it drains; it must, before the segments and arenas its work touches go away.
+  // Best effort, never throws. The lanes hold copies and counter writes only, the join stream
+  // waits on lanes' events: they drain; they must, before the segments and arenas their work
+  // touches go away.
   DeviceGuard guard(ops_, device_, std::nothrow);
   auto quietly = [](auto&& fn) {
     try {
@@ -213,29 +262,37 @@ void CeTransport::release() noexcept {
     } catch (...) {
     }
   };
-  if (stream_ != 0) quietly([&] { ops_.synchronize(stream_); });
-  for (const Landing& l : landing_) quietly([&] { ops_.destroy_event(l.event); });
-  for (const auto& fence : send_fence_) quietly([&] { ops_.destroy_event(fence.second); });
+  quiesce();
+  for (Lane& lane : lanes_) {
+    for (const Lane::Flush& f : lane.in_flight) quietly([&] { ops_.destroy_event(f.event); });
+    lane.in_flight.clear();
+  }
   for (int p = 0; p < world_; ++p) {
     if (p != rank_ && arena_ptr_[p] != nullptr) quietly([&] { ops_.ipc_close(arena_ptr_[p]); });
   }
   if (arena_ptr_[rank_] != nullptr) quietly([&] { ops_.device_free(arena_ptr_[rank_]); });
   for (void* base : registered_) quietly([&] { ops_.host_unregister(base); });
-  if (stream_ != 0) quietly([&] { ops_.destroy_stream(stream_); });
-  landing_.clear();
-  send_fence_.clear();
+  for (Lane& lane : lanes_) {
+    if (lane.stream != 0) quietly([&] { ops_.destroy_stream(lane.stream); });
+    lane.stream = 0;
+  }
+  if (join_ != 0) quietly([&] { ops_.destroy_stream(join_); });
+  join_ = 0;
   std::fill(arena_ptr_.begin(), arena_ptr_.end(), nullptr);
   registered_.clear();
-  stream_ = 0;
 }
 
 void CeTransport::quiesce() {
   DeviceGuard guard(ops_, device_, std::nothrow);
-  try {
-    if (stream_ != 0) ops_.synchronize(stream_);
-  } catch (...) {
-    // A failed stream runs nothing more.
-  }
+  auto drain = [this](Stream s) {
+    try {
+      if (s != 0) ops_.synchronize(s);
+    } catch (...) {
+      // A failed stream runs nothing more.
+    }
+  };
+  for (const Lane& lane : lanes_) drain(lane.stream);
+  drain(join_);
 }
 
 void CeTransport::post(const std::shared_ptr<OpState>& op) {
@@ -248,30 +305,56 @@ bool CeTransport::post_ready_ops() {
   return gate_.start_ready([this](const std::shared_ptr<OpState>& op) { HostTransport::post(op); });
 }
 
-bool CeTransport::can_send(const Transfer& t) const { return gate_.started(*t.op) && HostTransport::can_send(t); }
+uint64_t CeTransport::device_outstanding() const {
+  uint64_t bytes = 0;
+  for (const Lane& lane : lanes_) bytes += lane.outstanding();
+  return bytes;
+}
 
-void CeTransport::write_value(int p, const std::atomic<uint64_t>* counter, uint64_t value) {
-  auto offset = reinterpret_cast<const char*>(counter) - static_cast<const char*>(segment_base(p));
-  ops_.write_value64(stream_, segment_device_[p] + static_cast<DevicePtr>(offset), value);
+bool CeTransport::can_send(const Transfer& t) const {
+  if (!gate_.started(*t.op) || !HostTransport::can_send(t)) return false;
+  if (t.peer == rank_) {  // the self block: copies on lane 0 only
+    return lanes_[0].outstanding() == 0 || device_outstanding() < window_bytes_;
+  }
+  // The window over our rings: an empty ring may always take one chunk.
+  if (slots_in_flight(t.peer) == 0) return true;
+  uint64_t in_rings = 0;
+  for (int p = 0; p < world_; ++p) {
+    if (p != rank_) in_rings += slots_in_flight(p);
+  }
+  return (in_rings + 1) * arenas_[rank_].slot_bytes <= window_bytes_;
+}
+
+bool CeTransport::can_land(int src, uint64_t bytes) {
+  const Lane& lane = lanes_[static_cast<size_t>(lane_index(src))];
+  return lane.outstanding() == 0 || device_outstanding() + bytes <= window_bytes_;
+}
+
+void CeTransport::add_copies(int lane_index, const OpState& op, const CopyBatch& batch) {
+  Lane& lane = lanes_[static_cast<size_t>(lane_index)];
+  for (size_t i = 0; i < batch.dsts.size(); ++i) {
+    lane.copies.add(batch.dsts[i], batch.srcs[i], batch.sizes[i]);
+    lane.pending_bytes += batch.sizes[i];
+  }
+  auto& last = op_flushes_.try_emplace(op.seq, lanes_.size(), 0).first->second;
+  last[static_cast<size_t>(lane_index)] = lane.flushes + 1;
 }
 
 void CeTransport::fill_slot(int peer, uint64_t index, SlotHeader*, const OpState& op, uint64_t offset, uint64_t bytes) {
-  ops_.prepare_progress_thread(device_);
   if (bytes > arenas_[rank_].slot_bytes) throw Error(ErrorCode::kInternal, "chunk larger than a ce arena slot");
   CopyList copies;
   copies.from_send_block(op, peer, offset, bytes, arena_ptr_[rank_] + arenas_[rank_].slot_offset(peer, index));
-  ops_.copy_batch(stream_, copies.batch);
-  write_value(rank_, &ring_of(rank_, peer)->head, index + 1);
-  auto fence = send_fence_.try_emplace(op.seq, Event{});
-  if (fence.second) fence.first->second = gate_.take_event();
-  ops_.record_event(fence.first->second, stream_);
+  add_copies(lane_index(peer), op, copies.batch);
+  lane_of(peer).counters[&ring_of(rank_, peer)->head] = {rank_, index + 1};  // after the copy, at the flush
 }
 
 bool CeTransport::sends_settled(const OpState& op) {
-  auto it = send_fence_.find(op.seq);
-  if (it == send_fence_.end()) return true;  // nothing sent to a peer (or settled earlier)
-  if (!gate_.event_done(it->second, "a copy of the ce transport failed")) return false;  // done: back in the pool
-  send_fence_.erase(it);
+  // Every copy of the op on this rank ran (its reads of the caller's send buffer among them).
+  auto it = op_flushes_.find(op.seq);
+  if (it == op_flushes_.end()) return true;
+  for (size_t l = 0; l < lanes_.size(); ++l) {
+    if (it->second[l] > lanes_[l].retired) return false;
+  }
   return true;
 }
 
@@ -280,33 +363,64 @@ const uint8_t* CeTransport::slot_payload(int src, uint64_t index, SlotHeader*) c
 }
 
 void CeTransport::release_slot(int src, uint64_t index) {
-  write_value(src, &ring_of(src, rank_)->tail, index + 1);  // after land()'s copies, in stream order
+  // After land()'s copies, at the flush.
+  lane_of(src).counters[&ring_of(src, rank_)->tail] = {src, index + 1};
 }
 
 void CeTransport::land(int src, OpState& op, const SlotHeader& h, const uint8_t* payload, bool last) {
-  ops_.prepare_progress_thread(device_);
   CopyList copies;
   copies.to_recv_block(op, src, h.offset, h.bytes, payload);
-  ops_.copy_batch(stream_, copies.batch);
-  if (!last) return;
-  Event ev = gate_.take_event();
-  ops_.record_event(ev, stream_);
-  landing_.push_back(Landing{op.seq, src, ev});
+  add_copies(lane_index(src), op, copies.batch);
+  if (last) lane_of(src).finishing.push_back(Part{op.seq, src});
+}
+
+bool CeTransport::flush() {
+  bool any = false;
+  for (Lane& lane : lanes_) {
+    if (lane.copies.empty() && lane.counters.empty() && lane.finishing.empty()) continue;
+    if (!lane.copies.empty()) ops_.copy_batch(lane.stream, lane.copies);
+    for (const auto& [counter, target] : lane.counters) {
+      auto offset = reinterpret_cast<const char*>(counter) - static_cast<const char*>(segment_base(target.first));
+      ops_.write_value64(lane.stream, segment_device_[target.first] + static_cast<DevicePtr>(offset), target.second);
+    }
+    Event ev = gate_.take_event();
+    lane.in_flight.push_back(Lane::Flush{ev, lane.pending_bytes, std::move(lane.finishing)});
+    ops_.record_event(ev, lane.stream);  // owned by in_flight already: released if this throws
+    lane.in_flight_bytes += lane.pending_bytes;
+    ++lane.flushes;
+    lane.copies = CopyBatch{};
+    lane.counters.clear();
+    lane.finishing.clear();
+    lane.pending_bytes = 0;
+    any = true;
+  }
+  return any;
+}
+
+bool CeTransport::retire_flushes() {
+  bool any = false;
+  for (Lane& lane : lanes_) {
+    while (!lane.in_flight.empty() && gate_.event_done(lane.in_flight.front().event, "a copy of the ce transport failed")) {
+      Lane::Flush done = std::move(lane.in_flight.front());
+      lane.in_flight.pop_front();
+      lane.in_flight_bytes -= done.bytes;
+      ++lane.retired;
+      for (const Part& part : done.finishing) {
+        if (std::shared_ptr<OpState> op = posted_op(part.first)) finish_recv(*op, part.second);  // else it failed meanwhile
+      }
+      any = true;
+    }
+  }
+  return any;
 }
 
 bool CeTransport::poll() {
   ops_.prepare_progress_thread(device_);
-  bool moved = post_ready_ops();
+  bool moved = flush();  // the send round's chunks
+  moved = retire_flushes() || moved;
+  moved = post_ready_ops() || moved;
   moved = HostTransport::poll() || moved;
-  for (auto it = landing_.begin(); it != landing_.end();) {
-    if (!gate_.event_done(it->event, "a copy of the ce transport failed")) {
-      ++it;
-      continue;
-    }
-    if (std::shared_ptr<OpState> op = posted_op(it->seq)) finish_recv(*op, it->src);  // else it failed meanwhile
-    it = landing_.erase(it);
-    moved = true;
-  }
+  moved = flush() || moved;  // the chunks landed this poll
   return mark_all_enqueued() || moved;
 }
 
@@ -314,6 +428,9 @@ bool CeTransport::mark_all_enqueued() {
   const auto& posted = posted_ops();
   for (auto it = enqueued_.begin(); it != enqueued_.end();) {  // forget completed ops
     it = posted.count(*it) > 0 ? std::next(it) : enqueued_.erase(it);
+  }
+  for (auto it = op_flushes_.begin(); it != op_flushes_.end();) {
+    it = posted.count(it->first) > 0 ? std::next(it) : op_flushes_.erase(it);
   }
   bool any = false;
   for (const auto& [seq, op] : posted) {
@@ -325,8 +442,21 @@ bool CeTransport::mark_all_enqueued() {
       all = op->send_finished[p] && op->recv_done[p] == op->layout.recv_bytes[p];
     }
     if (!all) continue;
+    // The join stream waits on the last flush of each lane holding the op's copies (an event
+    // recorded before this call: a wait CUDA sees ordered after that work, design.md §4).
+    auto last = op_flushes_.find(seq);
+    for (size_t l = 0; last != op_flushes_.end() && l < lanes_.size(); ++l) {
+      const Lane& lane = lanes_[l];
+      if (last->second[l] <= lane.retired) continue;  // ran already (or none)
+      ops_.wait_event(join_, lane.in_flight[last->second[l] - lane.retired - 1].event);
+    }
     Event ev = gate_.take_event();
-    ops_.record_event(ev, stream_);  // after every copy of this op on the comm stream
+    try {
+      ops_.record_event(ev, join_);
+    } catch (...) {
+      gate_.give_event(ev);
+      throw;
+    }
     gate_.all_enqueued(*op, ev);
     enqueued_.insert(seq);
     any = true;
@@ -336,7 +466,7 @@ bool CeTransport::mark_all_enqueued() {
 
 void CeTransport::check_peers() {
   ops_.prepare_progress_thread(device_);
-  ops_.stream_idle(stream_);  // throws Error(kSystem) once the context faulted
+  ops_.stream_idle(lanes_[0].stream);  // throws Error(kSystem) once the context faulted
   HostTransport::check_peers();
 }
 

@@ -494,6 +494,7 @@ DriverCalls EmulatedDevice::driver_calls() const {
 
 void EmulatedDevice::copy_batch(Stream stream, const CopyBatch& batch) {
   if (batch.empty()) return;
+  size_t sm_copies = 0;
   {
     CopyCounts counted;
     for (size_t i = 0; i < batch.dsts.size(); ++i) {
@@ -506,11 +507,31 @@ void EmulatedDevice::copy_batch(Stream stream, const CopyBatch& batch) {
     copies_.sm_copies += counted.sm_copies;
     copies_.ce_bytes += counted.ce_bytes;
     copies_.sm_bytes += counted.sm_bytes;
+    sm_copies = counted.sm_copies;
     (options_.batch_api ? calls_.copy_batches : calls_.copies) += options_.batch_api ? 1 : batch.dsts.size();
   }
-  enqueue(stream, [batch] {
-    for (size_t i = 0; i < batch.dsts.size(); ++i) dma_copy(batch.dsts[i], batch.srcs[i], batch.sizes[i]);
+  enqueue(stream, [this, batch, sm_copies] {
+    // One batch runs as one unit: its SM copies start once a user's kernel leaves the SMs.
+    bool delayed = sm_copies > 0 && wait_for_free_sms();
+    size_t bytes = 0;
+    for (size_t i = 0; i < batch.dsts.size(); ++i) {
+      dma_copy(batch.dsts[i], batch.srcs[i], batch.sizes[i]);
+      bytes += batch.sizes[i];
+    }
+    std::lock_guard<std::mutex> lock(counts_mu_);
+    copies_.executed_bytes += bytes;
+    if (delayed) copies_.sm_copies_delayed += sm_copies;
   });
+}
+
+bool EmulatedDevice::wait_for_free_sms() {
+  bool waited = false;
+  while (sms_occupied_.load()) {
+    if (torn_down_.load() || faulted_.load()) throw Abandoned{};
+    waited = true;
+    std::this_thread::sleep_for(std::chrono::microseconds(50));
+  }
+  return waited;
 }
 
 void EmulatedDevice::count_call(size_t DriverCalls::*kind) {

@@ -23,6 +23,8 @@
 //    handles still works (teardown must not leak).
 //  - who executes each copy (executor(): copy engine or SM kernel, by where its ends live, the
 //    driver version and whether the batch API is there), counted with the driver calls;
+//  - a user's compute kernel that holds every SM (occupy_every_sm): a batch holding an SM copy
+//    cannot start until it ends (and blocks its hardware queue meanwhile); copy engines go on;
 // Not modelled: timing and bandwidth, concurrency within a queue (a queue runs one operation at a
 // time, which is harsher than a GPU), the legacy default stream's implicit synchronization,
 // graph capture, peer access rules. Device attributes read 1 unless listed in
@@ -80,6 +82,10 @@ enum class CopyExecutor { kCopyEngine, kSm };
 struct CopyCounts {
   size_t ce_copies = 0, sm_copies = 0;
   size_t ce_bytes = 0, sm_bytes = 0;
+  // Counted as they run: bytes copied so far, and SM copies that found every SM held by a
+  // user's kernel when their stream reached them (occupy_every_sm) and had to wait for it.
+  size_t executed_bytes = 0;
+  size_t sm_copies_delayed = 0;
 };
 
 // Driver calls made on the device, by kind (a batch counts once, whatever its copies).
@@ -171,6 +177,10 @@ class EmulatedDevice final : public DeviceOps {
   CopyExecutor executor(const void* dst, const void* src) const;
   CopyCounts copy_counts() const;
   DriverCalls driver_calls() const;
+  // true: a user's compute kernel holds every SM from now until occupy_every_sm(false), so an SM
+  // copy kernel cannot start meanwhile (copy engines are not SMs: their copies go on). A kernel
+  // as HSTU's attention runs it: all SMs, for as long as the step computes.
+  void occupy_every_sm(bool occupied) { sms_occupied_.store(occupied); }
   // The context's fault ("" while healthy).
   std::string fault() const;
 
@@ -183,6 +193,9 @@ class EmulatedDevice final : public DeviceOps {
   void check_no_fault(const char* call) const;
   void block_creation_while_waiting();
   void count_call(size_t DriverCalls::*kind);
+  // A queue's thread, before an SM copy: waits while a user's kernel holds every SM (true if it
+  // had to). Throws Abandoned on teardown or a fault.
+  bool wait_for_free_sms();
   // Appends `task` to its stream's hardware queue, waiting for room in the stream.
   void push(const std::shared_ptr<StreamState>& s, Task task, const char* call);
   std::shared_ptr<StreamState> new_stream_locked();  // holder of mu_
@@ -194,6 +207,7 @@ class EmulatedDevice final : public DeviceOps {
   std::atomic<bool> faulted_{false};
   std::atomic<int> waits_running_{0};  // stream waits spinning now
   std::atomic<size_t> flushes_{0};
+  std::atomic<bool> sms_occupied_{false};  // occupy_every_sm
   mutable std::mutex counts_mu_;  // guards copies_ and calls_
   CopyCounts copies_;
   DriverCalls calls_;
