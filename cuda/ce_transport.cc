@@ -314,15 +314,17 @@ uint64_t CeTransport::device_outstanding() const {
 bool CeTransport::can_send(const Transfer& t) const {
   if (!gate_.started(*t.op) || !HostTransport::can_send(t)) return false;
   if (t.peer == rank_) {  // the self block: copies on lane 0 only
-    return lanes_[0].outstanding() == 0 || device_outstanding() < window_bytes_;
+    return lanes_[0].outstanding() == 0 || device_outstanding() + arenas_[rank_].slot_bytes <= window_bytes_;
   }
-  // The window over our rings: an empty ring may always take one chunk.
+  // The window, over our rings and over our lanes. An empty ring may always take one chunk: a
+  // peer that has not posted the op our other rings are full of still gets its bytes.
   if (slots_in_flight(t.peer) == 0) return true;
+  const uint64_t chunk = arenas_[rank_].slot_bytes;
   uint64_t in_rings = 0;
   for (int p = 0; p < world_; ++p) {
     if (p != rank_) in_rings += slots_in_flight(p);
   }
-  return (in_rings + 1) * arenas_[rank_].slot_bytes <= window_bytes_;
+  return (in_rings + 1) * chunk <= window_bytes_ && device_outstanding() + chunk <= window_bytes_;
 }
 
 bool CeTransport::can_land(int src, uint64_t bytes) {
