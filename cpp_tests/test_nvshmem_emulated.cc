@@ -395,6 +395,27 @@ TEST(NvshmemEmulatedOrdering, OpsCompleteIntactWhenSignalsToOneWordLandOutOfOrde
   expect_all_ok(outcomes);
 }
 
+// A rank that completed its ops and closes leaves no signal of its own in flight: its receipts to
+// slower peers land before its notice does, so no peer blames its close for an op it finished
+// (under load, peers failed with "closed its communicator while an op that needs it was pending").
+// Signals are held back here far longer than the op takes: only a quiet lands them in time.
+TEST(NvshmemEmulatedFailures, AClosingRanksSignalsAllLandBeforeItsNotice) {
+  auto outcomes = run_forked_ranks(3, [](int rank, Bootstrap& bootstrap) -> std::string {
+    EmulatedDevice device(kSmallQueue);
+    EmulatedShmemOptions o;
+    o.reorder_signals = std::chrono::milliseconds(100);
+    EmulatedShmem shmem(device, o);
+    auto comm = nvshmem_communicator(bootstrap, small_config(/*timeout_ms=*/60000), device, shmem);
+    Exchange x(uniform_counts(3, 100 * 1024), rank);
+    comm->wait(comm->all_to_all(x.send.data(), x.recv.data(), x.layout, 0, false), std::chrono::seconds(30));
+    if (std::string e = x.check(rank); !e.empty()) return e;
+    comm->close();
+    if (size_t held = shmem.signals_held(); held != 0) return std::to_string(held) + " signals still held after close";
+    return "";
+  }, std::chrono::seconds(120));
+  expect_all_ok(outcomes);
+}
+
 // Issue 30 item 5: what the data path costs on this machine. P2P peers: no kernels (NVSHMEM's
 // puts are copies, its SETs stream writes; the transport waits on nothing). A peer without P2P:
 // one proxy kernel per put and signal to it, and its puts are flushed before they are read.

@@ -178,6 +178,9 @@ class ShmemOps {
   virtual void put_signal_on_stream(void* dest, const void* src, size_t bytes, uint64_t* signal, uint64_t value,
                                     ShmemSignalOp op, int pe, Stream stream) = 0;
   virtual void signal_op_on_stream(uint64_t* signal, uint64_t value, ShmemSignalOp op, int pe, Stream stream) = 0;
+  // On `stream`: completes every put and signal this PE issued before (they are visible at their
+  // targets once the stream passes it). Signals are ordered only across it (nvshmemx_quiet_on_stream).
+  virtual void quiet_on_stream(Stream stream) = 0;
 };
 
 // The real implementations, in CUDA builds (Error(kUnsupported) otherwise). Process singletons.

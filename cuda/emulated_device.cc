@@ -776,6 +776,20 @@ void EmulatedShmem::signal_op_on_stream(uint64_t* signal, uint64_t value, ShmemS
   device_.enqueue(stream, [this, word, value, op] { deliver(word, value, op); });
 }
 
+size_t EmulatedShmem::signals_held() {
+  std::lock_guard<std::mutex> lock(held_mu_);
+  return held_.size();
+}
+
+void EmulatedShmem::quiet_on_stream(Stream stream) {
+  if (options_.limited_mpg) std::_Exit(86);
+  device_.enqueue(stream, [this] {
+    std::lock_guard<std::mutex> lock(held_mu_);
+    for (auto& [word, held] : held_) apply_signal(word, held.value, held.op);
+    held_.clear();
+  });
+}
+
 bool EmulatedShmem::is_mapped(const void*, int pe) {
   return std::find(options_.network_pes.begin(), options_.network_pes.end(), pe) == options_.network_pes.end();
 }

@@ -261,6 +261,8 @@ class EmulatedShmem final : public ShmemOps {
   void put_signal_on_stream(void* dest, const void* src, size_t bytes, uint64_t* signal, uint64_t value,
                             ShmemSignalOp op, int pe, Stream stream) override;
   void signal_op_on_stream(uint64_t* signal, uint64_t value, ShmemSignalOp op, int pe, Stream stream) override;
+  // Lands every signal the reordering hold still keeps once the stream gets there.
+  void quiet_on_stream(Stream stream) override;
   bool is_mapped(const void* symmetric, int pe) override;
 
   // SM kernels NVSHMEM would have launched for this process's calls: one per put or signal to a
@@ -268,6 +270,8 @@ class EmulatedShmem final : public ShmemOps {
   size_t kernels_launched() const { return kernels_.load(); }
   // Signals that landed after a later one to the same word (reorder_signals).
   size_t signals_reordered() const { return reordered_.load(); }
+  // Signals the reordering hold keeps now (issued and run on their stream, not landed yet).
+  size_t signals_held();
   // NVSHMEM_REMOTE_TRANSPORT as the library read it: once, at the first unique_id() or init(),
   // as NVSHMEM reads its environment ("<unset>" if it was not set then).
   const std::string& remote_transport_seen() const { return remote_transport_seen_; }

@@ -69,6 +69,7 @@ NvshmemApi load() {
   resolve(lib, "nvshmem_ptr", &api.ptr, &missing);
   resolve(lib, "nvshmemx_putmem_signal_on_stream", &api.putmem_signal_on_stream, &missing);
   resolve(lib, "nvshmemx_signal_op_on_stream", &api.signal_op_on_stream, &missing);
+  resolve(lib, "nvshmemx_quiet_on_stream", &api.quiet_on_stream, &missing);
   if (!missing.empty()) {
     throw Error(ErrorCode::kUnsupported, api.path + " lacks " + missing + ": it is not an NVSHMEM 3.x host library");
   }

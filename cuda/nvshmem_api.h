@@ -21,6 +21,7 @@ struct NvshmemApi {
   decltype(&nvshmem_ptr) ptr = nullptr;
   decltype(&nvshmemx_putmem_signal_on_stream) putmem_signal_on_stream = nullptr;
   decltype(&nvshmemx_signal_op_on_stream) signal_op_on_stream = nullptr;
+  decltype(&nvshmemx_quiet_on_stream) quiet_on_stream = nullptr;
   std::string path;  // the library that was loaded
 
   // Loaded once per process from, in order: $FREESCALE_NVSHMEM_LIB, the build's NVSHMEM, the

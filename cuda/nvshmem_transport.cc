@@ -85,7 +85,9 @@ class NvshmemTransport final : public Transport {
   void wait_for_activity(uint32_t epoch, std::chrono::microseconds timeout) override;
   void wake() override;
   void abort(ErrorCode code, int culprit) override { notify_peers(nvshmem_abort_notice(code, culprit)); }
-  void close() override { notify_peers(kNvshmemNoticeClosed); }
+  // Our streams run out and our signals land before the notice: a peer that sees us closed and
+  // reads its signal words afresh finds everything we sent (check_peers).
+  void close() override;
   // Nothing more is enqueued; every stream of ours holds copies, puts and SETs only, so it runs out.
   void quiesce() override { settle_streams(); }
 
@@ -126,7 +128,11 @@ class NvshmemTransport final : public Transport {
   // once every part is, our receipt goes to every rank (as with the host transport, an op
   // completes only when every rank received all of it and found the byte counts right).
   void part_checked(const std::shared_ptr<OpState>& op, int src);
-  void notify_peers(uint64_t notice);
+  // closing: a clean close, whose signals all land before and with the notice.
+  void notify_peers(uint64_t notice, bool closing = false);
+  // Before a closed peer that an op still needs is blamed: runs our streams out and acts on fresh
+  // signal words, then recounts `sight[p].needed`.
+  void settle_for_closed_peers(std::vector<PeerSight>& sight);
   // Waits until every stream of ours ran out (none ever waits on the device: they do), and
   // enqueues nothing more. False if a stream failed (its work may still hold the mirrors). Never throws.
   bool settle_streams();
@@ -594,7 +600,33 @@ void NvshmemTransport::check_peers() {
     }
     for (const auto& [seq, op] : started_) sight[p].needed |= !op->is_completed() && op->needs_peer(p);
   }
+  settle_for_closed_peers(sight);
   throw_root_cause(find_root_cause(sight, rank_), rank_, [this](int r) { return procs_[r].pid; });
+}
+
+void NvshmemTransport::close() {
+  if (arena_ != nullptr) settle_streams();
+  notify_peers(kNvshmemNoticeClosed, true);
+}
+
+void NvshmemTransport::settle_for_closed_peers(std::vector<PeerSight>& sight) {
+  auto blames = [&] {
+    bool any = false;
+    for (int p = 0; p < world_; ++p) {
+      if (!sight[p].closed) continue;
+      sight[p].needed = false;
+      for (const auto& [seq, op] : started_) sight[p].needed |= !op->is_completed() && op->needs_peer(p);
+      any |= sight[p].needed;
+    }
+    return any;
+  };
+  // A closed peer's signals all landed before its notice (close()), so a mirror copied from now on
+  // shows them. Our streams never wait on a peer: they run out. Rounds: the stale mirror copy,
+  // a fresh one, the copies out it allows, our receipts to ourselves.
+  for (int round = 0; round < 5 && !settled_ && blames(); ++round) {
+    for (Stream s : all_streams()) ops_.synchronize(s);
+    poll();
+  }
 }
 
 void NvshmemTransport::copy_notices(Stream s) {
@@ -603,12 +635,15 @@ void NvshmemTransport::copy_notices(Stream s) {
   ops_.copy_batch(s, batch);
 }
 
-void NvshmemTransport::notify_peers(uint64_t notice) {
+void NvshmemTransport::notify_peers(uint64_t notice, bool closing) {
   if (notified_.exchange(true) || arena_ == nullptr) return;
   try {
+    if (closing) shmem_.quiet_on_stream(notice_stream_);  // what we signalled before lands first
     for (int p = 0; p < world_; ++p) {
       if (p != rank_) shmem_.signal_op_on_stream(word(layout_.notice(rank_)), notice, ShmemSignalOp::kSet, p, notice_stream_);
     }
+    // Landed at the peers, not only issued. Not on abort: a quiet to a dead network peer may never end.
+    if (closing) shmem_.quiet_on_stream(notice_stream_);
     // Landed before we return: a failing process often exits right after, and a notice still
     // queued then is lost (peers would report our death, not its cause). Signal ops only.
     ops_.synchronize(notice_stream_);

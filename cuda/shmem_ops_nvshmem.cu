@@ -66,6 +66,7 @@ class NvshmemOps final : public ShmemOps {
   void signal_op_on_stream(uint64_t* signal, uint64_t value, ShmemSignalOp op, int pe, Stream stream) override {
     api_.signal_op_on_stream(signal, value, signal_op(op), pe, as_stream(stream));
   }
+  void quiet_on_stream(Stream stream) override { api_.quiet_on_stream(as_stream(stream)); }
 
  private:
   const NvshmemApi& api_;
