@@ -117,6 +117,7 @@ class CeTransport final : public HostTransport {
     std::map<const std::atomic<uint64_t>*, std::pair<int, uint64_t>> counters;  // -> (segment owner, value)
     std::vector<Part> finishing;  // parts whose last copy is in `copies`
     uint64_t pending_bytes = 0;
+    bool closes_part = false;  // `copies` holds the last chunk of a send or receive part
     struct Flush {
       Event event;  // recorded after the flush's work
       uint64_t bytes;
@@ -146,7 +147,10 @@ class CeTransport final : public HostTransport {
   // Bytes of copies enqueued on all lanes (or about to be) and not yet executed.
   uint64_t device_outstanding() const;
   // Enqueues each lane's round of work: copies, counter writes, an event. True if any.
-  bool flush();
+  // A lane's round is held back, to go with the next one, while its earlier flushes still run,
+  // it is under flush_bytes_ and closes no part (an op waits on its last chunks): so a busy
+  // engine gets a batch per quarter window, not per round, and an idle one never waits. force: all.
+  bool flush(bool force = false);
   // Retires the flushes that ran, in order, finishing the receive parts they held. True if any.
   bool retire_flushes();
   // Records, for each posted op whose every copy on this rank is now enqueued (every send
@@ -158,6 +162,7 @@ class CeTransport final : public HostTransport {
   int device_;
   int driver_version_ = 0;  // cudaDriverGetVersion, read at setup
   uint64_t window_bytes_;   // Config::arena_bytes: in flight in our rings, and on our lanes
+  uint64_t flush_bytes_;    // a busy lane's batch: a quarter window
   std::vector<Lane> lanes_;  // [min(kMaxLanes, world - 1), at least 1]: every copy and counter write
   Stream join_ = 0;          // waits on lanes' flushes; ops' completion events are recorded here
   std::vector<CeArenaLayout> arenas_;  // [world] each rank's arena layout
@@ -177,6 +182,7 @@ CeTransport::CeTransport(Bootstrap& bootstrap, const Config& config, DeviceOps& 
       ops_(ops),
       device_(config.cuda_device),
       window_bytes_(config.arena_bytes),
+      flush_bytes_(config.arena_bytes / 4),
       lanes_(static_cast<size_t>(std::clamp(bootstrap.size() - 1, 1, kMaxLanes))),
       arenas_(static_cast<size_t>(world_)),
       arena_ptr_(static_cast<size_t>(world_), nullptr),
@@ -348,6 +354,7 @@ void CeTransport::fill_slot(int peer, uint64_t index, SlotHeader*, const OpState
   copies.from_send_block(op, peer, offset, bytes, arena_ptr_[rank_] + arenas_[rank_].slot_offset(peer, index));
   add_copies(lane_index(peer), op, copies.batch);
   lane_of(peer).counters[&ring_of(rank_, peer)->head] = {rank_, index + 1};  // after the copy, at the flush
+  if (offset + bytes == op.layout.send_bytes[peer]) lane_of(peer).closes_part = true;
 }
 
 bool CeTransport::sends_settled(const OpState& op) {
@@ -373,13 +380,17 @@ void CeTransport::land(int src, OpState& op, const SlotHeader& h, const uint8_t*
   CopyList copies;
   copies.to_recv_block(op, src, h.offset, h.bytes, payload);
   add_copies(lane_index(src), op, copies.batch);
-  if (last) lane_of(src).finishing.push_back(Part{op.seq, src});
+  if (last) {
+    lane_of(src).finishing.push_back(Part{op.seq, src});
+    lane_of(src).closes_part = true;
+  }
 }
 
-bool CeTransport::flush() {
+bool CeTransport::flush(bool force) {
   bool any = false;
   for (Lane& lane : lanes_) {
     if (lane.copies.empty() && lane.counters.empty() && lane.finishing.empty()) continue;
+    if (!force && !lane.closes_part && !lane.in_flight.empty() && lane.pending_bytes < flush_bytes_) continue;
     if (!lane.copies.empty()) ops_.copy_batch(lane.stream, lane.copies);
     for (const auto& [counter, target] : lane.counters) {
       auto offset = reinterpret_cast<const char*>(counter) - static_cast<const char*>(segment_base(target.first));
@@ -394,6 +405,7 @@ bool CeTransport::flush() {
     lane.counters.clear();
     lane.finishing.clear();
     lane.pending_bytes = 0;
+    lane.closes_part = false;
     any = true;
   }
   return any;
@@ -447,6 +459,10 @@ bool CeTransport::mark_all_enqueued() {
     // The join stream waits on the last flush of each lane holding the op's copies (an event
     // recorded before this call: a wait CUDA sees ordered after that work, design.md §4).
     auto last = op_flushes_.find(seq);
+    for (size_t l = 0; last != op_flushes_.end() && l < lanes_.size() && all; ++l) {
+      all = last->second[l] <= lanes_[l].flushes;  // (its copies are flushed, or held this round)
+    }
+    if (!all) continue;
     for (size_t l = 0; last != op_flushes_.end() && l < lanes_.size(); ++l) {
       const Lane& lane = lanes_[l];
       if (last->second[l] <= lane.retired) continue;  // ran already (or none)

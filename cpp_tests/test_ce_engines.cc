@@ -1,0 +1,191 @@
+// Issue 37: what the copy-engine transport asks of the device, counted on the emulated device
+// (never timed): who executes its copies, how many driver calls an op takes, and how many bytes
+// it keeps enqueued ahead of the engines (the window an urgent op waits behind).
+#include <gtest/gtest.h>
+#include <sys/mman.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cstdio>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "cpp/communicator.h"
+#include "cpp_tests/device_ranks.h"
+#include "cpp_tests/exchange.h"
+#include "cpp_tests/fork_ranks.h"
+
+namespace freescale {
+namespace {
+
+using namespace std::chrono_literals;
+using testing::ce_communicator;
+using testing::Exchange;
+using testing::expect_all_ok;
+using testing::run_forked_ranks;
+using testing::uniform_counts;
+constexpr std::chrono::microseconds kForever{-1};
+
+#if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
+constexpr uint64_t kPerPeer = 2ull << 20;  // the same logic on fewer bytes: sanitizers copy slowly
+#else
+constexpr uint64_t kPerPeer = 16ull << 20;  // the issue's op: 4 ranks x 16 MiB per peer
+#endif
+
+Config default_config(uint64_t chunk_bytes = 256 << 10, uint64_t window_bytes = 4 << 20) {
+  Config c;  // the product's defaults: 256 KiB chunks, a 4 MiB window (arena_bytes)
+  c.chunk_bytes = chunk_bytes;
+  c.arena_bytes = window_bytes;
+  c.timeout_ms = 60000;
+  return c;
+}
+
+// A compute kernel holds every SM for the whole op. From driver 13.1 (the overlap flag honored
+// within a device) no copy of ours needs an SM: the op completes under the kernel. On 13.0 the
+// copies into our own arena are SM kernels: the op cannot finish until the kernel ends.
+TEST(CeEngines, AComputeKernelHoldingEverySmStallsOnlySmCopies) {
+  for (int driver : {13010, 13000}) {
+    auto outcomes = run_forked_ranks(4, [driver](int rank, Bootstrap& bootstrap) -> std::string {
+      EmulatedDeviceOptions options;
+      options.driver_version = driver;
+      EmulatedDevice device(options);
+      auto comm = ce_communicator(bootstrap, default_config(), device);
+      Exchange x(uniform_counts(4, kPerPeer), rank, 5);
+      device.occupy_every_sm(true);
+      auto op = comm->all_to_all(x.send.data(), x.recv.data(), x.layout, 0, false);
+      std::string e;
+      if (driver >= 13010) {
+        if (!comm->wait(op, std::chrono::seconds(60))) e = "13.1: the op did not complete while a kernel held every SM";
+        device.occupy_every_sm(false);
+      } else {
+        if (comm->wait(op, 300ms)) e = "13.0: the op completed although its SM copies could not start";
+        device.occupy_every_sm(false);
+        comm->wait(op, kForever);
+      }
+      if (e.empty()) e = x.check(rank);
+      const CopyCounts counts = device.copy_counts();
+      comm->close();
+      if (!e.empty()) return e;
+      if (driver >= 13010 && (counts.sm_copies != 0 || counts.sm_copies_delayed != 0))
+        return std::to_string(counts.sm_copies) + " SM copies on a 13.1 driver";
+      if (driver < 13010 && counts.sm_copies_delayed == 0) return "13.0: no SM copy waited for the kernel";
+      if (counts.ce_copies == 0) return "no copy-engine copy counted";
+      return "";
+    });
+    expect_all_ok(outcomes);
+  }
+}
+
+// Driver calls per op follow the windows and the peers, not the chunks: a progress round's copies
+// go in one batch per lane, its counter updates in one write per ring, one event per lane. Before
+// (one batch + one counter write + one event per chunk): 1030 calls per rank at 256 KiB chunks.
+TEST(CeEngines, DriverCallsPerOpGrowWithWindowsNotChunks) {
+#if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
+  GTEST_SKIP() << "counts, not memory or thread safety: the Release run has them";
+#endif
+  // Each rank's count, written by the forked ranks into memory shared with this process.
+  void* shared = mmap(nullptr, 4 * sizeof(uint64_t), PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS, -1, 0);
+  ASSERT_NE(shared, MAP_FAILED);
+  auto* per_rank = static_cast<uint64_t*>(shared);
+  std::vector<uint64_t> most;  // [chunk size] the largest count of any rank
+  for (auto [chunk, window] : {std::pair{256ull << 10, 4ull << 20}, std::pair{64ull << 10, 4ull << 20},
+                                std::pair{256ull << 10, 16ull << 20}}) {
+    std::fill(per_rank, per_rank + 4, 0);
+    auto outcomes = run_forked_ranks(4, [chunk = chunk, window = window, per_rank](int rank, Bootstrap& bootstrap) -> std::string {
+      // Copies slower than a host round, as on a GPU at these sizes (engines busy, host ahead).
+      EmulatedDeviceOptions options;
+      options.op_latency = 200us;
+      EmulatedDevice device(options);
+      auto comm = ce_communicator(bootstrap, default_config(chunk, window), device);
+      Exchange x(uniform_counts(4, kPerPeer), rank, 6);
+      const DriverCalls before = device.driver_calls();
+      comm->wait(comm->all_to_all(x.send.data(), x.recv.data(), x.layout, 0, false), kForever);
+      const DriverCalls after = device.driver_calls();
+      std::string e = x.check(rank);
+      comm->close();
+      if (!e.empty()) return e;
+      const size_t total = after.total() - before.total();
+      const uint64_t chunks_moved = 2 * 3 * ((kPerPeer + chunk - 1) / chunk);  // sent + received, 3 peers
+      if (rank == 0) {  // the figures for the issue note
+        std::fprintf(stderr, "window %llu MiB, chunk %llu KiB, %llu chunks moved: %zu driver calls (%zu copy batches, %zu copies, "
+                     "%zu value writes, %zu event records, %zu event waits)\n",
+                     static_cast<unsigned long long>(window >> 20), static_cast<unsigned long long>(chunk >> 10),
+                     static_cast<unsigned long long>(chunks_moved),
+                     total, after.copy_batches - before.copy_batches, after.copies - before.copies,
+                     after.value_writes - before.value_writes, after.event_records - before.event_records,
+                     after.event_waits - before.event_waits);
+      }
+      per_rank[rank] = total;
+      if (after.copies != before.copies) return "copies went one by one although the batch API is there";
+      if (total > 2 * chunks_moved) {  // before: 2.7 per chunk moved at 256 KiB
+        return std::to_string(total) + " driver calls for " + std::to_string(chunks_moved) + " chunks moved";
+      }
+      return "";
+    });
+    expect_all_ok(outcomes);
+    most.push_back(*std::max_element(per_rank, per_rank + 4));
+  }
+  munmap(shared, 4 * sizeof(uint64_t));
+  // A quarter of the chunk size: four times the chunks, and at most twice the calls (rounds vary
+  // with timing; calls per chunk would make it four times).
+  std::fprintf(stderr, "most calls of any rank: %llu at 256 KiB, %llu at 64 KiB, %llu at 256 KiB in a 16 MiB window\n",
+               static_cast<unsigned long long>(most[0]), static_cast<unsigned long long>(most[1]),
+               static_cast<unsigned long long>(most[2]));
+  EXPECT_LE(most[1], most[0] * 2) << most[0] << " calls at 256 KiB chunks, " << most[1] << " at 64 KiB";
+}
+
+// An urgent op issued while a 256 MiB bulk op (4 ranks x 16 MiB per peer) is under way, on a
+// slowed device, completes first: the bulk op keeps at most a window (plus a chunk per ring and
+// lane) enqueued and not yet executed, so the urgent op's copies wait behind that, not behind
+// every slot of every ring (before: up to 16 slots x 3 peers x 256 KiB and the landings).
+TEST(CeEngines, AnUrgentOpDuringABulkOpWaitsBehindOneWindow) {
+  auto outcomes = run_forked_ranks(4, [](int rank, Bootstrap& bootstrap) -> std::string {
+    EmulatedDeviceOptions options;
+    options.op_latency = 100us;
+    EmulatedDevice device(options);
+    const Config config = default_config();
+    auto comm = ce_communicator(bootstrap, config, device);
+    Exchange bulk(uniform_counts(4, kPerPeer), rank, 1), urgent(uniform_counts(4, 4096), rank, 2);
+    std::atomic<bool> sampling{true};
+    std::atomic<uint64_t> most_queued{0};
+    std::thread sampler([&] {  // bytes the device was given and has not copied yet
+      while (sampling.load()) {
+        const CopyCounts c = device.copy_counts();
+        const uint64_t queued = c.ce_bytes + c.sm_bytes - c.executed_bytes;
+        if (queued > most_queued.load()) most_queued.store(queued);
+        std::this_thread::sleep_for(20us);
+      }
+    });
+    std::mutex mu;
+    std::vector<std::string> order;
+    auto a = comm->all_to_all(bulk.send.data(), bulk.recv.data(), bulk.layout, 0);
+    a->add_done_callback([&] { std::lock_guard<std::mutex> l(mu); order.push_back("bulk"); });
+    // Issue the urgent op once the bulk op's copies are well under way (a quarter of this rank's).
+    const uint64_t started = 4 * kPerPeer / 4;
+    while (device.copy_counts().executed_bytes < started && !a->is_completed()) std::this_thread::sleep_for(50us);
+    auto b = comm->all_to_all(urgent.send.data(), urgent.recv.data(), urgent.layout, 100);
+    b->add_done_callback([&] { std::lock_guard<std::mutex> l(mu); order.push_back("urgent"); });
+    comm->wait(b, kForever);
+    comm->wait(a, kForever);
+    sampling.store(false);
+    sampler.join();
+    comm->close();
+    if (order != std::vector<std::string>{"urgent", "bulk"}) return "the urgent op did not complete first";
+    if (std::string e = bulk.check(rank); !e.empty()) return e;
+    if (std::string e = urgent.check(rank); !e.empty()) return e;
+    const uint64_t bound = config.arena_bytes + 2 * 4 * config.chunk_bytes;
+    if (most_queued.load() > bound) {
+      return std::to_string(most_queued.load() >> 10) + " KiB enqueued ahead of the engines; the window allows " +
+             std::to_string(bound >> 10) + " KiB";
+    }
+    if (rank == 0) std::fprintf(stderr, "most bytes queued on the device: %llu KiB\n",
+                                static_cast<unsigned long long>(most_queued.load() >> 10));
+    return "";
+  }, std::chrono::seconds(120));
+  expect_all_ok(outcomes);
+}
+
+}  // namespace
+}  // namespace freescale
