@@ -1,5 +1,7 @@
 // The emulated device keeps the CUDA semantics the transports' logic depends on.
 #include <gtest/gtest.h>
+#include <signal.h>
+#include <sys/mman.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -234,6 +236,90 @@ TEST(EmulatedDevice, IpcHandlesOpenInAForkedPeerAndCopiesReallyCopy) {
   for (size_t i = 0; i < (1u << 16); ++i) ASSERT_EQ(arena[i], static_cast<uint8_t>(i * 7)) << i;
   device.device_free(arena);
   EXPECT_EQ(device.live_allocations(), 0u);
+}
+
+// Issue 37 item a: inter-process events as CUDA has them. A wait in another process binds to the
+// latest record any process made before the wait call, not to one made after it, and not to the
+// event's completion: the rule every cross-rank wait on a peer's event must follow (device_ops.h).
+TEST(EmulatedDevice, AWaitOnAPeersInterProcessEventBindsToTheLatestRecordBeforeTheCall) {
+  // Shared with the child: [0] the gate the producer stream waits on, [1] the parent's step,
+  // [2] the child's step.
+  void* page = mmap(nullptr, 4096, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS, -1, 0);
+  ASSERT_NE(page, MAP_FAILED);
+  auto* words = static_cast<std::atomic<uint64_t>*>(page);
+  std::atomic<uint64_t>& gate = words[0];
+  std::atomic<uint64_t>& parent_step = words[1];
+  std::atomic<uint64_t>& child_step = words[2];
+  auto reach = [](std::atomic<uint64_t>& step, uint64_t value) {  // false after 10 s
+    for (auto deadline = std::chrono::steady_clock::now() + 10s; step.load() < value;) {
+      if (std::chrono::steady_clock::now() > deadline) return false;
+      std::this_thread::sleep_for(100us);
+    }
+    return true;
+  };
+  EmulatedDevice device(EmulatedDeviceOptions{1, 64, {}, /*hardware_queues=*/0});
+  Stream producer = device.create_stream();
+  Event event = device.create_ipc_event();
+  const std::string handle = device.ipc_event_handle(event);
+  device.wait_value64(producer, reinterpret_cast<DevicePtr>(&gate), 1, WaitCmp::kGeq);
+  device.record_event(event, producer);  // record 1, behind gate 1
+  pid_t child = fork();
+  if (child == 0) {
+    int code = 0;
+    {
+      EmulatedDevice peer(EmulatedDeviceOptions{1, 64, {}, /*hardware_queues=*/0});
+      Event opened = peer.ipc_open_event(handle);
+      Stream first = peer.create_stream(), second = peer.create_stream();
+      std::atomic<uint64_t> seen_first{0}, seen_second{0};
+      peer.wait_event(first, opened);  // binds to record 1
+      peer.write_value64(first, reinterpret_cast<DevicePtr>(&seen_first), 1);
+      child_step.store(1);
+      if (!reach(parent_step, 1)) _exit(10);
+      peer.wait_event(second, opened);  // record 2 was made before this call: binds to it
+      peer.write_value64(second, reinterpret_cast<DevicePtr>(&seen_second), 1);
+      child_step.store(2);
+      if (!reach(parent_step, 2)) _exit(11);  // gate 1 open: record 1 reached
+      auto idle_within_2s = [&peer](Stream st) {
+        for (auto deadline = std::chrono::steady_clock::now() + 2s; !peer.stream_idle(st);) {
+          if (std::chrono::steady_clock::now() > deadline) return false;
+          std::this_thread::sleep_for(100us);
+        }
+        return true;
+      };
+      if (!idle_within_2s(first) || seen_first.load() != 1) code |= 1;
+      std::this_thread::sleep_for(5ms);
+      if (seen_second.load() != 0) code |= 2;    // ran on record 1: bound to the wrong record
+      if (peer.event_done(opened, "query")) code |= 4;  // record 2 is still pending
+      child_step.store(3);
+      if (!reach(parent_step, 3)) _exit(12);
+      if (!idle_within_2s(second) || seen_second.load() != 1 || !peer.event_done(opened, "query")) code |= 8;
+      if (code == 0) peer.destroy_event(opened);
+    }
+    _exit(code);  // (a stream still waiting is abandoned with the process)
+  }
+  auto stop_child = [&] {
+    kill(child, SIGKILL);
+    waitpid(child, nullptr, 0);
+  };
+  if (!reach(child_step, 1)) return stop_child(), void(ADD_FAILURE() << "the peer never waited");
+  device.wait_value64(producer, reinterpret_cast<DevicePtr>(&gate), 2, WaitCmp::kGeq);
+  device.record_event(event, producer);  // record 2, behind gate 2
+  parent_step.store(1);
+  if (!reach(child_step, 2)) return stop_child(), void(ADD_FAILURE() << "the peer never made its second wait");
+  gate.store(1);
+  parent_step.store(2);
+  if (!reach(child_step, 3)) return stop_child(), void(ADD_FAILURE() << "the peer's first wait never ended");
+  gate.store(2);
+  parent_step.store(3);
+  int status = 0;
+  waitpid(child, &status, 0);
+  EXPECT_TRUE(WIFEXITED(status)) << "the peer crashed";
+  // 1: a wait bound to record 1 never ran; 2: a wait made after record 2 ran at record 1;
+  // 4: the peer saw the event done with record 2 pending; 8: record 2 never released its wait.
+  EXPECT_EQ(WEXITSTATUS(status), 0);
+  device.synchronize(producer);
+  device.destroy_event(event);
+  munmap(page, 4096);
 }
 
 // One PE of emulated NVSHMEM, its heap mapped, for the signal tests below.

@@ -142,6 +142,15 @@ class DeviceOps {
   virtual std::string ipc_handle(void* ptr) = 0;
   virtual void* ipc_open(const std::string& handle) = 0;
   virtual void ipc_close(void* ptr) = 0;
+
+  // --- inter-process events (same node) ---
+  // An event a peer process can open (cudaEventInterprocess | cudaEventDisableTiming). Its
+  // records, ours or a peer's through the opened handle, and its waits are as for any event: a
+  // wait binds to the latest record made, by any process, before the wait call (cudaStreamWaitEvent),
+  // so a cross-rank wait is exact only once the host has seen the peer make that record.
+  virtual Event create_ipc_event() = 0;
+  virtual std::string ipc_event_handle(Event event) = 0;          // cudaIpcGetEventHandle
+  virtual Event ipc_open_event(const std::string& handle) = 0;    // cudaIpcOpenEventHandle; destroy_event closes it
 };
 
 // NVSHMEM's host API as the transport uses it: host-initiated, on-stream puts and SET signals,

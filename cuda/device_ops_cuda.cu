@@ -191,6 +191,37 @@ class CudaDeviceOps final : public DeviceOps {
   std::string ipc_handle(void* ptr) override {
     cudaIpcMemHandle_t handle;
     check_cuda(cudaIpcGetMemHandle(&handle, ptr), "cudaIpcGetMemHandle");
+    return to_hex(handle);
+  }
+  void* ipc_open(const std::string& hex) override {
+    cudaIpcMemHandle_t handle = from_hex<cudaIpcMemHandle_t>(hex);
+    void* p = nullptr;
+    check_cuda(cudaIpcOpenMemHandle(&p, handle, cudaIpcMemLazyEnablePeerAccess), "cudaIpcOpenMemHandle");
+    return p;
+  }
+  void ipc_close(void* ptr) override { check_cuda(cudaIpcCloseMemHandle(ptr), "cudaIpcCloseMemHandle"); }
+
+  Event create_ipc_event() override {
+    cudaEvent_t ev = nullptr;
+    check_cuda(cudaEventCreateWithFlags(&ev, cudaEventDisableTiming | cudaEventInterprocess),
+               "cudaEventCreateWithFlags(cudaEventInterprocess)");
+    return reinterpret_cast<Event>(ev);
+  }
+  std::string ipc_event_handle(Event event) override {
+    cudaIpcEventHandle_t handle;
+    check_cuda(cudaIpcGetEventHandle(&handle, as_event(event)), "cudaIpcGetEventHandle");
+    return to_hex(handle);
+  }
+  Event ipc_open_event(const std::string& hex) override {
+    cudaIpcEventHandle_t handle = from_hex<cudaIpcEventHandle_t>(hex);
+    cudaEvent_t ev = nullptr;
+    check_cuda(cudaIpcOpenEventHandle(&ev, handle), "cudaIpcOpenEventHandle");
+    return reinterpret_cast<Event>(ev);
+  }
+
+ private:
+  template <typename Handle>
+  static std::string to_hex(const Handle& handle) {
     static const char* digits = "0123456789abcdef";
     std::string hex;
     const auto* b = reinterpret_cast<const unsigned char*>(&handle);
@@ -200,18 +231,15 @@ class CudaDeviceOps final : public DeviceOps {
     }
     return hex;
   }
-  void* ipc_open(const std::string& hex) override {
-    cudaIpcMemHandle_t handle;
+  template <typename Handle>
+  static Handle from_hex(const std::string& hex) {
+    Handle handle;
     if (hex.size() != 2 * sizeof(handle)) throw CommError(ErrorCode::kCommError, "a malformed CUDA IPC handle from a peer");
     auto* b = reinterpret_cast<unsigned char*>(&handle);
     for (size_t i = 0; i < sizeof(handle); ++i) b[i] = static_cast<unsigned char>(std::stoi(hex.substr(2 * i, 2), nullptr, 16));
-    void* p = nullptr;
-    check_cuda(cudaIpcOpenMemHandle(&p, handle, cudaIpcMemLazyEnablePeerAccess), "cudaIpcOpenMemHandle");
-    return p;
+    return handle;
   }
-  void ipc_close(void* ptr) override { check_cuda(cudaIpcCloseMemHandle(ptr), "cudaIpcCloseMemHandle"); }
 
- private:
   std::atomic<bool> batch_api_{true};  // cudaMemcpyBatchAsync works here (else per-copy)
 };
 

@@ -108,8 +108,21 @@ bool compare(const std::atomic<T>* word, T value, WaitCmp cmp) {
 }  // namespace
 
 struct EmulatedDevice::EventState {
-  std::atomic<uint64_t> recorded{0};   // records enqueued
-  std::atomic<uint64_t> completed{0};  // records their stream reached
+  // [0] records enqueued, [1] records their stream reached: here, or for an inter-process event in
+  // a memfd page every process that opened it maps (records in any of them count).
+  std::atomic<uint64_t> own[2]{{0}, {0}};
+  std::atomic<uint64_t>* words = own;
+  int fd = -1;  // an inter-process event's memfd (its creator's; -1 where opened or local)
+  std::atomic<uint64_t>& recorded() { return words[0]; }
+  std::atomic<uint64_t>& completed() { return words[1]; }
+  EventState() = default;
+  EventState(const EventState&) = delete;
+  EventState& operator=(const EventState&) = delete;
+  ~EventState() {
+    if (words != own) munmap(words, kIpcEventBytes);
+    if (fd >= 0) close(fd);
+  }
+  static constexpr size_t kIpcEventBytes = 2 * sizeof(uint64_t);
   std::mutex mu;
   std::string error;  // the device's fault, if a record was reached after it
 };
@@ -177,8 +190,8 @@ void EmulatedDevice::run_queue(HwQueue& q) {
         std::lock_guard<std::mutex> ev(task.event->mu);
         task.event->error = failed;
       }
-      uint64_t done = task.event->completed.load();
-      while (done < task.generation && !task.event->completed.compare_exchange_weak(done, task.generation)) {
+      uint64_t done = task.event->completed().load();
+      while (done < task.generation && !task.event->completed().compare_exchange_weak(done, task.generation)) {
       }
     } else if (failed.empty()) {
       if (latency.count() > 0) std::this_thread::sleep_for(latency);
@@ -418,6 +431,41 @@ Event EmulatedDevice::create_event() {
   return h;
 }
 
+Event EmulatedDevice::create_ipc_event() {
+  check_no_fault("cudaEventCreateWithFlags(cudaEventInterprocess)");
+  block_creation_while_waiting();
+  auto state = std::make_shared<EventState>();
+  state->fd = new_memfd(EventState::kIpcEventBytes, "freescale-emulated-ipc-event");
+  state->words = static_cast<std::atomic<uint64_t>*>(map_fd_or_close(state->fd, EventState::kIpcEventBytes));
+  std::lock_guard<std::mutex> lock(mu_);
+  Event h = next_handle_++;
+  events_[h] = std::move(state);
+  return h;
+}
+
+std::string EmulatedDevice::ipc_event_handle(Event event) {
+  std::shared_ptr<EventState> ev = event_of(event);
+  if (ev->fd < 0) throw Error(ErrorCode::kSystem, "emulated cudaIpcGetEventHandle: not an inter-process event");
+  return std::to_string(getpid()) + ":" + std::to_string(ev->fd) + ":" + std::to_string(EventState::kIpcEventBytes);
+}
+
+Event EmulatedDevice::ipc_open_event(const std::string& handle) {
+  check_no_fault("cudaIpcOpenEventHandle");
+  size_t bytes = 0;
+  int fd = open_peer_fd(handle, &bytes);
+  if (bytes != EventState::kIpcEventBytes) {
+    close(fd);
+    throw Error(ErrorCode::kCommError, "emulated cudaIpcOpenEventHandle: not an event handle '" + handle + "'");
+  }
+  auto state = std::make_shared<EventState>();
+  state->words = static_cast<std::atomic<uint64_t>*>(map_fd_or_close(fd, bytes));
+  close(fd);
+  std::lock_guard<std::mutex> lock(mu_);
+  Event h = next_handle_++;
+  events_[h] = std::move(state);
+  return h;
+}
+
 void EmulatedDevice::destroy_event(Event event) {
   std::lock_guard<std::mutex> lock(mu_);
   if (events_.erase(event) == 0) throw Error(ErrorCode::kSystem, "emulated cudaEventDestroy: invalid resource handle");
@@ -432,14 +480,14 @@ void EmulatedDevice::record_event(Event event, Stream stream) {
     std::lock_guard<std::mutex> e(ev->mu);
     ev->error.clear();
   }
-  const uint64_t generation = ev->recorded.fetch_add(1) + 1;  // pending from now on
+  const uint64_t generation = ev->recorded().fetch_add(1) + 1;  // pending from now on
   push(s, Task{nullptr, nullptr, ev, generation}, "cudaEventRecord");
 }
 
 bool EmulatedDevice::event_done(Event event, const char* what) {
   std::shared_ptr<EventState> ev = event_of(event);
   if (std::string f = fault(); !f.empty()) throw Error(ErrorCode::kSystem, std::string(what) + ": " + f);
-  if (ev->completed.load() < ev->recorded.load()) return false;
+  if (ev->completed().load() < ev->recorded().load()) return false;
   std::lock_guard<std::mutex> lock(ev->mu);
   if (!ev->error.empty()) throw Error(ErrorCode::kSystem, std::string(what) + ": " + ev->error);
   return true;
@@ -448,10 +496,10 @@ bool EmulatedDevice::event_done(Event event, const char* what) {
 void EmulatedDevice::wait_event(Stream stream, Event event) {
   count_call(&DriverCalls::event_waits);
   std::shared_ptr<EventState> ev = event_of(event);
-  const uint64_t generation = ev->recorded.load();  // the record at the time of the call, as CUDA
+  const uint64_t generation = ev->recorded().load();  // the record at the time of the call, as CUDA
   if (generation == 0) return;                      // never recorded: nothing to wait for
   push(stream_of(stream), Task{nullptr, [this, ev, generation] {
-         spin_until([&] { return ev->completed.load() >= generation; });
+         spin_until([&] { return ev->completed().load() >= generation; });
        }, nullptr, 0}, "cudaStreamWaitEvent");
 }
 

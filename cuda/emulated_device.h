@@ -146,6 +146,11 @@ class EmulatedDevice final : public DeviceOps {
   std::string ipc_handle(void* ptr) override;
   void* ipc_open(const std::string& handle) override;
   void ipc_close(void* ptr) override;
+  // Inter-process events: two words (records made, records reached) in a memfd page that peers
+  // map, so a wait in one process binds to the latest record any process made before the call.
+  Event create_ipc_event() override;
+  std::string ipc_event_handle(Event event) override;
+  Event ipc_open_event(const std::string& handle) override;
 
   // Abandons queued work and joins every stream thread (idempotent; the destructor calls it).
   // Memory the streams touch may be unmapped only after this.
