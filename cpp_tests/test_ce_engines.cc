@@ -29,9 +29,12 @@ using testing::uniform_counts;
 constexpr std::chrono::microseconds kForever{-1};
 
 #if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
-constexpr uint64_t kPerPeer = 2ull << 20;  // the same logic on fewer bytes: sanitizers copy slowly
+// The same logic on fewer bytes (sanitizers copy slowly), and a window as much smaller.
+constexpr uint64_t kPerPeer = 2ull << 20;
+constexpr uint64_t kWindow = 512ull << 10, kChunk = 64ull << 10;
 #else
 constexpr uint64_t kPerPeer = 16ull << 20;  // the op: 4 ranks x 16 MiB per peer
+constexpr uint64_t kWindow = 4ull << 20, kChunk = 256ull << 10;  // the product's defaults
 #endif
 
 Config default_config(uint64_t chunk_bytes = 256 << 10, uint64_t window_bytes = 4 << 20) {
@@ -145,7 +148,7 @@ TEST(CeEngines, AnUrgentOpDuringABulkOpWaitsBehindOneWindow) {
     EmulatedDeviceOptions options;
     options.op_latency = 100us;
     EmulatedDevice device(options);
-    const Config config = default_config();
+    const Config config = default_config(kChunk, kWindow);
     auto comm = ce_communicator(bootstrap, config, device);
     Exchange bulk(uniform_counts(4, kPerPeer), rank, 1), urgent(uniform_counts(4, 4096), rank, 2);
     std::atomic<bool> sampling{true};
