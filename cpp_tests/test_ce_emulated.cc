@@ -113,6 +113,8 @@ TEST(CeEmulatedDataPath, CountsTheCopiesThatTakeSmsAndSaysWhichAndWhy) {
       comm->close();
       const bool sm = c.driver < 13010 || !c.batch_api;
       if (path.rfind(c.path, 0) != 0) return "expected \"" + std::string(c.path) + "...\", got: " + path;
+      if (path.find("Work.wait() returns to the CPU once this rank's last copy of the op is enqueued") == std::string::npos)
+        return "the data path does not say what the CPU waits for: " + path;
       if (counts.ce_copies == 0) return "no copy-engine copy counted (the copies from the peer's arena)";
       if (sm && counts.sm_copies == 0) return "no SM copy counted for the copies within the device";
       if (!sm && counts.sm_copies != 0) return std::to_string(counts.sm_copies) + " SM copies on a 13.1 driver";

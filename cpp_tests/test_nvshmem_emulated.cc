@@ -434,6 +434,8 @@ TEST(NvshmemEmulatedDataPath, SaysWhenItTakesKernelsAndWhyAndFlushesNetworkPeers
       if (std::string e = x.check(rank); !e.empty()) return e;
       const std::string path = comm->data_path();
       const CopyCounts counts = device.copy_counts();
+      if (path.find("Work.wait() returns to the CPU once the op completed") == std::string::npos)
+        return "the data path does not say what the CPU waits for: " + path;
       if (!network && driver >= 13010) {
         if (path.rfind("nvshmem (driver 13.1): no SM kernels", 0) != 0) return "P2P peers on 13.1, but: " + path;
         if (counts.sm_copies != 0) return std::to_string(counts.sm_copies) + " SM copies on a 13.1 driver";

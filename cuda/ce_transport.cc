@@ -54,7 +54,9 @@ constexpr const char* kUnsupportedMark = "unsupported: ";  // an announced setup
 // between ranks that share one GPU. Copies from a peer GPU's arena run on copy engines.
 std::string ce_data_path(int driver_version, bool batch_copies) {
   const std::string driver = "driver " + driver_version_text(driver_version);
-  const std::string counters = "; ring counters by stream memory writes; the host drives every step";
+  const std::string counters =
+      "; ring counters by stream memory writes; the host drives every step; Work.wait() returns to the CPU once "
+      "this rank's last copy of the op is enqueued, which needs all but the last window of every peer's chunks landed";
   if (!batch_copies) {
     return "ce (" + driver + "): SM kernels for copies within a device (each chunk into this rank's arena slot, "
            "the block a rank sends itself, copies between ranks on one GPU): the driver refused cudaMemcpyBatchAsync, "

@@ -675,7 +675,7 @@ void NvshmemTransport::describe_data_path() {
                                   : "the driver refused cudaMemcpyBatchAsync, so copies go one by one)");
   const std::string common =
       staging + "; the host drives every step from a copy of the signal words (no signal waits, so no NVSHMEM wait "
-                "kernels)";
+                "kernels); Work.wait() returns to the CPU once the op completed (every rank's receipt seen)";
   const std::string puts = "every peer is P2P-mapped, so NVSHMEM's puts are copy-engine copies and its signals "
                            "stream memory writes; ";
   if (count == 0) {
