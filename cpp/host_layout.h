@@ -39,9 +39,13 @@ static_assert(sizeof(ReceivedWindow) == 8 * kOpWindow, "ReceivedWindow crosses p
 
 struct alignas(64) RingControl {
   std::atomic<uint64_t> head;  // slots written by the owner (sender); only increases
-  char pad0[56];
+  // Device transports: slots whose write (and the device's head update after it) the owner's host
+  // has enqueued; the peer may enqueue work that waits for head to reach it. Only increases.
+  std::atomic<uint64_t> head_enqueued;
+  char pad0[48];
   std::atomic<uint64_t> tail;  // slots consumed by the peer (receiver); only increases
-  char pad1[56];
+  std::atomic<uint64_t> tail_enqueued;  // likewise: consumption the peer's host has enqueued
+  char pad1[48];
 };
 static_assert(sizeof(RingControl) == 128, "RingControl crosses processes");
 

@@ -136,7 +136,7 @@ void HostTransport::post(const std::shared_ptr<OpState>& op) {
 bool HostTransport::can_send(const Transfer& t) const {
   if (t.peer == rank_) return true;
   const Peer& self = peers_[rank_];
-  if (filled_[t.peer] - ring_of(rank_, t.peer)->tail.load(std::memory_order_acquire) >= self.layout.slots_per_ring) {
+  if (filled_[t.peer] - freed_slots(t.peer) >= self.layout.slots_per_ring) {
     return false;
   }
   if (peers_[t.peer].control()->posted_ops.load(std::memory_order_acquire) > t.op->seq) return true;
@@ -256,7 +256,7 @@ bool HostTransport::confirm_received() {
 bool HostTransport::drain_from(int src) {
   const Peer& peer = peers_[src];
   uint64_t& tail = taken_[src];
-  uint64_t head = ring_of(src, rank_)->head.load(std::memory_order_acquire);
+  uint64_t head = written_slots(src);
   uint64_t posted = peers_[rank_].control()->posted_ops.load(std::memory_order_relaxed);
   uint64_t first = tail;
   for (; tail < head; ++tail) {
@@ -291,6 +291,12 @@ bool HostTransport::poll() {
   moved |= confirm_received();
   forget_completed();
   return moved;
+}
+
+bool HostTransport::peer_gone(int p) const {
+  if (p == rank_) return false;
+  return !process_alive(peers_[p].process) ||
+         peers_[p].control()->state.load(std::memory_order_acquire) == kRankAborted;
 }
 
 void HostTransport::check_peers() {

@@ -69,9 +69,16 @@ class HostTransport : public Transport {
   // The receive part of op from src landed entirely.
   void finish_recv(OpState& op, int src);
   // Slots of our ring to `peer` written and not yet freed by it.
-  uint64_t slots_in_flight(int peer) const {
-    return filled_[peer] - ring_of(rank_, peer)->tail.load(std::memory_order_acquire);
-  }
+  uint64_t slots_in_flight(int peer) const { return filled_[peer] - freed_slots(peer); }
+  // What the host acts on: slots of src's ring to us it may take (written), and slots of our
+  // ring to `peer` it may write again (freed). Host: the rings' head and tail. A device
+  // transport whose host enqueues work that waits on the device for them: what peers enqueued.
+  virtual uint64_t written_slots(int src) const { return ring_of(src, rank_)->head.load(std::memory_order_acquire); }
+  virtual uint64_t freed_slots(int peer) const { return ring_of(rank_, peer)->tail.load(std::memory_order_acquire); }
+  // A peer that died or aborted: it completes nothing more.
+  bool peer_gone(int p) const;
+  // Wakes `peer`'s progress thread.
+  void notify_peer(int peer) { ring_peer(peer); }
   // The posted, not yet completed op `seq` (null if none).
   std::shared_ptr<OpState> posted_op(uint64_t seq) const {
     auto it = posted_.find(seq);

@@ -257,12 +257,10 @@ TEST(EmulatedDevice, AWaitOnAPeersInterProcessEventBindsToTheLatestRecordBeforeT
     }
     return true;
   };
+  // Streams start threads: none before fork() (the child would inherit locks mid-use; TSan refuses).
   EmulatedDevice device(EmulatedDeviceOptions{1, 64, {}, /*hardware_queues=*/0});
-  Stream producer = device.create_stream();
   Event event = device.create_ipc_event();
   const std::string handle = device.ipc_event_handle(event);
-  device.wait_value64(producer, reinterpret_cast<DevicePtr>(&gate), 1, WaitCmp::kGeq);
-  device.record_event(event, producer);  // record 1, behind gate 1
   pid_t child = fork();
   if (child == 0) {
     int code = 0;
@@ -271,14 +269,6 @@ TEST(EmulatedDevice, AWaitOnAPeersInterProcessEventBindsToTheLatestRecordBeforeT
       Event opened = peer.ipc_open_event(handle);
       Stream first = peer.create_stream(), second = peer.create_stream();
       std::atomic<uint64_t> seen_first{0}, seen_second{0};
-      peer.wait_event(first, opened);  // binds to record 1
-      peer.write_value64(first, reinterpret_cast<DevicePtr>(&seen_first), 1);
-      child_step.store(1);
-      if (!reach(parent_step, 1)) _exit(10);
-      peer.wait_event(second, opened);  // record 2 was made before this call: binds to it
-      peer.write_value64(second, reinterpret_cast<DevicePtr>(&seen_second), 1);
-      child_step.store(2);
-      if (!reach(parent_step, 2)) _exit(11);  // gate 1 open: record 1 reached
       auto idle_within_2s = [&peer](Stream st) {
         for (auto deadline = std::chrono::steady_clock::now() + 2s; !peer.stream_idle(st);) {
           if (std::chrono::steady_clock::now() > deadline) return false;
@@ -286,12 +276,21 @@ TEST(EmulatedDevice, AWaitOnAPeersInterProcessEventBindsToTheLatestRecordBeforeT
         }
         return true;
       };
+      if (!reach(parent_step, 1)) _exit(10);  // record 1 made
+      peer.wait_event(first, opened);          // binds to record 1
+      peer.write_value64(first, reinterpret_cast<DevicePtr>(&seen_first), 1);
+      child_step.store(1);
+      if (!reach(parent_step, 2)) _exit(11);  // record 2 made
+      peer.wait_event(second, opened);         // binds to record 2
+      peer.write_value64(second, reinterpret_cast<DevicePtr>(&seen_second), 1);
+      child_step.store(2);
+      if (!reach(parent_step, 3)) _exit(12);  // gate 1 open: record 1 reached
       if (!idle_within_2s(first) || seen_first.load() != 1) code |= 1;
       std::this_thread::sleep_for(5ms);
-      if (seen_second.load() != 0) code |= 2;    // ran on record 1: bound to the wrong record
+      if (seen_second.load() != 0) code |= 2;           // ran on record 1: bound to the wrong record
       if (peer.event_done(opened, "query")) code |= 4;  // record 2 is still pending
       child_step.store(3);
-      if (!reach(parent_step, 3)) _exit(12);
+      if (!reach(parent_step, 4)) _exit(13);
       if (!idle_within_2s(second) || seen_second.load() != 1 || !peer.event_done(opened, "query")) code |= 8;
       if (code == 0) peer.destroy_event(opened);
     }
@@ -301,16 +300,20 @@ TEST(EmulatedDevice, AWaitOnAPeersInterProcessEventBindsToTheLatestRecordBeforeT
     kill(child, SIGKILL);
     waitpid(child, nullptr, 0);
   };
-  if (!reach(child_step, 1)) return stop_child(), void(ADD_FAILURE() << "the peer never waited");
+  Stream producer = device.create_stream();
+  device.wait_value64(producer, reinterpret_cast<DevicePtr>(&gate), 1, WaitCmp::kGeq);
+  device.record_event(event, producer);  // record 1, behind gate 1
+  parent_step.store(1);
+  if (!reach(child_step, 1)) return stop_child(), void(ADD_FAILURE() << "the peer never made its first wait");
   device.wait_value64(producer, reinterpret_cast<DevicePtr>(&gate), 2, WaitCmp::kGeq);
   device.record_event(event, producer);  // record 2, behind gate 2
-  parent_step.store(1);
+  parent_step.store(2);
   if (!reach(child_step, 2)) return stop_child(), void(ADD_FAILURE() << "the peer never made its second wait");
   gate.store(1);
-  parent_step.store(2);
+  parent_step.store(3);
   if (!reach(child_step, 3)) return stop_child(), void(ADD_FAILURE() << "the peer's first wait never ended");
   gate.store(2);
-  parent_step.store(3);
+  parent_step.store(4);
   int status = 0;
   waitpid(child, &status, 0);
   EXPECT_TRUE(WIFEXITED(status)) << "the peer crashed";

@@ -1,18 +1,31 @@
 // The copy-engine transport. The control plane is the host transport's (rings of slot headers in
 // a shared host segment, posted / received counters, doorbells, liveness); payloads move through
 // each rank's device arena (CeArenaLayout, shared with peers by IPC handles), whose rings have
-// exactly the host rings' number of slots, so the host flow control guards the device slots:
+// exactly the host rings' number of slots. Per chunk n of a ring, slot k = n % S:
 //
-//   sender's lane:    copy input piece(s) -> own arena slot;  write head = index + 1
-//   receiver (host) polls head, reads the header, then on its lane:
-//                     copy peer's arena slot -> output piece(s);  write peer's tail = index + 1
+//   sender's lane:    [wait tail >= n + 1 - S]  copy input piece(s) -> own arena slot k;  write head = n + 1
+//   sender's host:    head_enqueued = n + 1 once that is enqueued
+//   receiver's host sees head_enqueued, reads the header, then on its lane:
+//                     [wait head >= n + 1]  copy peer's arena slot k -> output piece(s);  write tail = n + 1
+//   receiver's host:  tail_enqueued = n + 1 once that is enqueued
+//
+// So the CPU runs ahead of the device: each host acts on what its peers enqueued, not on what
+// landed, and Work.wait() returns once this rank's copies of the op are enqueued (up to a window
+// ahead of the engines), as with NCCL. Every device-side wait is on a counter whose write the
+// peer enqueued before it said so: work CUDA sees ordered before the wait (design.md §4), so no
+// hardware queue, shared or not, can hold a write behind a wait that needs it. Heads and tails
+// live in the host segments (registered, device-mapped), written by the device with stream
+// memory operations. A wait on a counter already written is not enqueued. A peer that dies or
+// aborts never writes what it enqueued: quiesce() writes those counters from the host (the CPU,
+// unlike a stream, is never behind the wait), so a failed op ends on the device too.
 //
 // Lanes are comm streams, each serving a group of peers (so copies to different peers keep
 // several copy engines busy). A progress round's work on a lane goes to the device at once, at
-// the end of the round: one copy batch, one counter write per ring it moved, one event (a
-// "flush"), so driver calls grow with rounds and peers, not with chunks. Heads and tails are
-// written by the device with stream memory operations into the host segments (registered,
-// device-mapped), so no copy waits for a host round trip.
+// the end of the round: the waits, one copy batch, one counter write per ring it moved, one
+// event (a "flush"), so driver calls grow with rounds and peers, not with chunks; a lane still
+// running earlier flushes holds its round until it has a quarter window or closes a part.
+// Events for flushes and completions come from a pool made at setup: creating one can block
+// while a stream wait runs.
 //
 // Priority reaches the engines through a window (Config::arena_bytes): a rank keeps at most that
 // many bytes in its rings (written, not yet freed by the receiver) and at most that many bytes
@@ -31,6 +44,8 @@
 #include <map>
 #include <optional>
 #include <string>
+#include <thread>
+#include <tuple>
 #include <unordered_map>
 #include <unordered_set>
 #include <vector>
@@ -55,8 +70,9 @@ constexpr const char* kUnsupportedMark = "unsupported: ";  // an announced setup
 std::string ce_data_path(int driver_version, bool batch_copies) {
   const std::string driver = "driver " + driver_version_text(driver_version);
   const std::string counters =
-      "; ring counters by stream memory writes; the host drives every step; Work.wait() returns to the CPU once "
-      "this rank's last copy of the op is enqueued, which needs all but the last window of every peer's chunks landed";
+      "; ring counters by stream memory writes and waits on counters peers already enqueued; Work.wait() returns "
+      "to the CPU once this rank's last copy of the op is enqueued, up to a window ahead of the copies (none need "
+      "to have run)";
   if (!batch_copies) {
     return "ce (" + driver + "): SM kernels for copies within a device (each chunk into this rank's arena slot, "
            "the block a rank sends itself, copies between ranks on one GPU): the driver refused cudaMemcpyBatchAsync, "
@@ -73,6 +89,10 @@ std::string ce_data_path(int driver_version, bool batch_copies) {
 }
 
 constexpr int kMaxLanes = 4;  // comm streams per rank: peers spread over them
+// Events made at setup for flushes and ops' completions. Enough for 64 ops in flight and dozens
+// of flushes per lane; when all are taken a lane's round waits for a flush to retire (flushes
+// only wait on device work already enqueued, so one always does).
+constexpr size_t kPooledEvents = 256;
 
 class CeTransport final : public HostTransport {
  public:
@@ -108,15 +128,28 @@ class CeTransport final : public HostTransport {
   void land(int src, OpState& op, const SlotHeader& h, const uint8_t* payload, bool last) override;
   bool can_land(int src, uint64_t bytes) override;
   bool sends_settled(const OpState& op) override;
+  // The host runs ahead of the device: it acts on what peers enqueued, and its lanes wait on the
+  // device for the counters themselves.
+  uint64_t written_slots(int src) const override {
+    return ring_of(src, rank_)->head_enqueued.load(std::memory_order_acquire);
+  }
+  uint64_t freed_slots(int peer) const override {
+    return ring_of(rank_, peer)->tail_enqueued.load(std::memory_order_acquire);
+  }
 
  private:
   using Part = std::pair<uint64_t, int>;  // a receive part: (op seq, source rank)
   // A comm stream and the work of this round not yet given to it.
   struct Lane {
     Stream stream = 0;
-    // This round's work, enqueued by flush(): the copies, then each counter's last value.
+    // This round's work, enqueued by flush(): waits for the device counters (peers' heads and
+    // tails) the round's copies depend on, the copies, then each counter's last value.
+    using Counters = std::map<const std::atomic<uint64_t>*, std::pair<int, uint64_t>>;  // -> (segment owner, value)
+    Counters waits;
     CopyBatch copies;
-    std::map<const std::atomic<uint64_t>*, std::pair<int, uint64_t>> counters;  // -> (segment owner, value)
+    Counters counters;
+    // After the flush, the host tells peers what it enqueued: (word, value, peer to wake).
+    std::vector<std::tuple<std::atomic<uint64_t>*, uint64_t, int>> publish;
     std::vector<Part> finishing;  // parts whose last copy is in `copies`
     uint64_t pending_bytes = 0;
     bool closes_part = false;  // `copies` holds the last chunk of a send or receive part
@@ -144,6 +177,21 @@ class CeTransport final : public HostTransport {
   int lane_index(int peer) const {
     return peer == rank_ ? 0 : (peer < rank_ ? peer : peer - 1) % static_cast<int>(lanes_.size());
   }
+  // The device address of a counter in `owner`'s control segment.
+  DevicePtr device_address(const std::atomic<uint64_t>* counter, int owner) const {
+    auto offset = reinterpret_cast<const char*>(counter) - static_cast<const char*>(segment_base(owner));
+    return segment_device_[owner] + static_cast<DevicePtr>(offset);
+  }
+  // Ends, from the host, the lanes' waits on counters that no device will write any more (a
+  // peer that died or aborted): each gets the highest value awaited. Never for a live peer: our
+  // lane would then overwrite a slot it may still be reading.
+  void release_waits();
+  // The peer whose device writes this tail of one of our rings.
+  int lane_peer_of_tail(const std::atomic<uint64_t>* tail) const {
+    for (int p = 0; p < world_; ++p)
+      if (p != rank_ && &ring_of(rank_, p)->tail == tail) return p;
+    return rank_;
+  }
   // Queues op's copies `batch` on `lane` for this round's flush.
   void add_copies(int lane, const OpState& op, const CopyBatch& batch);
   // Bytes of copies enqueued on all lanes (or about to be) and not yet executed.
@@ -165,6 +213,7 @@ class CeTransport final : public HostTransport {
   int driver_version_ = 0;  // cudaDriverGetVersion, read at setup
   uint64_t window_bytes_;   // Config::arena_bytes: in flight in our rings, and on our lanes
   uint64_t flush_bytes_;    // a busy lane's batch: a quarter window
+  std::chrono::milliseconds timeout_;  // Config::timeout_ms: how long quiesce() waits for the lanes
   std::vector<Lane> lanes_;  // [min(kMaxLanes, world - 1), at least 1]: every copy and counter write
   Stream join_ = 0;          // waits on lanes' flushes; ops' completion events are recorded here
   std::vector<CeArenaLayout> arenas_;  // [world] each rank's arena layout
@@ -175,6 +224,9 @@ class CeTransport final : public HostTransport {
   // seq -> [lane] number of the last flush holding the op's copies (0: none). Progress thread only.
   std::unordered_map<uint64_t, std::vector<uint64_t>> op_flushes_;
   std::unordered_set<uint64_t> enqueued_;  // posted ops whose copies are all enqueued. Progress thread only.
+  // Counter -> the highest value a lane was made to wait for (release_waits). Progress thread only.
+  std::map<const std::atomic<uint64_t>*, std::pair<int, uint64_t>> awaited_;  // -> (writer's rank, value)
+  bool stuck_ = false;  // quiesce() left a lane waiting: what it may still touch is never freed
 };
 
 CeTransport::CeTransport(Bootstrap& bootstrap, const Config& config, DeviceOps& ops)
@@ -185,6 +237,7 @@ CeTransport::CeTransport(Bootstrap& bootstrap, const Config& config, DeviceOps& 
       device_(config.cuda_device),
       window_bytes_(config.arena_bytes),
       flush_bytes_(config.arena_bytes / 4),
+      timeout_(static_cast<int64_t>(config.timeout_ms)),
       lanes_(static_cast<size_t>(std::clamp(bootstrap.size() - 1, 1, kMaxLanes))),
       arenas_(static_cast<size_t>(world_)),
       arena_ptr_(static_cast<size_t>(world_), nullptr),
@@ -213,6 +266,7 @@ void CeTransport::setup(Bootstrap& bootstrap, const Config& config) {
     driver_version_ = ops_.driver_version();
     for (Lane& lane : lanes_) lane.stream = ops_.create_stream();
     join_ = ops_.create_stream();
+    gate_.reserve(kPooledEvents);  // flushes and completions take only these (flush())
     if (mine.num_bytes() > 0) {
       arena_ptr_[rank_] = static_cast<uint8_t*>(ops_.device_alloc(mine.num_bytes()));
       handle = ops_.ipc_handle(arena_ptr_[rank_]);
@@ -271,6 +325,7 @@ void CeTransport::release() noexcept {
     }
   };
   quiesce();
+  if (stuck_) return;  // a lane may still copy from or to the arenas and write the counters: keep all
   for (Lane& lane : lanes_) {
     for (const Lane::Flush& f : lane.in_flight) quietly([&] { ops_.destroy_event(f.event); });
     lane.in_flight.clear();
@@ -290,17 +345,37 @@ void CeTransport::release() noexcept {
   registered_.clear();
 }
 
+void CeTransport::release_waits() {
+  for (const auto& [counter, awaited] : awaited_) {
+    if (!peer_gone(awaited.first)) continue;
+    auto* word = const_cast<std::atomic<uint64_t>*>(counter);
+    uint64_t now = word->load(std::memory_order_acquire);
+    while (now < awaited.second && !word->compare_exchange_weak(now, awaited.second)) {
+    }
+  }
+}
+
 void CeTransport::quiesce() {
   DeviceGuard guard(ops_, device_, std::nothrow);
-  auto drain = [this](Stream s) {
+  // Lanes wait only on counters whose writes peers had enqueued: they run out, but for a peer
+  // that died or aborted, whose device writes nothing more; the host writes those counters.
+  // A lane still waiting after the timeout (a peer that lies about what it enqueued) is left
+  // as it is, and what it may touch is never freed.
+  const auto deadline = std::chrono::steady_clock::now() + timeout_;
+  auto drained = [&](Stream s) {
     try {
-      if (s != 0) ops_.synchronize(s);
+      while (s != 0 && !ops_.stream_idle(s)) {
+        release_waits();
+        if (std::chrono::steady_clock::now() > deadline) return false;
+        std::this_thread::sleep_for(std::chrono::microseconds(200));
+      }
     } catch (...) {
       // A failed stream runs nothing more.
     }
+    return true;
   };
-  for (const Lane& lane : lanes_) drain(lane.stream);
-  drain(join_);
+  for (const Lane& lane : lanes_) stuck_ = !drained(lane.stream) || stuck_;
+  stuck_ = !drained(join_) || stuck_;
 }
 
 void CeTransport::post(const std::shared_ptr<OpState>& op) {
@@ -355,7 +430,14 @@ void CeTransport::fill_slot(int peer, uint64_t index, SlotHeader*, const OpState
   CopyList copies;
   copies.from_send_block(op, peer, offset, bytes, arena_ptr_[rank_] + arenas_[rank_].slot_offset(peer, index));
   add_copies(lane_index(peer), op, copies.batch);
-  lane_of(peer).counters[&ring_of(rank_, peer)->head] = {rank_, index + 1};  // after the copy, at the flush
+  Lane& lane = lane_of(peer);
+  RingControl* ring = ring_of(rank_, peer);
+  const uint64_t slots = arenas_[rank_].slots_per_ring;
+  if (index >= slots) {  // the slot's previous chunk: landed by the peer first
+    lane.waits[&ring->tail] = {rank_, std::max(lane.waits[&ring->tail].second, index + 1 - slots)};
+  }
+  lane.counters[&ring->head] = {rank_, index + 1};  // after the copy, at the flush
+  lane.publish.emplace_back(&ring->head_enqueued, index + 1, peer);
   if (offset + bytes == op.layout.send_bytes[peer]) lane_of(peer).closes_part = true;
 }
 
@@ -374,8 +456,13 @@ const uint8_t* CeTransport::slot_payload(int src, uint64_t index, SlotHeader*) c
 }
 
 void CeTransport::release_slot(int src, uint64_t index) {
-  // After land()'s copies, at the flush.
-  lane_of(src).counters[&ring_of(src, rank_)->tail] = {src, index + 1};
+  // land()'s copies wait for the sender's device to have written the chunk (its head), and the
+  // tail follows them, at the flush.
+  Lane& lane = lane_of(src);
+  RingControl* ring = ring_of(src, rank_);
+  lane.waits[&ring->head] = {src, std::max(lane.waits[&ring->head].second, index + 1)};
+  lane.counters[&ring->tail] = {src, index + 1};
+  lane.publish.emplace_back(&ring->tail_enqueued, index + 1, src);
 }
 
 void CeTransport::land(int src, OpState& op, const SlotHeader& h, const uint8_t* payload, bool last) {
@@ -391,20 +478,38 @@ void CeTransport::land(int src, OpState& op, const SlotHeader& h, const uint8_t*
 bool CeTransport::flush(bool force) {
   bool any = false;
   for (Lane& lane : lanes_) {
-    if (lane.copies.empty() && lane.counters.empty() && lane.finishing.empty()) continue;
+    if (lane.copies.empty() && lane.counters.empty() && lane.finishing.empty() && lane.publish.empty()) continue;
     if (!force && !lane.closes_part && !lane.in_flight.empty() && lane.pending_bytes < flush_bytes_) continue;
+    // Never a new event here: our lanes' waits may be running, and creation can block on them.
+    std::optional<Event> flushed = gate_.try_take_event();
+    if (!flushed) continue;  // every pooled event is on a flush or an op: this round waits for one
+    for (const auto& [counter, target] : lane.waits) {
+      // Written already: the work before it ran (the device writes a counter after it).
+      if (counter->load(std::memory_order_acquire) >= target.second) continue;
+      // The peer's host enqueued the device write this waits for before it told us (published):
+      // a wait on work CUDA sees ordered before it (design.md §4).
+      ops_.wait_value64(lane.stream, device_address(counter, target.first), target.second, WaitCmp::kGeq);
+      auto& [writer, most] = awaited_[counter];
+      writer = target.first != rank_ ? target.first : lane_peer_of_tail(counter);
+      most = std::max(most, target.second);
+    }
     if (!lane.copies.empty()) ops_.copy_batch(lane.stream, lane.copies);
     for (const auto& [counter, target] : lane.counters) {
-      auto offset = reinterpret_cast<const char*>(counter) - static_cast<const char*>(segment_base(target.first));
-      ops_.write_value64(lane.stream, segment_device_[target.first] + static_cast<DevicePtr>(offset), target.second);
+      ops_.write_value64(lane.stream, device_address(counter, target.first), target.second);
     }
-    Event ev = gate_.take_event();
+    Event ev = *flushed;
     lane.in_flight.push_back(Lane::Flush{ev, lane.pending_bytes, std::move(lane.finishing)});
     ops_.record_event(ev, lane.stream);  // owned by in_flight already: released if this throws
     lane.in_flight_bytes += lane.pending_bytes;
     ++lane.flushes;
     lane.copies = CopyBatch{};
     lane.counters.clear();
+    lane.waits.clear();
+    for (const auto& [word, value, peer] : lane.publish) {
+      word->store(std::max(word->load(std::memory_order_relaxed), value), std::memory_order_release);
+      notify_peer(peer);
+    }
+    lane.publish.clear();
     lane.finishing.clear();
     lane.pending_bytes = 0;
     lane.closes_part = false;
@@ -465,12 +570,14 @@ bool CeTransport::mark_all_enqueued() {
       all = last->second[l] <= lanes_[l].flushes;  // (its copies are flushed, or held this round)
     }
     if (!all) continue;
+    std::optional<Event> completion = gate_.try_take_event();  // (never created here: see flush())
+    if (!completion) continue;
     for (size_t l = 0; last != op_flushes_.end() && l < lanes_.size(); ++l) {
       const Lane& lane = lanes_[l];
       if (last->second[l] <= lane.retired) continue;  // ran already (or none)
       ops_.wait_event(join_, lane.in_flight[last->second[l] - lane.retired - 1].event);
     }
-    Event ev = gate_.take_event();
+    Event ev = *completion;
     try {
       ops_.record_event(ev, join_);
     } catch (...) {

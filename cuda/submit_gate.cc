@@ -34,6 +34,21 @@ Event SubmitGate::take_event() {
   return ops_.create_event();
 }
 
+void SubmitGate::reserve(size_t n) {
+  std::vector<Event> made;
+  for (size_t i = 0; i < n; ++i) made.push_back(ops_.create_event());
+  std::lock_guard<std::mutex> lock(mu_);
+  spare_.insert(spare_.end(), made.begin(), made.end());
+}
+
+std::optional<Event> SubmitGate::try_take_event() {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (spare_.empty()) return std::nullopt;
+  Event ev = spare_.back();
+  spare_.pop_back();
+  return ev;
+}
+
 void SubmitGate::give_event(Event ev) {
   std::lock_guard<std::mutex> lock(mu_);
   give_event_locked(ev);

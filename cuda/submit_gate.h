@@ -20,6 +20,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <vector>
 
 #include "cpp/op_state.h"
@@ -41,6 +42,11 @@ class SubmitGate {
   // Events of `device`, recycled (any thread): take one to record; event_done() gives it back.
   Event take_event();
   void give_event(Event ev);
+  // Creates `n` events for the pool now (setup: creation may block while a stream wait runs on
+  // the device, so a progress thread that has enqueued waits must not create events).
+  void reserve(size_t n);
+  // An event from the pool, or none (never creates one).
+  std::optional<Event> try_take_event();
   // True once `ev` completed (it is then recycled: do not use it again); throws Error(kSystem)
   // with `what` if the work before it failed.
   bool event_done(Event ev, const char* what);
