@@ -13,7 +13,8 @@
 
 namespace freescale {
 
-inline constexpr uint64_t kHostSegmentMagic = 0x46534353484d3031ull;  // "FSCSHM01"
+// "FSCSHM02": RingControl carries head_enqueued / tail_enqueued (a peer of an older build fails at setup).
+inline constexpr uint64_t kHostSegmentMagic = 0x46534353484d3032ull;
 
 enum RankState : uint32_t { kRankRunning = 0, kRankClosed = 1, kRankAborted = 2 };
 

@@ -93,6 +93,9 @@ constexpr int kMaxLanes = 4;  // comm streams per rank: peers spread over them
 // of flushes per lane; when all are taken a lane's round waits for a flush to retire (flushes
 // only wait on device work already enqueued, so one always does).
 constexpr size_t kPooledEvents = 256;
+// quiesce() waits at most this long (or the op timeout, if shorter) for lanes that wait on a live
+// peer's counters before it leaves them waiting: a failure is reported within it.
+constexpr std::chrono::milliseconds kQuiesceAtMost{10000};
 
 class CeTransport final : public HostTransport {
  public:
@@ -199,8 +202,8 @@ class CeTransport final : public HostTransport {
   // Enqueues each lane's round of work: copies, counter writes, an event. True if any.
   // A lane's round is held back, to go with the next one, while its earlier flushes still run,
   // it is under flush_bytes_ and closes no part (an op waits on its last chunks): so a busy
-  // engine gets a batch per quarter window, not per round, and an idle one never waits. force: all.
-  bool flush(bool force = false);
+  // engine gets a batch per quarter window, not per round, and an idle one never waits.
+  bool flush();
   // Retires the flushes that ran, in order, finishing the receive parts they held. True if any.
   bool retire_flushes();
   // Records, for each posted op whose every copy on this rank is now enqueued (every send
@@ -237,7 +240,7 @@ CeTransport::CeTransport(Bootstrap& bootstrap, const Config& config, DeviceOps& 
       device_(config.cuda_device),
       window_bytes_(config.arena_bytes),
       flush_bytes_(config.arena_bytes / 4),
-      timeout_(static_cast<int64_t>(config.timeout_ms)),
+      timeout_(config.timeout_ms > 0 ? std::chrono::milliseconds(static_cast<int64_t>(config.timeout_ms)) : kQuiesceAtMost),
       lanes_(static_cast<size_t>(std::clamp(bootstrap.size() - 1, 1, kMaxLanes))),
       arenas_(static_cast<size_t>(world_)),
       arena_ptr_(static_cast<size_t>(world_), nullptr),
@@ -361,7 +364,8 @@ void CeTransport::quiesce() {
   // that died or aborted, whose device writes nothing more; the host writes those counters.
   // A lane still waiting after the timeout (a peer that lies about what it enqueued) is left
   // as it is, and what it may touch is never freed.
-  const auto deadline = std::chrono::steady_clock::now() + timeout_;
+  if (stuck_) return;  // an earlier call gave up on a lane already
+  const auto deadline = std::chrono::steady_clock::now() + std::min(timeout_, kQuiesceAtMost);
   auto drained = [&](Stream s) {
     try {
       while (s != 0 && !ops_.stream_idle(s)) {
@@ -376,6 +380,7 @@ void CeTransport::quiesce() {
   };
   for (const Lane& lane : lanes_) stuck_ = !drained(lane.stream) || stuck_;
   stuck_ = !drained(join_) || stuck_;
+  if (stuck_) gate_.leak();  // a waiting lane's flush events, and the join stream's, stay valid
 }
 
 void CeTransport::post(const std::shared_ptr<OpState>& op) {
@@ -475,27 +480,32 @@ void CeTransport::land(int src, OpState& op, const SlotHeader& h, const uint8_t*
   }
 }
 
-bool CeTransport::flush(bool force) {
+bool CeTransport::flush() {
   bool any = false;
   for (Lane& lane : lanes_) {
     if (lane.copies.empty() && lane.counters.empty() && lane.finishing.empty() && lane.publish.empty()) continue;
-    if (!force && !lane.closes_part && !lane.in_flight.empty() && lane.pending_bytes < flush_bytes_) continue;
+    if (!lane.closes_part && !lane.in_flight.empty() && lane.pending_bytes < flush_bytes_) continue;
     // Never a new event here: our lanes' waits may be running, and creation can block on them.
     std::optional<Event> flushed = gate_.try_take_event();
     if (!flushed) continue;  // every pooled event is on a flush or an op: this round waits for one
-    for (const auto& [counter, target] : lane.waits) {
-      // Written already: the work before it ran (the device writes a counter after it).
-      if (counter->load(std::memory_order_acquire) >= target.second) continue;
-      // The peer's host enqueued the device write this waits for before it told us (published):
-      // a wait on work CUDA sees ordered before it (design.md §4).
-      ops_.wait_value64(lane.stream, device_address(counter, target.first), target.second, WaitCmp::kGeq);
-      auto& [writer, most] = awaited_[counter];
-      writer = target.first != rank_ ? target.first : lane_peer_of_tail(counter);
-      most = std::max(most, target.second);
-    }
-    if (!lane.copies.empty()) ops_.copy_batch(lane.stream, lane.copies);
-    for (const auto& [counter, target] : lane.counters) {
-      ops_.write_value64(lane.stream, device_address(counter, target.first), target.second);
+    try {
+      for (const auto& [counter, target] : lane.waits) {
+        // Written already: the work before it ran (the device writes a counter after it).
+        if (counter->load(std::memory_order_acquire) >= target.second) continue;
+        // The peer's host enqueued the device write this waits for before it told us (published):
+        // a wait on work CUDA sees ordered before it (design.md §4).
+        ops_.wait_value64(lane.stream, device_address(counter, target.first), target.second, WaitCmp::kGeq);
+        auto& [writer, most] = awaited_[counter];
+        writer = target.first != rank_ ? target.first : lane_peer_of_tail(counter);
+        most = std::max(most, target.second);
+      }
+      if (!lane.copies.empty()) ops_.copy_batch(lane.stream, lane.copies);
+      for (const auto& [counter, target] : lane.counters) {
+        ops_.write_value64(lane.stream, device_address(counter, target.first), target.second);
+      }
+    } catch (...) {
+      gate_.give_event(*flushed);
+      throw;
     }
     Event ev = *flushed;
     lane.in_flight.push_back(Lane::Flush{ev, lane.pending_bytes, std::move(lane.finishing)});
@@ -505,10 +515,12 @@ bool CeTransport::flush(bool force) {
     lane.copies = CopyBatch{};
     lane.counters.clear();
     lane.waits.clear();
+    std::vector<int> woken;
     for (const auto& [word, value, peer] : lane.publish) {
       word->store(std::max(word->load(std::memory_order_relaxed), value), std::memory_order_release);
-      notify_peer(peer);
+      if (std::find(woken.begin(), woken.end(), peer) == woken.end()) woken.push_back(peer);
     }
+    for (int peer : woken) notify_peer(peer);
     lane.publish.clear();
     lane.finishing.clear();
     lane.pending_bytes = 0;
@@ -572,10 +584,15 @@ bool CeTransport::mark_all_enqueued() {
     if (!all) continue;
     std::optional<Event> completion = gate_.try_take_event();  // (never created here: see flush())
     if (!completion) continue;
-    for (size_t l = 0; last != op_flushes_.end() && l < lanes_.size(); ++l) {
-      const Lane& lane = lanes_[l];
-      if (last->second[l] <= lane.retired) continue;  // ran already (or none)
-      ops_.wait_event(join_, lane.in_flight[last->second[l] - lane.retired - 1].event);
+    try {
+      for (size_t l = 0; last != op_flushes_.end() && l < lanes_.size(); ++l) {
+        const Lane& lane = lanes_[l];
+        if (last->second[l] <= lane.retired) continue;  // ran already (or none)
+        ops_.wait_event(join_, lane.in_flight[last->second[l] - lane.retired - 1].event);
+      }
+    } catch (...) {
+      gate_.give_event(*completion);
+      throw;
     }
     Event ev = *completion;
     try {

@@ -25,7 +25,7 @@ SubmitGate::~SubmitGate() {
 Event SubmitGate::take_event() {
   {
     std::lock_guard<std::mutex> lock(mu_);
-    if (!spare_.empty()) {
+    if (spare_.size() > reserved_) {
       Event ev = spare_.back();
       spare_.pop_back();
       return ev;
@@ -39,6 +39,7 @@ void SubmitGate::reserve(size_t n) {
   for (size_t i = 0; i < n; ++i) made.push_back(ops_.create_event());
   std::lock_guard<std::mutex> lock(mu_);
   spare_.insert(spare_.end(), made.begin(), made.end());
+  reserved_ += n;
 }
 
 std::optional<Event> SubmitGate::try_take_event() {

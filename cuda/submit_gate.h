@@ -43,7 +43,8 @@ class SubmitGate {
   Event take_event();
   void give_event(Event ev);
   // Creates `n` events for the pool now (setup: creation may block while a stream wait runs on
-  // the device, so a progress thread that has enqueued waits must not create events).
+  // the device, so a progress thread that has enqueued waits must not create events), and keeps
+  // them for try_take_event: take_event (callers' submissions) creates rather than go below `n`.
   void reserve(size_t n);
   // An event from the pool, or none (never creates one).
   std::optional<Event> try_take_event();
@@ -96,6 +97,7 @@ class SubmitGate {
   std::map<uint64_t, Event> submitted_;  // seq -> its submission event
   std::map<uint64_t, Completion> completions_;  // seq -> after its last device operation
   std::vector<Event> spare_;
+  size_t reserved_ = 0;  // spare_ events take_event leaves to try_take_event
   std::deque<std::shared_ptr<OpState>> unready_;  // progress thread only
   uint64_t started_below_ = 0;                     // ops with seq < this were started
 };
