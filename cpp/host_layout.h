@@ -1,7 +1,8 @@
 // The layout of one rank's shared segment in the host transport. The owner writes its outgoing
 // rings (owner -> peer); each peer reads its ring and advances its tail there.
 //
-//   [RankControl][ReceivedWindow][RingControl x world][slots of ring 0]...[slots of ring world-1]
+//   [RankControl][ReceivedWindow][Registration x kMaxRegistrations][RecvTarget x kOpWindow x world]
+//   [RingControl x world][slots of ring 0]...[slots of ring world-1]
 //   the owner's own ring has no slots (self-copies go direct).
 #pragma once
 
@@ -50,13 +51,36 @@ struct alignas(64) RingControl {
 };
 static_assert(sizeof(RingControl) == 128, "RingControl crosses processes");
 
+inline constexpr uint64_t kSlotDirect = 1;  // SlotHeader::flags: the payload went straight into the receiver's buffer
+
 struct alignas(64) SlotHeader {
   uint64_t seq;     // op sequence number
   uint64_t offset;  // bytes from the start of this (op, sender -> receiver) transfer
   uint64_t bytes;   // payload bytes in this slot
   uint64_t total;   // bytes of the whole transfer, as the sender counts them
-  char pad[32];
+  uint64_t flags;   // kSlotDirect or 0
+  char pad[24];
 };
+
+// Device transports: a buffer of the owner's that peers may write directly (its allocation's IPC
+// handle, as text, and where in that allocation the buffer lies).
+inline constexpr int kMaxRegistrations = 16;
+struct alignas(64) Registration {
+  std::atomic<uint64_t> ready;  // 1 once the fields below are written; never changes after
+  uint64_t offset;              // of the buffer in its allocation
+  uint64_t bytes;               // of the buffer
+  char handle[168];             // NUL-terminated
+};
+static_assert(sizeof(Registration) == 192, "Registration crosses processes");
+
+// Where the owner's op `seq` receives from one source: written before the op is posted.
+struct RecvTarget {
+  std::atomic<uint64_t> seq_plus_1;  // seq + 1 of the op this entry describes
+  uint64_t registration_plus_1;      // 0: not a registered buffer (the payload goes through slots)
+  uint64_t offset;                   // of the receive block in that registration
+  uint64_t pad;
+};
+static_assert(sizeof(RecvTarget) == 32, "RecvTarget crosses processes");
 static_assert(sizeof(SlotHeader) == 64, "SlotHeader crosses processes");
 static_assert(std::atomic<uint64_t>::is_always_lock_free, "shared counters must be lock-free");
 
@@ -71,11 +95,20 @@ struct HostSegmentLayout {
   // Whole pages, so the segment can be registered with CUDA as it is.
   size_t num_bytes() const {
     size_t used = rings_offset() + sizeof(RingControl) * world + slot_stride() * slots_per_ring * (world - 1);
+    static_assert(sizeof(RankControl) % 64 == 0 && sizeof(ReceivedWindow) % 64 == 0, "64-byte sections");
     return (used + 4095) / 4096 * 4096;
   }
   RankControl* control(void* base) const { return static_cast<RankControl*>(base); }
   ReceivedWindow* received(void* base) const {
     return reinterpret_cast<ReceivedWindow*>(static_cast<char*>(base) + sizeof(RankControl));
+  }
+  Registration* registration(void* base, int index) const {
+    return reinterpret_cast<Registration*>(static_cast<char*>(base) + registrations_offset()) + index;
+  }
+  RecvTarget* recv_target(void* base, uint64_t seq, int src) const {
+    auto* targets = reinterpret_cast<RecvTarget*>(static_cast<char*>(base) + registrations_offset() +
+                                                  sizeof(Registration) * kMaxRegistrations);
+    return targets + (seq % kOpWindow) * static_cast<uint64_t>(world) + static_cast<uint64_t>(src);
   }
   RingControl* ring(void* base, int peer) const {
     return reinterpret_cast<RingControl*>(static_cast<char*>(base) + rings_offset()) + peer;
@@ -89,7 +122,11 @@ struct HostSegmentLayout {
 
  private:
   static uint64_t round_up(uint64_t bytes) { return (bytes + 63) / 64 * 64; }
-  static size_t rings_offset() { return sizeof(RankControl) + sizeof(ReceivedWindow); }
+  static size_t registrations_offset() { return sizeof(RankControl) + sizeof(ReceivedWindow); }
+  size_t rings_offset() const {
+    return registrations_offset() + sizeof(Registration) * kMaxRegistrations +
+           round_up(sizeof(RecvTarget) * kOpWindow * static_cast<uint64_t>(world));
+  }
 };
 
 }  // namespace freescale

@@ -127,6 +127,7 @@ void HostTransport::ring_all() {
 
 void HostTransport::post(const std::shared_ptr<OpState>& op) {
   posted_[op->seq] = op;
+  before_post(*op);
   peers_[rank_].control()->posted_ops.store(op->seq + 1, std::memory_order_release);
   for (int p = 0; p < world_; ++p) {
     if (p != rank_) ring_peer(p);
@@ -291,6 +292,18 @@ bool HostTransport::poll() {
   moved |= confirm_received();
   forget_completed();
   return moved;
+}
+
+uint64_t HostTransport::peer_posted(int p) const {
+  return peers_[p].control()->posted_ops.load(std::memory_order_acquire);
+}
+
+Registration* HostTransport::registration_of(int owner, int index) const {
+  return peers_[owner].layout.registration(peers_[owner].segment.data(), index);
+}
+
+RecvTarget* HostTransport::recv_target_of(int owner, uint64_t seq, int src) const {
+  return peers_[owner].layout.recv_target(peers_[owner].segment.data(), seq, src);
 }
 
 bool HostTransport::peer_gone(int p) const {

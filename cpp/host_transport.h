@@ -77,6 +77,13 @@ class HostTransport : public Transport {
   virtual uint64_t freed_slots(int peer) const { return ring_of(rank_, peer)->tail.load(std::memory_order_acquire); }
   // A peer that died or aborted: it completes nothing more.
   bool peer_gone(int p) const;
+  // Ops peer p has posted (seq < it), its registrations and its receive targets (host_layout.h).
+  uint64_t peer_posted(int p) const;
+  Registration* registration_of(int owner, int index) const;
+  RecvTarget* recv_target_of(int owner, uint64_t seq, int src) const;
+  // Called in post(), before peers can see the op posted: a device transport describes where
+  // the op receives (RecvTarget). Host: nothing.
+  virtual void before_post(const OpState& /*op*/) {}
   // Wakes `peer`'s progress thread.
   void notify_peer(int peer) { ring_peer(peer); }
   // The posted, not yet completed op `seq` (null if none).

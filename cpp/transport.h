@@ -41,6 +41,12 @@ class Transport {
   virtual bool stream_wait(const OpState& /*op*/, uintptr_t /*stream*/, std::chrono::microseconds /*timeout*/) {
     throw Error(ErrorCode::kUnsupported, std::string("the ") + name() + " transport has no stream completion: call wait()");
   }
+  // Local, on the progress lock: lets peers write this rank's receive blocks that lie inside
+  // [ptr, ptr + bytes) directly (a device buffer). Returns its index. Transports that always move
+  // bytes through their own staging refuse with kUnsupported.
+  virtual int register_buffer(void* /*ptr*/, uint64_t /*bytes*/) {
+    throw Error(ErrorCode::kUnsupported, std::string("the ") + name() + " transport has no registered buffers");
+  }
   // Registers op's receive side and lets peers send to it. Called once per op, in seq order.
   virtual void post(const std::shared_ptr<OpState>& op) = 0;
   // True if one chunk of `t` can be handed over now without blocking (peer posted the op and

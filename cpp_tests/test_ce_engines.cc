@@ -224,6 +224,96 @@ TEST(CeEngines, APeerThatDiesWithItsCopiesHeldReleasesTheSurvivorsStreams) {
   EXPECT_TRUE(testing::leftover_segments(outcomes).empty());
 }
 
+// Registered buffers on a 13.0 driver (copies within a device on SMs): a peer's chunks go
+// straight into this rank's registered receive buffer, one cross-device copy on a copy engine,
+// so an op whose ranks send themselves nothing completes while a kernel holds every SM, with 0 SM
+// copies; with a self block, that block's copy is the only SM copy. data_paths says so.
+TEST(CeEngines, RegisteredBuffersAt13_0TakeNoSmCopyButTheSelfBlock) {
+  auto outcomes = run_forked_ranks(4, [](int rank, Bootstrap& bootstrap) -> std::string {
+    EmulatedDeviceOptions options;
+    options.driver_version = 13000;
+    EmulatedDevice device(options);
+    auto comm = ce_communicator(bootstrap, default_config(), device);
+    std::string e;
+    for (bool self_block : {false, true}) {
+      auto counts = uniform_counts(4, kPerPeer);
+      if (!self_block)
+        for (int r = 0; r < 4; ++r) counts[r][r] = 0;
+      Exchange x(counts, rank, self_block ? 11 : 10);
+      auto* recv = static_cast<uint8_t*>(device.device_alloc(x.recv.size()));
+      comm->register_buffer(recv, x.recv.size());
+      bootstrap.allgather("");  // (registered before any peer sends: else early chunks may go via arenas)
+      const CopyCounts before = device.copy_counts();
+      if (!self_block) device.occupy_every_sm(true);
+      auto op = comm->all_to_all(x.send.data(), recv, x.layout, 0, false);
+      const bool done = comm->wait(op, std::chrono::seconds(60));
+      device.occupy_every_sm(false);
+      if (!done) comm->wait(op, kForever);
+      const CopyCounts after = device.copy_counts();
+      std::memcpy(x.recv.data(), recv, x.recv.size());
+      const std::string what = self_block ? "with a self block: " : "without a self block: ";
+      if (e.empty() && !done) e = what + "the op did not complete while a kernel held every SM";
+      if (e.empty()) e = x.check(rank);
+      const size_t sm_bytes = after.sm_bytes - before.sm_bytes;
+      const size_t self_bytes = self_block ? kPerPeer : 0;
+      if (e.empty() && sm_bytes != self_bytes) {
+        e = what + std::to_string(sm_bytes) + " bytes copied by SMs, expected " + std::to_string(self_bytes) +
+            " (the self block)";
+      }
+      if (e.empty() && after.ce_bytes - before.ce_bytes != 3 * kPerPeer) {
+        e = what + std::to_string(after.ce_bytes - before.ce_bytes) + " bytes on copy engines: not one copy per block";
+      }
+    }
+    const std::string path = comm->data_path();
+    if (e.empty() && path.find("registered with Communicator.register_buffer are written by the sender directly") ==
+                         std::string::npos) {
+      e = "the data path does not say what registered buffers change: " + path;
+    }
+    comm->close();
+    return e;
+  }, std::chrono::seconds(120));
+  expect_all_ok(outcomes);
+}
+
+// Registered and unregistered receivers in one group: a rank's chunks go straight into the peers
+// that registered the buffer they receive in, through the arena to the others, and a receive
+// block outside the registered buffer goes through the arena too. Random splits, every byte checked.
+TEST(CeEngines, RegisteredAndUnregisteredReceiversMixInOneOp) {
+  auto outcomes = run_forked_ranks(3, [](int rank, Bootstrap& bootstrap) -> std::string {
+    EmulatedDevice device;
+    auto comm = ce_communicator(bootstrap, testing::small_config(), device);
+    auto* registered = static_cast<uint8_t*>(device.device_alloc(8 << 20));
+    if (rank != 2) comm->register_buffer(registered, 4 << 20);  // rank 2 registers nothing
+    std::vector<uint8_t> host(64);  // not device memory: refused, naming the argument
+    try {
+      comm->register_buffer(host.data(), host.size());
+      return "host memory was registered";
+    } catch (const Error& e) {
+      if (e.code() != ErrorCode::kInvalidUsage || std::string(e.what()).find("register_buffer: ptr") == std::string::npos)
+        return std::string("host memory refused with the wrong error: ") + e.what();
+    }
+    try {
+      comm->register_buffer(registered + (8 << 20) - 16, 64);
+      return "a buffer past its allocation's end was registered";
+    } catch (const Error& e) {
+      if (e.code() != ErrorCode::kInvalidUsage) return std::string("past the end: ") + e.what();
+    }
+    bootstrap.allgather("");
+    for (int i = 0; i < 6; ++i) {
+      Exchange x(testing::random_counts(3, 700 << 10, 40 + static_cast<uint32_t>(i)), rank, 30 + i);
+      // Ops 0-3 receive inside the registered 4 MiB; 4-5 past it (the arena path again).
+      uint8_t* recv = registered + (i < 4 ? 0 : (4 << 20));
+      auto op = comm->all_to_all(x.send.data(), recv, x.layout, i % 2, false);
+      comm->wait(op, kForever);
+      std::memcpy(x.recv.data(), recv, x.recv.size());
+      if (std::string e = x.check(rank); !e.empty()) return "op " + std::to_string(i) + ": " + e;
+    }
+    comm->close();
+    return "";
+  }, std::chrono::seconds(120));
+  expect_all_ok(outcomes);
+}
+
 // An urgent op issued while a 256 MiB bulk op (4 ranks x 16 MiB per peer) is under way, on a
 // slowed device, completes first: the bulk op keeps at most a window (plus a chunk per ring and
 // lane) enqueued and not yet executed, so the urgent op's copies wait behind that, not behind

@@ -40,8 +40,10 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cstring>
 #include <deque>
 #include <map>
+#include <mutex>
 #include <optional>
 #include <string>
 #include <thread>
@@ -69,7 +71,10 @@ constexpr const char* kUnsupportedMark = "unsupported: ";  // an announced setup
 // between ranks that share one GPU. Copies from a peer GPU's arena run on copy engines.
 std::string ce_data_path(int driver_version, bool batch_copies) {
   const std::string driver = "driver " + driver_version_text(driver_version);
-  const std::string counters =
+  const std::string registered =
+      "; receive blocks in a buffer registered with Communicator.register_buffer are written by the sender "
+      "directly, one cross-device copy on a copy engine: no arena slot, no copy within a device but the self block";
+  const std::string counters = registered +
       "; ring counters by stream memory writes and waits on counters peers already enqueued; Work.wait() returns "
       "to the CPU once this rank's last copy of the op is enqueued, up to a window ahead of the copies (none need "
       "to have run)";
@@ -131,6 +136,8 @@ class CeTransport final : public HostTransport {
   void land(int src, OpState& op, const SlotHeader& h, const uint8_t* payload, bool last) override;
   bool can_land(int src, uint64_t bytes) override;
   bool sends_settled(const OpState& op) override;
+  void before_post(const OpState& op) override;
+  int register_buffer(void* ptr, uint64_t bytes) override;
   // The host runs ahead of the device: it acts on what peers enqueued, and its lanes wait on the
   // device for the counters themselves.
   uint64_t written_slots(int src) const override {
@@ -180,6 +187,10 @@ class CeTransport final : public HostTransport {
   int lane_index(int peer) const {
     return peer == rank_ ? 0 : (peer < rank_ ? peer : peer - 1) % static_cast<int>(lanes_.size());
   }
+  // Where our chunk of op for `peer` may go straight into the peer's registered receive buffer
+  // (the peer posted the op, its block from us lies in one of its registrations): the chunk's
+  // first byte there, or null (it goes through our arena).
+  uint8_t* direct_target(int peer, const OpState& op, uint64_t offset);
   // The device address of a counter in `owner`'s control segment.
   DevicePtr device_address(const std::atomic<uint64_t>* counter, int owner) const {
     auto offset = reinterpret_cast<const char*>(counter) - static_cast<const char*>(segment_base(owner));
@@ -229,7 +240,18 @@ class CeTransport final : public HostTransport {
   std::unordered_set<uint64_t> enqueued_;  // posted ops whose copies are all enqueued. Progress thread only.
   // Counter -> the highest value a lane was made to wait for (release_waits). Progress thread only.
   std::map<const std::atomic<uint64_t>*, std::pair<int, uint64_t>> awaited_;  // -> (writer's rank, value)
-  bool stuck_ = false;  // quiesce() left a lane waiting: what it may still touch is never freed
+  bool stuck_ = false;
+  // Our registered buffers (register_buffer: any thread; before_post: progress thread).
+  struct Registered {
+    uint8_t* ptr;
+    uint64_t bytes;
+  };
+  std::mutex registered_mu_;
+  std::vector<Registered> registered_buffers_;
+  // Progress thread only: peers' registrations mapped here, (peer, index) -> the buffer's start,
+  // and the allocations opened for them, IPC handle -> mapped base (each opened once).
+  std::map<std::pair<int, int>, uint8_t*> peer_buffers_;
+  std::map<std::string, uint8_t*> opened_allocations_;  // quiesce() left a lane waiting: what it may still touch is never freed
 };
 
 CeTransport::CeTransport(Bootstrap& bootstrap, const Config& config, DeviceOps& ops)
@@ -336,6 +358,9 @@ void CeTransport::release() noexcept {
   for (int p = 0; p < world_; ++p) {
     if (p != rank_ && arena_ptr_[p] != nullptr) quietly([&] { ops_.ipc_close(arena_ptr_[p]); });
   }
+  for (const auto& [handle, base] : opened_allocations_) quietly([&, base = base] { ops_.ipc_close(base); });
+  opened_allocations_.clear();
+  peer_buffers_.clear();
   if (arena_ptr_[rank_] != nullptr) quietly([&] { ops_.device_free(arena_ptr_[rank_]); });
   for (void* base : registered_) quietly([&] { ops_.host_unregister(base); });
   for (Lane& lane : lanes_) {
@@ -404,6 +429,11 @@ bool CeTransport::can_send(const Transfer& t) const {
   if (t.peer == rank_) {  // the self block: copies on lane 0 only
     return lanes_[0].outstanding() == 0 || device_outstanding() + arenas_[rank_].slot_bytes <= window_bytes_;
   }
+  // A peer with registered buffers may receive this op in one: wait for its post, which says,
+  // rather than send ahead through our arena (a copy within our GPU).
+  if (peer_posted(t.peer) <= t.op->seq && registration_of(t.peer, 0)->ready.load(std::memory_order_acquire) == 1) {
+    return false;
+  }
   // The window, over our rings and over our lanes. An empty ring may always take one chunk: a
   // peer that has not posted the op our other rings are full of still gets its bytes.
   if (slots_in_flight(t.peer) == 0) return true;
@@ -430,10 +460,106 @@ void CeTransport::add_copies(int lane_index, const OpState& op, const CopyBatch&
   last[static_cast<size_t>(lane_index)] = lane.flushes + 1;
 }
 
-void CeTransport::fill_slot(int peer, uint64_t index, SlotHeader*, const OpState& op, uint64_t offset, uint64_t bytes) {
+int CeTransport::register_buffer(void* ptr, uint64_t bytes) {
+  if (ptr == nullptr || bytes == 0) {
+    throw Error(ErrorCode::kInvalidUsage, "register_buffer: ptr and bytes must describe a device buffer (got " +
+                                              std::string(ptr == nullptr ? "a null pointer" : "0 bytes") + ")");
+  }
+  DeviceGuard guard(ops_, device_);
+  size_t allocation_bytes = 0;
+  uint8_t* base = nullptr;
+  try {
+    base = static_cast<uint8_t*>(ops_.allocation_base(ptr, &allocation_bytes));
+  } catch (const Error& e) {
+    throw Error(ErrorCode::kInvalidUsage, "register_buffer: ptr is not in a device allocation of cuda:" +
+                                              std::to_string(device_) + " (" + e.message() + ")");
+  }
+  const uint64_t offset = static_cast<uint64_t>(static_cast<uint8_t*>(ptr) - base);
+  if (offset + bytes > allocation_bytes) {
+    throw Error(ErrorCode::kInvalidUsage, "register_buffer: the buffer runs " +
+                                              std::to_string(offset + bytes - allocation_bytes) +
+                                              " bytes past the end of its device allocation");
+  }
+  const std::string handle = ops_.ipc_handle(base);
+  std::lock_guard<std::mutex> lock(registered_mu_);
+  const int index = static_cast<int>(registered_buffers_.size());
+  if (index >= kMaxRegistrations) {
+    throw Error(ErrorCode::kInvalidUsage, "register_buffer: at most " + std::to_string(kMaxRegistrations) +
+                                              " buffers per communicator; register one buffer that holds the others");
+  }
+  Registration* entry = registration_of(rank_, index);
+  if (handle.size() >= sizeof(entry->handle)) throw Error(ErrorCode::kInternal, "an IPC handle longer than its slot");
+  entry->offset = offset;
+  entry->bytes = bytes;
+  std::memcpy(entry->handle, handle.c_str(), handle.size() + 1);
+  entry->ready.store(1, std::memory_order_release);
+  registered_buffers_.push_back(Registered{static_cast<uint8_t*>(ptr), bytes});
+  return index;
+}
+
+void CeTransport::before_post(const OpState& op) {
+  for (int src = 0; src < world_; ++src) {
+    if (src == rank_) continue;
+    RecvTarget* target = recv_target_of(rank_, op.seq, src);
+    target->registration_plus_1 = 0;
+    const uint64_t bytes = op.layout.recv_bytes[src];
+    uint8_t* start = nullptr;
+    int pieces = 0;
+    if (bytes > 0) {
+      for_each_piece(op.recv, op.layout.recv_offsets[src], op.layout.recv_segments, src, 0, bytes,
+                     [&](uint8_t* piece, uint64_t) { start = pieces++ == 0 ? piece : nullptr; });
+    }
+    if (start != nullptr) {  // one contiguous block: is it inside a registered buffer?
+      std::lock_guard<std::mutex> lock(registered_mu_);
+      for (size_t i = 0; i < registered_buffers_.size(); ++i) {
+        const Registered& r = registered_buffers_[i];
+        if (start >= r.ptr && start + bytes <= r.ptr + r.bytes) {
+          target->registration_plus_1 = i + 1;
+          target->offset = static_cast<uint64_t>(start - r.ptr);
+          break;
+        }
+      }
+    }
+    target->seq_plus_1.store(op.seq + 1, std::memory_order_release);
+  }
+}
+
+uint8_t* CeTransport::direct_target(int peer, const OpState& op, uint64_t offset) {
+  if (peer_posted(peer) <= op.seq) return nullptr;  // its receive targets are not written yet
+  const RecvTarget* target = recv_target_of(peer, op.seq, rank_);
+  if (target->seq_plus_1.load(std::memory_order_acquire) != op.seq + 1 || target->registration_plus_1 == 0 ||
+      target->registration_plus_1 > static_cast<uint64_t>(kMaxRegistrations)) {
+    return nullptr;
+  }
+  const int index = static_cast<int>(target->registration_plus_1 - 1);
+  auto it = peer_buffers_.find({peer, index});
+  if (it == peer_buffers_.end()) {
+    Registration* entry = registration_of(peer, index);
+    if (entry->ready.load(std::memory_order_acquire) != 1) return nullptr;
+    std::string handle(entry->handle, strnlen(entry->handle, sizeof(entry->handle)));
+    auto opened = opened_allocations_.find(handle);
+    if (opened == opened_allocations_.end()) {
+      opened = opened_allocations_.emplace(handle, static_cast<uint8_t*>(ops_.ipc_open(handle))).first;
+    }
+    it = peer_buffers_.emplace(std::make_pair(peer, index), opened->second + entry->offset).first;
+  }
+  const Registration* entry = registration_of(peer, index);
+  const uint64_t block = op.layout.send_bytes[peer];
+  if (target->offset + block > entry->bytes) {
+    throw CommError(ErrorCode::kCommError, "rank " + std::to_string(peer) + " announced a receive block past the end of "
+                                           "its registered buffer: its shared memory is corrupt", peer);
+  }
+  return it->second + target->offset + offset;
+}
+
+void CeTransport::fill_slot(int peer, uint64_t index, SlotHeader* slot, const OpState& op, uint64_t offset, uint64_t bytes) {
   if (bytes > arenas_[rank_].slot_bytes) throw Error(ErrorCode::kInternal, "chunk larger than a ce arena slot");
   CopyList copies;
-  copies.from_send_block(op, peer, offset, bytes, arena_ptr_[rank_] + arenas_[rank_].slot_offset(peer, index));
+  // Straight into the peer's registered buffer (one copy, on a copy engine), else via our arena.
+  uint8_t* direct = bytes > 0 ? direct_target(peer, op, offset) : nullptr;
+  copies.from_send_block(op, peer, offset, bytes,
+                         direct != nullptr ? direct : arena_ptr_[rank_] + arenas_[rank_].slot_offset(peer, index));
+  slot->flags = direct != nullptr ? kSlotDirect : 0;
   add_copies(lane_index(peer), op, copies.batch);
   Lane& lane = lane_of(peer);
   RingControl* ring = ring_of(rank_, peer);
@@ -472,7 +598,8 @@ void CeTransport::release_slot(int src, uint64_t index) {
 
 void CeTransport::land(int src, OpState& op, const SlotHeader& h, const uint8_t* payload, bool last) {
   CopyList copies;
-  copies.to_recv_block(op, src, h.offset, h.bytes, payload);
+  // A direct chunk is in our buffer once the sender's head passed it (release_slot's wait).
+  if ((h.flags & kSlotDirect) == 0) copies.to_recv_block(op, src, h.offset, h.bytes, payload);
   add_copies(lane_index(src), op, copies.batch);
   if (last) {
     lane_of(src).finishing.push_back(Part{op.seq, src});

@@ -142,6 +142,9 @@ class DeviceOps {
   virtual std::string ipc_handle(void* ptr) = 0;
   virtual void* ipc_open(const std::string& handle) = 0;
   virtual void ipc_close(void* ptr) = 0;
+  // The device allocation holding `ptr` (e.g. inside a caching allocator's block): its start,
+  // which ipc_handle takes, and *bytes its size (cuMemGetAddressRange). Throws if none holds it.
+  virtual void* allocation_base(const void* ptr, size_t* bytes) = 0;
 
   // --- inter-process events (same node) ---
   // An event a peer process can open (cudaEventInterprocess | cudaEventDisableTiming). Its

@@ -200,6 +200,12 @@ class CudaDeviceOps final : public DeviceOps {
     return p;
   }
   void ipc_close(void* ptr) override { check_cuda(cudaIpcCloseMemHandle(ptr), "cudaIpcCloseMemHandle"); }
+  void* allocation_base(const void* ptr, size_t* bytes) override {
+    CUdeviceptr base = 0;
+    check_cu(DriverApi::get().mem_get_address_range(&base, bytes, reinterpret_cast<CUdeviceptr>(ptr)),
+             "cuMemGetAddressRange");
+    return reinterpret_cast<void*>(base);
+  }
 
   Event create_ipc_event() override {
     cudaEvent_t ev = nullptr;

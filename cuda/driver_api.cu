@@ -47,6 +47,7 @@ const DriverApi& DriverApi::get() {
     resolve("cuStreamWaitValue64", api.stream_wait_value64);
     resolve("cuDeviceGet", api.device_get);
     resolve("cuDeviceGetAttribute", api.device_get_attribute);
+    resolve("cuMemGetAddressRange", api.mem_get_address_range);
   });
   return api;
 }

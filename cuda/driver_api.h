@@ -17,6 +17,7 @@ struct DriverApi {
   CUresult (*stream_wait_value64)(CUstream, CUdeviceptr, cuuint64_t, unsigned int) = nullptr;
   CUresult (*device_get)(CUdevice*, int) = nullptr;
   CUresult (*device_get_attribute)(int*, CUdevice_attribute, CUdevice) = nullptr;
+  CUresult (*mem_get_address_range)(CUdeviceptr*, size_t*, CUdeviceptr) = nullptr;
 
   // Resolved once per process; throws Error(kUnsupported) naming the missing symbol when the
   // driver lacks it (64-bit stream memory operations need CUDA 12.0+ drivers).

@@ -682,6 +682,20 @@ void* EmulatedDevice::ipc_open(const std::string& handle) {
   return p;
 }
 
+void* EmulatedDevice::allocation_base(const void* ptr, size_t* bytes) {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = allocations_.upper_bound(const_cast<void*>(ptr));
+  if (it != allocations_.begin()) {
+    --it;
+    const auto* start = static_cast<const uint8_t*>(it->first);
+    if (it->second.fd >= 0 && static_cast<const uint8_t*>(ptr) < start + std::max<size_t>(it->second.bytes, 1)) {
+      *bytes = it->second.bytes;
+      return it->first;
+    }
+  }
+  throw Error(ErrorCode::kSystem, "emulated cuMemGetAddressRange: not in a device allocation of this device");
+}
+
 void EmulatedDevice::ipc_close(void* ptr) {
   std::lock_guard<std::mutex> lock(mu_);
   auto it = allocations_.find(ptr);

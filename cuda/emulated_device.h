@@ -146,6 +146,7 @@ class EmulatedDevice final : public DeviceOps {
   std::string ipc_handle(void* ptr) override;
   void* ipc_open(const std::string& handle) override;
   void ipc_close(void* ptr) override;
+  void* allocation_base(const void* ptr, size_t* bytes) override;
   // Inter-process events: two words (records made, records reached) in a memfd page that peers
   // map, so a wait in one process binds to the latest record any process made before the call.
   Event create_ipc_event() override;
