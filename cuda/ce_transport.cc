@@ -462,7 +462,7 @@ void CeTransport::add_copies(int lane_index, const OpState& op, const CopyBatch&
 
 int CeTransport::register_buffer(void* ptr, uint64_t bytes) {
   if (ptr == nullptr || bytes == 0) {
-    throw Error(ErrorCode::kInvalidUsage, "register_buffer: ptr and bytes must describe a device buffer (got " +
+    throw Error(ErrorCode::kInvalidArgument, "register_buffer: ptr and bytes must describe a device buffer (got " +
                                               std::string(ptr == nullptr ? "a null pointer" : "0 bytes") + ")");
   }
   DeviceGuard guard(ops_, device_);
@@ -471,12 +471,12 @@ int CeTransport::register_buffer(void* ptr, uint64_t bytes) {
   try {
     base = static_cast<uint8_t*>(ops_.allocation_base(ptr, &allocation_bytes));
   } catch (const Error& e) {
-    throw Error(ErrorCode::kInvalidUsage, "register_buffer: ptr is not in a device allocation of cuda:" +
+    throw Error(ErrorCode::kInvalidArgument, "register_buffer: ptr is not in a device allocation of cuda:" +
                                               std::to_string(device_) + " (" + e.message() + ")");
   }
   const uint64_t offset = static_cast<uint64_t>(static_cast<uint8_t*>(ptr) - base);
   if (offset + bytes > allocation_bytes) {
-    throw Error(ErrorCode::kInvalidUsage, "register_buffer: the buffer runs " +
+    throw Error(ErrorCode::kInvalidArgument, "register_buffer: the buffer runs " +
                                               std::to_string(offset + bytes - allocation_bytes) +
                                               " bytes past the end of its device allocation");
   }

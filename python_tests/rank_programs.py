@@ -104,6 +104,14 @@ def bad_inputs_raise_before_communicating(info) -> list[str]:
             messages.append(str(e))
         else:
             raise AssertionError(f"no {exc.__name__} for {kwargs}")
+    for exc, needle, bad in [(ValueError, "only CUDA tensors", x), (TypeError, "torch.Tensor", [1.0])]:
+        try:
+            comm.register_buffer(bad)
+        except exc as e:
+            assert needle in str(e), f"register_buffer's {exc.__name__} does not say {needle!r}: {e}"
+            messages.append(str(e))
+        else:
+            raise AssertionError(f"register_buffer({bad!r}) raised no {exc.__name__}")
     ref = torch.empty(8)
     dist.all_to_all_single(ref, x + info.rank)
     comm.all_to_all_single(out, x + info.rank)

@@ -20,7 +20,7 @@ def test_random_uneven_splits_match_gloo(world):
 
 def test_bad_input_raises_before_any_communication():
     messages = spawn(bad_inputs_raise_before_communicating, 2)
-    assert len(messages[0]) == 12  # one per bad call in rank_programs.bad_inputs_raise_before_communicating
+    assert len(messages[0]) == 14  # one per bad call in rank_programs.bad_inputs_raise_before_communicating
 
 
 @pytest.mark.parametrize("world", [2, 4])

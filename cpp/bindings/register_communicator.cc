@@ -178,6 +178,12 @@ void register_communicator(py::module_& m) {
       .def_property_readonly("data_path", &Communicator::data_path)
       .def_property_readonly("config", &Communicator::config)
       .def(
+          "register_buffer",
+          [](Communicator& c, uintptr_t ptr, uint64_t bytes) { return c.register_buffer(reinterpret_cast<void*>(ptr), bytes); },
+          py::arg("ptr"), py::arg("bytes"),
+          "Lets peers write this rank's receive blocks in [ptr, ptr + bytes) (device memory) directly. Local; "
+          "returns the registration's index.")
+      .def(
           "all_to_all",
           [](Communicator& c, uintptr_t send_ptr, uintptr_t recv_ptr, AllToAllLayout layout, int priority,
              bool caller_waits, uintptr_t stream) {

@@ -192,6 +192,24 @@ class Communicator:
         paths.update({f"cuda:{index}": core.data_path for index, core in sorted(self._cuda_cores.items())})
         return paths
 
+    def register_buffer(self, tensor: torch.Tensor) -> None:
+        """Lets peers write this rank's CUDA receive buffers that lie in `tensor`'s memory directly:
+        each received block is then one copy on a copy engine from the sender's input, with no
+        staging in the sender's arena and so no copy within a GPU, which drivers before CUDA 13.1
+        run as SM kernels (`data_paths` says which copies take SMs). Register the output buffers
+        you reuse (e.g. preallocated embedding outputs); the tensor must outlive this communicator.
+        Registering is local, but the first use of a GPU builds its core collectively: call it on
+        every rank at the same point, before the ops that receive into it. At most 16 per GPU."""
+        if not isinstance(tensor, torch.Tensor):
+            raise TypeError(f"register_buffer: tensor must be a torch.Tensor, got {type(tensor).__name__}")
+        if tensor.device.type != "cuda":
+            raise ValueError(f"register_buffer: tensor is on {tensor.device}; only CUDA tensors are registered "
+                             "(CPU tensors move through shared memory with no copy to avoid)")
+        if not tensor.is_contiguous() or tensor.numel() == 0:
+            raise ValueError("register_buffer: tensor must be contiguous and non-empty")
+        self._check_not_forked()
+        self._core_for(tensor.device).register_buffer(tensor.data_ptr(), tensor.numel() * tensor.element_size())
+
     @property
     def group(self) -> Optional[dist.ProcessGroup]:
         """The group it was built on; None once that group is destroyed (or if built on a store)."""
