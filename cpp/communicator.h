@@ -55,14 +55,14 @@ class Communicator {
   // stream: for CUDA buffers, the caller's stream: the transfer starts after what it holds now.
   std::shared_ptr<OpState> all_to_all(const uint8_t* send, uint8_t* recv, AllToAllLayout layout, int priority,
                                       bool caller_waits = false, uintptr_t stream = 0);
-  // Makes CUDA `stream` wait for `op`'s device work (transports with stream completion: ce,
-  // nvshmem; Unsupported otherwise): blocks the CPU until that work is enqueued, at most
-  // `timeout` (negative: none; false if it passed). InvalidUsage on the progress thread (from a
-  // done-callback) for an op not completed: nothing would enqueue its work while it blocks.
   // Lets peers write this rank's receive blocks that lie in [ptr, ptr + bytes), a device buffer
   // (ce transport), directly: no staging copy, and none within this GPU. Local (no peer takes
   // part); the buffer must outlive the communicator. Returns its index. kUnsupported elsewhere.
   int register_buffer(void* ptr, uint64_t bytes) { return transport_->register_buffer(ptr, bytes); }
+  // Makes CUDA `stream` wait for `op`'s device work (transports with stream completion: ce,
+  // nvshmem; Unsupported otherwise): blocks the CPU until that work is enqueued, at most
+  // `timeout` (negative: none; false if it passed). InvalidUsage on the progress thread (from a
+  // done-callback) for an op not completed: nothing would enqueue its work while it blocks.
   bool stream_wait(const std::shared_ptr<OpState>& op, uintptr_t stream,
                    std::chrono::microseconds timeout = std::chrono::microseconds(-1));
 

@@ -14,8 +14,9 @@
 
 namespace freescale {
 
-// "FSCSHM02": RingControl carries head_enqueued / tail_enqueued (a peer of an older build fails at setup).
-inline constexpr uint64_t kHostSegmentMagic = 0x46534353484d3032ull;
+// "FSCSHM03": RingControl carries head_enqueued / tail_enqueued, the segment registrations and
+// receive targets, SlotHeader flags (a peer of an older build fails at setup).
+inline constexpr uint64_t kHostSegmentMagic = 0x46534353484d3033ull;
 
 enum RankState : uint32_t { kRankRunning = 0, kRankClosed = 1, kRankAborted = 2 };
 
@@ -78,7 +79,7 @@ struct RecvTarget {
   std::atomic<uint64_t> seq_plus_1;  // seq + 1 of the op this entry describes
   uint64_t registration_plus_1;      // 0: not a registered buffer (the payload goes through slots)
   uint64_t offset;                   // of the receive block in that registration
-  uint64_t pad;
+  uint64_t bytes;                    // the receive block's size, as the owner expects it
 };
 static_assert(sizeof(RecvTarget) == 32, "RecvTarget crosses processes");
 static_assert(sizeof(SlotHeader) == 64, "SlotHeader crosses processes");

@@ -41,7 +41,7 @@ class Transport {
   virtual bool stream_wait(const OpState& /*op*/, uintptr_t /*stream*/, std::chrono::microseconds /*timeout*/) {
     throw Error(ErrorCode::kUnsupported, std::string("the ") + name() + " transport has no stream completion: call wait()");
   }
-  // Local, on the progress lock: lets peers write this rank's receive blocks that lie inside
+  // Local (any thread): lets peers write this rank's receive blocks that lie inside
   // [ptr, ptr + bytes) directly (a device buffer). Returns its index. Transports that always move
   // bytes through their own staging refuse with kUnsupported.
   virtual int register_buffer(void* /*ptr*/, uint64_t /*bytes*/) {

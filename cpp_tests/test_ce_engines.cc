@@ -314,6 +314,34 @@ TEST(CeEngines, RegisteredAndUnregisteredReceiversMixInOneOp) {
   expect_all_ok(outcomes);
 }
 
+// Ranks that disagree on a split never write past a registered receive block: a sender whose
+// block is not the size the receiver expects sends it through its arena, where the receiver's
+// size audit fails the op (both ranks) before a byte lands. Rank 0's registered buffer has
+// guard bytes right after its block from rank 1, which sends 64 KiB more than rank 0 expects.
+TEST(CeEngines, ASplitMismatchNeverWritesPastARegisteredBlock) {
+  auto outcomes = run_forked_ranks(2, [](int rank, Bootstrap& bootstrap) -> std::string {
+    EmulatedDevice device;
+    auto counts = uniform_counts(2, 256 << 10);
+    if (rank == 1) counts[1][0] += 64 << 10;  // rank 1 sends 320 KiB to rank 0, which expects 256 KiB
+    Exchange x(counts, rank, 12);
+    auto comm = ce_communicator(bootstrap, testing::small_config(), device);
+    const size_t guard = 128 << 10;
+    auto* recv = static_cast<uint8_t*>(device.device_alloc(x.recv.size() + guard));
+    std::memset(recv, 0xAB, x.recv.size() + guard);
+    comm->register_buffer(recv, x.recv.size() + guard);
+    bootstrap.allgather("");
+    // (rank 0 finds the mismatch; rank 1 learns it from rank 0's abort)
+    std::string e = testing::expect_comm_error(
+        [&] { comm->wait(comm->all_to_all(x.send.data(), recv, x.layout, 0, false), kForever); },
+        rank == 0 ? std::optional<ErrorCode>(ErrorCode::kSizeMismatch) : std::nullopt);
+    if (!e.empty()) return e;
+    for (size_t i = x.recv.size(); i < x.recv.size() + guard; ++i)
+      if (recv[i] != 0xAB) return "byte " + std::to_string(i - x.recv.size()) + " past the receive buffer was written";
+    return "";
+  }, std::chrono::seconds(120));
+  expect_all_ok(outcomes);
+}
+
 // An urgent op issued while a 256 MiB bulk op (4 ranks x 16 MiB per peer) is under way, on a
 // slowed device, completes first: the bulk op keeps at most a window (plus a chunk per ring and
 // lane) enqueued and not yet executed, so the urgent op's copies wait behind that, not behind

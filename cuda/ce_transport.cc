@@ -73,7 +73,8 @@ std::string ce_data_path(int driver_version, bool batch_copies) {
   const std::string driver = "driver " + driver_version_text(driver_version);
   const std::string registered =
       "; receive blocks in a buffer registered with Communicator.register_buffer are written by the sender "
-      "directly, one cross-device copy on a copy engine: no arena slot, no copy within a device but the self block";
+      "directly, one copy from its input (on a copy engine to another GPU): no arena slot, no copy within a device "
+      "but the self block";
   const std::string counters = registered +
       "; ring counters by stream memory writes and waits on counters peers already enqueued; Work.wait() returns "
       "to the CPU once this rank's last copy of the op is enqueued, up to a window ahead of the copies (none need "
@@ -240,7 +241,7 @@ class CeTransport final : public HostTransport {
   std::unordered_set<uint64_t> enqueued_;  // posted ops whose copies are all enqueued. Progress thread only.
   // Counter -> the highest value a lane was made to wait for (release_waits). Progress thread only.
   std::map<const std::atomic<uint64_t>*, std::pair<int, uint64_t>> awaited_;  // -> (writer's rank, value)
-  bool stuck_ = false;
+  bool stuck_ = false;  // quiesce() left a lane waiting: what it may still touch is never freed
   // Our registered buffers (register_buffer: any thread; before_post: progress thread).
   struct Registered {
     uint8_t* ptr;
@@ -251,7 +252,7 @@ class CeTransport final : public HostTransport {
   // Progress thread only: peers' registrations mapped here, (peer, index) -> the buffer's start,
   // and the allocations opened for them, IPC handle -> mapped base (each opened once).
   std::map<std::pair<int, int>, uint8_t*> peer_buffers_;
-  std::map<std::string, uint8_t*> opened_allocations_;  // quiesce() left a lane waiting: what it may still touch is never freed
+  std::map<std::string, uint8_t*> opened_allocations_;  // (null: could not be opened here)
 };
 
 CeTransport::CeTransport(Bootstrap& bootstrap, const Config& config, DeviceOps& ops)
@@ -358,7 +359,9 @@ void CeTransport::release() noexcept {
   for (int p = 0; p < world_; ++p) {
     if (p != rank_ && arena_ptr_[p] != nullptr) quietly([&] { ops_.ipc_close(arena_ptr_[p]); });
   }
-  for (const auto& [handle, base] : opened_allocations_) quietly([&, base = base] { ops_.ipc_close(base); });
+  for (const auto& [handle, base] : opened_allocations_) {
+    if (base != nullptr) quietly([&, base = base] { ops_.ipc_close(base); });
+  }
   opened_allocations_.clear();
   peer_buffers_.clear();
   if (arena_ptr_[rank_] != nullptr) quietly([&] { ops_.device_free(arena_ptr_[rank_]); });
@@ -405,6 +408,17 @@ void CeTransport::quiesce() {
   };
   for (const Lane& lane : lanes_) stuck_ = !drained(lane.stream) || stuck_;
   stuck_ = !drained(join_) || stuck_;
+  // Chunks peers copy straight into our registered buffers: each is followed on the peer's lane
+  // by its head write, so our buffers are the callers' again once every live peer's head reached
+  // what it enqueued.
+  for (int p = 0; p < world_; ++p) {
+    if (p == rank_) continue;
+    const RingControl* ring = ring_of(p, rank_);
+    while (!peer_gone(p) && ring->head.load(std::memory_order_acquire) < ring->head_enqueued.load(std::memory_order_acquire) &&
+           std::chrono::steady_clock::now() < deadline) {
+      std::this_thread::sleep_for(std::chrono::microseconds(200));
+    }
+  }
   if (stuck_) gate_.leak();  // a waiting lane's flush events, and the join stream's, stay valid
 }
 
@@ -480,7 +494,15 @@ int CeTransport::register_buffer(void* ptr, uint64_t bytes) {
                                               std::to_string(offset + bytes - allocation_bytes) +
                                               " bytes past the end of its device allocation");
   }
-  const std::string handle = ops_.ipc_handle(base);
+  std::string handle;
+  try {
+    handle = ops_.ipc_handle(base);
+  } catch (const Error& e) {
+    throw Error(ErrorCode::kUnsupported,
+                "register_buffer: CUDA cannot share this buffer's allocation with other processes (" + e.message() +
+                    "); PyTorch's expandable_segments and cudaMallocAsync allocations cannot be: allocate it "
+                    "with the default caching allocator");
+  }
   std::lock_guard<std::mutex> lock(registered_mu_);
   const int index = static_cast<int>(registered_buffers_.size());
   if (index >= kMaxRegistrations) {
@@ -503,6 +525,7 @@ void CeTransport::before_post(const OpState& op) {
     RecvTarget* target = recv_target_of(rank_, op.seq, src);
     target->registration_plus_1 = 0;
     const uint64_t bytes = op.layout.recv_bytes[src];
+    target->bytes = bytes;
     uint8_t* start = nullptr;
     int pieces = 0;
     if (bytes > 0) {
@@ -525,10 +548,13 @@ void CeTransport::before_post(const OpState& op) {
 }
 
 uint8_t* CeTransport::direct_target(int peer, const OpState& op, uint64_t offset) {
-  if (peer_posted(peer) <= op.seq) return nullptr;  // its receive targets are not written yet
+  if (peer_posted(peer) <= op.seq || peer_gone(peer)) return nullptr;  // (its receive targets are not written yet)
   const RecvTarget* target = recv_target_of(peer, op.seq, rank_);
+  const uint64_t block = op.layout.send_bytes[peer];
+  // Only a block of the size the peer expects: a mismatch goes through the arena, where the
+  // receiver's size audit fails the op before a byte lands in its buffer.
   if (target->seq_plus_1.load(std::memory_order_acquire) != op.seq + 1 || target->registration_plus_1 == 0 ||
-      target->registration_plus_1 > static_cast<uint64_t>(kMaxRegistrations)) {
+      target->registration_plus_1 > static_cast<uint64_t>(kMaxRegistrations) || target->bytes != block) {
     return nullptr;
   }
   const int index = static_cast<int>(target->registration_plus_1 - 1);
@@ -539,13 +565,20 @@ uint8_t* CeTransport::direct_target(int peer, const OpState& op, uint64_t offset
     std::string handle(entry->handle, strnlen(entry->handle, sizeof(entry->handle)));
     auto opened = opened_allocations_.find(handle);
     if (opened == opened_allocations_.end()) {
-      opened = opened_allocations_.emplace(handle, static_cast<uint8_t*>(ops_.ipc_open(handle))).first;
+      uint8_t* base = nullptr;
+      try {
+        base = static_cast<uint8_t*>(ops_.ipc_open(handle));
+      } catch (const std::exception&) {
+        // Not mappable here: this registration's chunks go through the arena.
+      }
+      opened = opened_allocations_.emplace(handle, base).first;
     }
-    it = peer_buffers_.emplace(std::make_pair(peer, index), opened->second + entry->offset).first;
+    it = peer_buffers_.emplace(std::make_pair(peer, index),
+                               opened->second != nullptr ? opened->second + entry->offset : nullptr).first;
   }
+  if (it->second == nullptr) return nullptr;
   const Registration* entry = registration_of(peer, index);
-  const uint64_t block = op.layout.send_bytes[peer];
-  if (target->offset + block > entry->bytes) {
+  if (target->offset > entry->bytes || block > entry->bytes - target->offset) {
     throw CommError(ErrorCode::kCommError, "rank " + std::to_string(peer) + " announced a receive block past the end of "
                                            "its registered buffer: its shared memory is corrupt", peer);
   }
@@ -564,7 +597,7 @@ void CeTransport::fill_slot(int peer, uint64_t index, SlotHeader* slot, const Op
   Lane& lane = lane_of(peer);
   RingControl* ring = ring_of(rank_, peer);
   const uint64_t slots = arenas_[rank_].slots_per_ring;
-  if (index >= slots) {  // the slot's previous chunk: landed by the peer first
+  if (index >= slots && direct == nullptr) {  // the slot's previous chunk: landed by the peer first
     lane.waits[&ring->tail] = {rank_, std::max(lane.waits[&ring->tail].second, index + 1 - slots)};
   }
   lane.counters[&ring->head] = {rank_, index + 1};  // after the copy, at the flush

@@ -161,6 +161,7 @@ class Communicator:
             config.timeout_ms = max(1, int(timeout.total_seconds() * 1000))
         self._bootstrap, self._timeout_ms = bootstrap, config.timeout_ms
         self._cuda_cores: dict[int, Any] = {}  # device index -> core moving that GPU's tensors
+        self._registered: list[torch.Tensor] = []  # register_buffer's tensors, kept alive
         if config.transport in ("ce", "nvshmem"):
             config.transport = "host"  # the knob picks the GPU transport; CPU tensors take host
         self._owner_pid = os.getpid()
@@ -209,6 +210,7 @@ class Communicator:
             raise ValueError("register_buffer: tensor must be contiguous and non-empty")
         self._check_not_forked()
         self._core_for(tensor.device).register_buffer(tensor.data_ptr(), tensor.numel() * tensor.element_size())
+        self._registered.append(tensor)  # its memory must not be freed and reused while peers write it
 
     @property
     def group(self) -> Optional[dist.ProcessGroup]:
