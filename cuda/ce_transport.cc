@@ -631,8 +631,15 @@ void CeTransport::release_slot(int src, uint64_t index) {
 
 void CeTransport::land(int src, OpState& op, const SlotHeader& h, const uint8_t* payload, bool last) {
   CopyList copies;
-  // A direct chunk is in our buffer once the sender's head passed it (release_slot's wait).
-  if ((h.flags & kSlotDirect) == 0) copies.to_recv_block(op, src, h.offset, h.bytes, payload);
+  // A direct chunk is in our buffer once the sender's head passed it (release_slot's wait); only
+  // a block we described as registered can be one (else nothing would ever write it).
+  if ((h.flags & kSlotDirect) == 0) {
+    copies.to_recv_block(op, src, h.offset, h.bytes, payload);
+  } else if (recv_target_of(rank_, op.seq, src)->registration_plus_1 == 0) {
+    throw CommError(ErrorCode::kCommError, "rank " + std::to_string(src) + " says it wrote a chunk of op #" +
+                                           std::to_string(op.seq) + " into a buffer of rank " + std::to_string(rank_) +
+                                           " that is not registered: its shared memory is corrupt", src);
+  }
   add_copies(lane_index(src), op, copies.batch);
   if (last) {
     lane_of(src).finishing.push_back(Part{op.seq, src});
