@@ -156,7 +156,12 @@ class CeTransport final : public HostTransport {
     // This round's work, enqueued by flush(): waits for the device counters (peers' heads and
     // tails) the round's copies depend on, the copies, then each counter's last value.
     using Counters = std::map<const std::atomic<uint64_t>*, std::pair<int, uint64_t>>;  // -> (segment owner, value)
-    Counters waits;
+    struct Wait {
+      int owner;   // whose control segment holds the counter
+      int writer;  // whose device writes it
+      uint64_t value;
+    };
+    std::map<const std::atomic<uint64_t>*, Wait> waits;
     CopyBatch copies;
     Counters counters;
     // After the flush, the host tells peers what it enqueued: (word, value, peer to wake).
@@ -174,6 +179,11 @@ class CeTransport final : public HostTransport {
     uint64_t flushes = 0;  // flushes enqueued so far (this round's will be number flushes + 1)
     uint64_t retired = 0;  // flushes known to have run (the first `retired` of them)
     uint64_t outstanding() const { return in_flight_bytes + pending_bytes; }
+    // This round's copies wait until `counter` >= value (the highest asked for).
+    void await(const std::atomic<uint64_t>* counter, int owner, int writer, uint64_t value) {
+      Wait& w = waits.try_emplace(counter, Wait{owner, writer, 0}).first->second;
+      w.value = std::max(w.value, value);
+    }
   };
 
   // Collective over `bootstrap`: device resources, then the arenas' exchange. Throws (on every
@@ -201,12 +211,6 @@ class CeTransport final : public HostTransport {
   // peer that died or aborted): each gets the highest value awaited. Never for a live peer: our
   // lane would then overwrite a slot it may still be reading.
   void release_waits();
-  // The peer whose device writes this tail of one of our rings.
-  int lane_peer_of_tail(const std::atomic<uint64_t>* tail) const {
-    for (int p = 0; p < world_; ++p)
-      if (p != rank_ && &ring_of(rank_, p)->tail == tail) return p;
-    return rank_;
-  }
   // Queues op's copies `batch` on `lane` for this round's flush.
   void add_copies(int lane, const OpState& op, const CopyBatch& batch);
   // Bytes of copies enqueued on all lanes (or about to be) and not yet executed.
@@ -598,11 +602,11 @@ void CeTransport::fill_slot(int peer, uint64_t index, SlotHeader* slot, const Op
   RingControl* ring = ring_of(rank_, peer);
   const uint64_t slots = arenas_[rank_].slots_per_ring;
   if (index >= slots && direct == nullptr) {  // the slot's previous chunk: landed by the peer first
-    lane.waits[&ring->tail] = {rank_, std::max(lane.waits[&ring->tail].second, index + 1 - slots)};
+    lane.await(&ring->tail, rank_, peer, index + 1 - slots);
   }
   lane.counters[&ring->head] = {rank_, index + 1};  // after the copy, at the flush
   lane.publish.emplace_back(&ring->head_enqueued, index + 1, peer);
-  if (offset + bytes == op.layout.send_bytes[peer]) lane_of(peer).closes_part = true;
+  if (offset + bytes == op.layout.send_bytes[peer]) lane.closes_part = true;
 }
 
 bool CeTransport::sends_settled(const OpState& op) {
@@ -624,7 +628,7 @@ void CeTransport::release_slot(int src, uint64_t index) {
   // tail follows them, at the flush.
   Lane& lane = lane_of(src);
   RingControl* ring = ring_of(src, rank_);
-  lane.waits[&ring->head] = {src, std::max(lane.waits[&ring->head].second, index + 1)};
+  lane.await(&ring->head, src, src, index + 1);
   lane.counters[&ring->tail] = {src, index + 1};
   lane.publish.emplace_back(&ring->tail_enqueued, index + 1, src);
 }
@@ -656,15 +660,15 @@ bool CeTransport::flush() {
     std::optional<Event> flushed = gate_.try_take_event();
     if (!flushed) continue;  // every pooled event is on a flush or an op: this round waits for one
     try {
-      for (const auto& [counter, target] : lane.waits) {
+      for (const auto& [counter, wait] : lane.waits) {
         // Written already: the work before it ran (the device writes a counter after it).
-        if (counter->load(std::memory_order_acquire) >= target.second) continue;
+        if (counter->load(std::memory_order_acquire) >= wait.value) continue;
         // The peer's host enqueued the device write this waits for before it told us (published):
         // a wait on work CUDA sees ordered before it (design.md §4).
-        ops_.wait_value64(lane.stream, device_address(counter, target.first), target.second, WaitCmp::kGeq);
+        ops_.wait_value64(lane.stream, device_address(counter, wait.owner), wait.value, WaitCmp::kGeq);
         auto& [writer, most] = awaited_[counter];
-        writer = target.first != rank_ ? target.first : lane_peer_of_tail(counter);
-        most = std::max(most, target.second);
+        writer = wait.writer;
+        most = std::max(most, wait.value);
       }
       if (!lane.copies.empty()) ops_.copy_batch(lane.stream, lane.copies);
       for (const auto& [counter, target] : lane.counters) {

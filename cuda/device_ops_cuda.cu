@@ -8,6 +8,7 @@
 
 #include "cpp/errors.h"
 #include "cuda/device_ops.h"
+#include "cuda/device_util.h"
 #include "cuda/driver_api.h"
 
 namespace freescale {
@@ -191,10 +192,11 @@ class CudaDeviceOps final : public DeviceOps {
   std::string ipc_handle(void* ptr) override {
     cudaIpcMemHandle_t handle;
     check_cuda(cudaIpcGetMemHandle(&handle, ptr), "cudaIpcGetMemHandle");
-    return to_hex(handle);
+    return to_hex(&handle, sizeof(handle));
   }
   void* ipc_open(const std::string& hex) override {
-    cudaIpcMemHandle_t handle = from_hex<cudaIpcMemHandle_t>(hex);
+    cudaIpcMemHandle_t handle;
+    from_hex(hex, &handle, sizeof(handle));
     void* p = nullptr;
     check_cuda(cudaIpcOpenMemHandle(&p, handle, cudaIpcMemLazyEnablePeerAccess), "cudaIpcOpenMemHandle");
     return p;
@@ -216,36 +218,17 @@ class CudaDeviceOps final : public DeviceOps {
   std::string ipc_event_handle(Event event) override {
     cudaIpcEventHandle_t handle;
     check_cuda(cudaIpcGetEventHandle(&handle, as_event(event)), "cudaIpcGetEventHandle");
-    return to_hex(handle);
+    return to_hex(&handle, sizeof(handle));
   }
   Event ipc_open_event(const std::string& hex) override {
-    cudaIpcEventHandle_t handle = from_hex<cudaIpcEventHandle_t>(hex);
+    cudaIpcEventHandle_t handle;
+    from_hex(hex, &handle, sizeof(handle));
     cudaEvent_t ev = nullptr;
     check_cuda(cudaIpcOpenEventHandle(&ev, handle), "cudaIpcOpenEventHandle");
     return reinterpret_cast<Event>(ev);
   }
 
  private:
-  template <typename Handle>
-  static std::string to_hex(const Handle& handle) {
-    static const char* digits = "0123456789abcdef";
-    std::string hex;
-    const auto* b = reinterpret_cast<const unsigned char*>(&handle);
-    for (size_t i = 0; i < sizeof(handle); ++i) {
-      hex += digits[b[i] >> 4];
-      hex += digits[b[i] & 15];
-    }
-    return hex;
-  }
-  template <typename Handle>
-  static Handle from_hex(const std::string& hex) {
-    Handle handle;
-    if (hex.size() != 2 * sizeof(handle)) throw CommError(ErrorCode::kCommError, "a malformed CUDA IPC handle from a peer");
-    auto* b = reinterpret_cast<unsigned char*>(&handle);
-    for (size_t i = 0; i < sizeof(handle); ++i) b[i] = static_cast<unsigned char>(std::stoi(hex.substr(2 * i, 2), nullptr, 16));
-    return handle;
-  }
-
   std::atomic<bool> batch_api_{true};  // cudaMemcpyBatchAsync works here (else per-copy)
 };
 

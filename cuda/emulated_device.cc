@@ -51,6 +51,11 @@ int new_memfd(size_t bytes, const char* what) {
   return fd;
 }
 
+// This process's memfd `fd` of `bytes` as a handle a peer opens with open_peer_fd: "pid:fd:bytes".
+std::string peer_fd_handle(int fd, size_t bytes) {
+  return std::to_string(getpid()) + ":" + std::to_string(fd) + ":" + std::to_string(bytes);
+}
+
 // "pid:fd:bytes" -> the peer's memfd opened here.
 int open_peer_fd(const std::string& handle, size_t* bytes) {
   long pid = 0, fd = 0;
@@ -446,7 +451,7 @@ Event EmulatedDevice::create_ipc_event() {
 std::string EmulatedDevice::ipc_event_handle(Event event) {
   std::shared_ptr<EventState> ev = event_of(event);
   if (ev->fd < 0) throw Error(ErrorCode::kSystem, "emulated cudaIpcGetEventHandle: not an inter-process event");
-  return std::to_string(getpid()) + ":" + std::to_string(ev->fd) + ":" + std::to_string(EventState::kIpcEventBytes);
+  return peer_fd_handle(ev->fd, EventState::kIpcEventBytes);
 }
 
 Event EmulatedDevice::ipc_open_event(const std::string& handle) {
@@ -669,7 +674,7 @@ std::string EmulatedDevice::ipc_handle(void* ptr) {
   if (it == allocations_.end() || it->second.fd < 0) {
     throw Error(ErrorCode::kSystem, "emulated cudaIpcGetMemHandle: not a device allocation");
   }
-  return std::to_string(getpid()) + ":" + std::to_string(it->second.fd) + ":" + std::to_string(it->second.bytes);
+  return peer_fd_handle(it->second.fd, it->second.bytes);
 }
 
 void* EmulatedDevice::ipc_open(const std::string& handle) {
@@ -764,7 +769,7 @@ std::string EmulatedShmem::unique_id() {
     rendezvous_ = map_fd(rendezvous_fd_, sizeof(Rendezvous));
     new (rendezvous_) Rendezvous{};
   }
-  return std::to_string(getpid()) + ":" + std::to_string(rendezvous_fd_) + ":" + std::to_string(sizeof(Rendezvous));
+  return peer_fd_handle(rendezvous_fd_, sizeof(Rendezvous));
 }
 
 int EmulatedShmem::init(const std::string& unique_id, int rank, int world) {
