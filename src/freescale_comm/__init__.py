@@ -22,6 +22,14 @@ from freescale_comm.work import Work
 
 __version__: str = build_info()["version"]
 
+
+def __getattr__(name: str) -> object:
+    """TrainPipelinePEC imports torchrec: loaded on first use, so `import freescale_comm` does not need it."""
+    if name == "TrainPipelinePEC":
+        from freescale_comm.pipelines import TrainPipelinePEC
+        return TrainPipelinePEC
+    raise AttributeError(f"module 'freescale_comm' has no attribute {name!r}")
+
 register_backend()
 
 __all__ = [

@@ -1,0 +1,221 @@
+"""Rank functions for fc.TrainPipelinePEC: the same DMP model trained by TorchRec's
+TrainPipelineSparseDist and by the PEC pipeline on the same data must agree (losses, outputs, final
+weights, optimizer state); a staleness oracle checks every row each batch reads."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+import torch.fx
+from torch import nn
+from torchrec import EmbeddingBagCollection, EmbeddingCollection, KeyedJaggedTensor
+from torchrec.distributed import DistributedModelParallel
+from torchrec.distributed.embedding import EmbeddingCollectionSharder
+from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
+from torchrec.distributed.sharding_plan import column_wise, construct_module_sharding_plan, row_wise, table_wise
+from torchrec.distributed.train_pipeline import TrainPipelineSparseDist
+from torchrec.distributed.types import ShardingEnv, ShardingPlan
+from torchrec.modules.embedding_configs import EmbeddingBagConfig, EmbeddingConfig, PoolingType
+from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizerWrapper
+from torchrec.optim.optimizers import in_backward_optimizer_filter
+from torchrec.streamable import Pipelineable
+from fbgemm_gpu.split_embedding_configs import EmbOptimType
+
+import freescale_comm as fc
+
+DIM = 8
+ROWS = 40  # per table: small, so collisions are plentiful
+POOLED = {"user": "row_wise", "ctx": "table_wise", "geo": "column_wise"}  # EBC feature -> sharding
+SEQUENCE = {"items": "row_wise", "cats": "table_wise", "hist": "column_wise"}  # EC feature -> sharding
+OPTIMIZERS = {"sgd": EmbOptimType.EXACT_SGD, "rowwise_adagrad": EmbOptimType.EXACT_ROWWISE_ADAGRAD,
+              "adagrad": EmbOptimType.EXACT_ADAGRAD}
+
+
+@dataclass
+class Batch(Pipelineable):
+    pooled: KeyedJaggedTensor
+    sequence: KeyedJaggedTensor
+    label: torch.Tensor  # float [B]
+
+    def to(self, device: torch.device, non_blocking: bool = False) -> "Batch":
+        return Batch(self.pooled.to(device, non_blocking), self.sequence.to(device, non_blocking),
+                     self.label.to(device, non_blocking=non_blocking))
+
+    def record_stream(self, stream: torch.Stream) -> None:
+        self.pooled.record_stream(stream)
+        self.sequence.record_stream(stream)
+
+    def pin_memory(self) -> "Batch":
+        return self
+
+
+def _ids(previous: Optional[torch.Tensor], n: int, collision: float, gen: torch.Generator) -> torch.Tensor:
+    """n ids in [0, ROWS): a `collision` share drawn from `previous` (the last batch's ids of this
+    feature, all ranks), the rest from rows `previous` does not hold."""
+    if previous is None or previous.numel() == 0:
+        return torch.randint(0, ROWS, (n,), generator=gen)
+    reuse = torch.rand(n, generator=gen) < collision
+    fresh_pool = torch.tensor(sorted(set(range(ROWS)) - set(previous.tolist())), dtype=torch.int64)
+    if fresh_pool.numel() == 0:
+        reuse[:] = True
+    ids = previous[torch.randint(0, previous.numel(), (n,), generator=gen)]
+    if fresh_pool.numel():
+        ids = torch.where(reuse, ids, fresh_pool[torch.randint(0, fresh_pool.numel(), (n,), generator=gen)])
+    return ids
+
+
+def make_batches(steps: int, world: int, collision: float, seed: int = 0, batch: int = 4,
+                 empty: str = "ids") -> list[list[Batch]]:
+    """batches[step][rank]. The last step's batches are smaller (uneven), and rank world-1's batch at
+    step 2 is empty: samples without a single id (`empty="ids"`), or no samples at all
+    (`empty="samples"`: TorchRec 1.8's TrainPipelineSparseDist fails on those, in
+    construct_jagged_tensors). Collisions are between consecutive steps, across ranks."""
+    gen = torch.Generator().manual_seed(seed)
+    out: list[list[Batch]] = []
+    previous: dict[str, torch.Tensor] = {}
+    for step in range(steps):
+        sizes = [batch - 2 if step == steps - 1 else batch for _ in range(world)]
+        if step == 2 and world > 1 and empty == "samples":
+            sizes[-1] = 0
+        lengths = {f: [torch.randint(0, 4, (sizes[r],), generator=gen) for r in range(world)]
+                   for f in list(POOLED) + list(SEQUENCE)}
+        if step == 2 and world > 1:
+            for f in lengths:
+                lengths[f][-1].zero_()
+        values = {f: _ids(previous.get(f), int(sum(int(l.sum()) for l in lengths[f])), collision, gen) for f in lengths}
+        previous = values
+        row = []
+        for r in range(world):
+            def kjt(features: dict) -> KeyedJaggedTensor:
+                vals, lens = [], []
+                for f in features:
+                    start = int(sum(int(l.sum()) for l in lengths[f][:r]))
+                    vals.append(values[f][start:start + int(lengths[f][r].sum())])
+                    lens.append(lengths[f][r])
+                return KeyedJaggedTensor(keys=list(features), values=torch.cat(vals), lengths=torch.cat(lens))
+            row.append(Batch(kjt(POOLED), kjt(SEQUENCE), torch.randint(0, 2, (sizes[r],), generator=gen).float()))
+        out.append(row)
+    return out
+
+
+@torch.fx.wrap
+def _mean_rows(values: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+    segment = torch.repeat_interleave(torch.arange(lengths.numel()), lengths)
+    sums = torch.zeros(lengths.numel(), values.shape[1], dtype=values.dtype).index_add_(0, segment, values)
+    return sums / lengths.clamp(min=1).unsqueeze(1).to(values.dtype)
+
+
+class Model(nn.Module):
+    """EBC (pooled) and EC (mean over each history) into a linear head; forward returns
+    (loss summed over samples, logits)."""
+
+    def __init__(self, device: torch.device, pooling: PoolingType = PoolingType.SUM) -> None:
+        super().__init__()
+        self.ebc = EmbeddingBagCollection(tables=[
+            EmbeddingBagConfig(name=f"t_{f}", embedding_dim=DIM, num_embeddings=ROWS, feature_names=[f], pooling=pooling)
+            for f in POOLED], device=device)
+        self.ec = EmbeddingCollection(tables=[
+            EmbeddingConfig(name=f"t_{f}", embedding_dim=DIM, num_embeddings=ROWS, feature_names=[f])
+            for f in SEQUENCE], device=device)
+        self.head = nn.Linear(DIM * (len(POOLED) + len(SEQUENCE)), 1)
+
+    def forward(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
+        pooled = self.ebc(batch.pooled)
+        sequences = self.ec(batch.sequence)
+        means = [_mean_rows(sequences[f].values(), sequences[f].lengths()) for f in SEQUENCE]
+        logits = self.head(torch.cat([pooled.values(), *means], dim=1)).squeeze(1)
+        loss = nn.functional.binary_cross_entropy_with_logits(logits, batch.label, reduction="sum")
+        return loss, logits.detach()
+
+
+def _spec(kind: str, world: int, table_rank: int):
+    if kind == "row_wise":
+        return row_wise(compute_kernel="fused")
+    if kind == "column_wise":
+        return column_wise(ranks=[r % world for r in range(2)], compute_kernel="fused")
+    return table_wise(rank=table_rank % world, compute_kernel="fused")
+
+
+def build(pg: dist.ProcessGroup, optimizer: str, model_cls: type = Model, **model_kwargs) -> tuple:
+    world = dist.get_world_size(pg)
+    torch.manual_seed(0)
+    fused = {"optimizer": OPTIMIZERS[optimizer], "learning_rate": 0.1 if optimizer == "sgd" else 0.05}
+    if "fused_params" in model_kwargs:
+        fused = model_kwargs.pop("fused_params")
+    sharders = (EmbeddingBagCollectionSharder(fused_params=fused), EmbeddingCollectionSharder(fused_params=fused))
+    model = model_cls(torch.device("meta"), **model_kwargs)
+    ebc = construct_module_sharding_plan(model.ebc, {f"t_{f}": _spec(k, world, i) for i, (f, k) in enumerate(POOLED.items())},
+                                         sharders[0], local_size=world, world_size=world, device_type="cpu")
+    ec = construct_module_sharding_plan(model.ec, {f"t_{f}": _spec(k, world, i + 1) for i, (f, k) in enumerate(SEQUENCE.items())},
+                                        sharders[1], local_size=world, world_size=world, device_type="cpu")
+    dmp = DistributedModelParallel(model, env=ShardingEnv.from_process_group(pg), device=torch.device("cpu"),
+                                   plan=ShardingPlan({"ebc": ebc, "ec": ec}), sharders=list(sharders))
+    dense = KeyedOptimizerWrapper(dict(in_backward_optimizer_filter(dmp.named_parameters())),
+                                  lambda params: torch.optim.SGD(params, lr=0.1))
+    return dmp, CombinedOptimizer([dmp.fused_optimizer, dense])
+
+
+def _local(value: object) -> torch.Tensor:
+    if hasattr(value, "local_shards"):
+        shards = value.local_shards()
+        return torch.cat([s.tensor.flatten() for s in shards]) if shards else torch.empty(0)
+    return value.detach().clone() if isinstance(value, torch.Tensor) else torch.tensor(float(value))
+
+
+def _state(dmp: nn.Module, optimizer: CombinedOptimizer) -> dict[str, torch.Tensor]:
+    out = {f"weight:{k}": _local(v).clone() for k, v in dmp.state_dict().items()}
+    for param, state in optimizer.state_dict()["state"].items():
+        for k, v in state.items():
+            out[f"state:{param}:{k}"] = _local(v).clone()
+    return out
+
+
+def train(pg: dist.ProcessGroup, pipeline: str, optimizer: str, batches: list[list[Batch]], **kwargs) -> dict:
+    rank = dist.get_rank(pg)
+    dmp, opt = build(pg, optimizer)
+    if pipeline == "sparse_dist":
+        pipe = TrainPipelineSparseDist(dmp, opt, torch.device("cpu"))
+    else:
+        pipe = fc.TrainPipelinePEC(dmp, opt, torch.device("cpu"), group=pg, **kwargs)
+    feed = iter([b[rank] for b in batches])
+    outputs = []
+    while True:
+        try:
+            outputs.append(pipe.progress(feed).clone())
+        except StopIteration:
+            break
+    if hasattr(pipe, "close"):
+        pipe.close()
+    return {"outputs": outputs, "state": _state(dmp, opt)}
+
+
+def pec_matches_sparse_dist(info, steps: int, collisions: list[float], optimizers: list[str]) -> dict:
+    """For each (collision, optimizer): TrainPipelineSparseDist then TrainPipelinePEC on the same
+    batches; returns per case the worst differences (0.0 = bit-identical) by what was compared."""
+    pg = dist.group.WORLD
+    world = dist.get_world_size()
+    report = {}
+    for collision in collisions:
+        batches = make_batches(steps, world, collision, seed=int(collision * 100) + 7)
+        for optimizer in optimizers:
+            ref = train(pg, "sparse_dist", optimizer, batches)
+            pec = train(pg, "pec", optimizer, batches)
+            case = f"collision={collision} optimizer={optimizer}"
+            assert len(ref["outputs"]) == len(pec["outputs"]) == steps, (case, len(ref["outputs"]), len(pec["outputs"]))
+            out_diff = max((_rel(a, b) for a, b in zip(ref["outputs"], pec["outputs"])), default=0.0)
+            assert ref["state"].keys() == pec["state"].keys(), (case, sorted(ref["state"]), sorted(pec["state"]))
+            state_diff = {k: _rel(ref["state"][k], pec["state"][k]) for k in ref["state"]}
+            report[case] = {"outputs": out_diff, "state": state_diff}
+    return report
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    """Largest |a - b| / max(|a|, 1e-30) elementwise; inf when shapes differ."""
+    if a.shape != b.shape:
+        return float("inf")
+    if a.numel() == 0:
+        return 0.0
+    return float(((a - b).abs() / a.abs().clamp(min=1e-30)).max())

@@ -1,0 +1,343 @@
+"""PEC's per-step messages over one Communicator, for every slot of a Catalog at once.
+
+Program order, identical on every rank (so the Communicator's sequence numbers match them):
+
+  prefetch(N+1), while batch N computes:
+    counts   int64  requester -> owner: ids per owned slot, + 1 if the rank has batch N+1 (low)
+    ids      int64  the shard rows asked, by owned slot                                    (low)
+    flags    uint8  owner -> requester: per entry of N, is its row read by N+1 (gradient
+                    goes first); per entry of N+1, is its row read by N (fetch waits)      (low)
+    NOL rows f32    owner -> requester: N+1's rows N does not read, looked up now after every
+                    earlier update (N-1's deferred gradients are applied first)             (low)
+  gradients(N), after N's backward:
+    OL grads  f32   requester -> owner: gradients of rows N+1 reads                        (high)
+    NOL grads f32   the rest, applied by the owner before it next looks a row up     (deferred)
+    OL rows   f32   owner -> requester: N+1's rows N read, looked up after N's OL update   (high)
+
+A row of N+1 is OL if any rank read it (through any feature of its table) in N; both sides see
+the same flags, so sizes are known before every exchange. Updates go through the TBE's fused
+backward (the optimizer TorchRec configured), one call per TBE and partition; OL and NOL rows are
+disjoint, so each row gets exactly the update synchronous training gives it. Runs on one thread."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+
+from freescale_comm.communicator import Communicator
+from freescale_comm._core import CommError
+from freescale_comm.pipelines._catalog import Catalog, LocalShard, Slot
+
+
+@dataclass
+class Asks:
+    """One batch as requester: per slot, the shard rows asked and where they go."""
+
+    rows: list[torch.Tensor]  # per slot: int64 [n_s] shard rows, in the feature's id order
+    positions: list[Optional[torch.Tensor]]  # per slot: int64 positions in the feature (None: 0..n-1)
+    pieces: list[torch.Tensor] = field(default_factory=list)  # per slot: float [n_s, cols] received rows
+    fetch_ol: list[torch.Tensor] = field(default_factory=list)  # per slot: bool [n_s], row waits for N
+    grad_ol: list[Optional[torch.Tensor]] = field(default_factory=list)  # per slot: bool [n_s] or None (all)
+    step: int = 0
+
+
+@dataclass
+class Served:
+    """One batch as owner: per owned slot and requester, the shard rows asked."""
+
+    asked: dict[int, list[torch.Tensor]]  # slot index -> [world] int64 rows
+    touched: dict[tuple, torch.Tensor]  # table shard -> unique rows read by anyone
+    fetch_ol: dict[int, list[torch.Tensor]] = field(default_factory=dict)  # slot -> [world] bool
+    grad_ol: Optional[dict[int, list[torch.Tensor]]] = None  # slot -> [world] bool; None: all OL
+
+
+@dataclass
+class _InFlight:
+    """Gradients arriving at this rank (as owner) for one batch and partition."""
+
+    work: object
+    buffer: torch.Tensor
+    splits: list[int]
+    rows_of: dict[int, list[torch.Tensor]]  # owned slot -> [world] int64: the shard rows they are for
+    step: int
+    lrs: dict[int, float]
+    divisor: int  # TorchRec divides embedding gradients by the world size (comm_ops.GRADIENT_DIVISION)
+
+
+class PecExchange:
+    """Both sides of PEC for one pipeline. `early_overlap_reads` is a mutation for tests: OL rows
+    are sent with the NOL rows, before the update they wait for (stale reads)."""
+
+    def __init__(self, comm: Communicator, catalog: Catalog, high: int, low: int, deferred: int,
+                 early_overlap_reads: bool = False) -> None:
+        self.comm, self.catalog = comm, catalog
+        self.rank, self.world = comm.rank, comm.world_size
+        self.high, self.low, self.deferred = high, low, deferred
+        self.early_overlap_reads = early_overlap_reads
+        self.owned = [s.index for s in catalog.owned_by(self.rank)]  # slots I serve, in order
+        self.owned_by = [[s.index for s in catalog.owned_by(r)] for r in range(self.world)]
+        self.cols = [s.cols for s in catalog.slots]
+        self.current: Optional[tuple[Asks, Served]] = None  # fetched batch N, gradients pending
+        self.next: Optional[tuple[Asks, Served]] = None  # prefetched batch N+1, OL rows pending
+        self.deferred_grads: Optional[_InFlight] = None
+        tbes = {id(s.tbe): s.tbe for s in catalog.local.values()}
+        self.tbes = list(tbes.values())
+        self.iter_base = {id(t): int(t.iter.item()) for t in self.tbes}  # the TBEs' step counters at start
+
+    # -- helpers -----------------------------------------------------------------------------------
+    def _a2a(self, out: torch.Tensor, inp: torch.Tensor, out_splits: list[int], in_splits: list[int],
+             priority: int):
+        return self.comm.all_to_all_single(out, inp, out_splits, in_splits, priority=priority, async_op=True)
+
+    def _slot(self, index: int) -> Slot:
+        return self.catalog.slots[index]
+
+    # -- prefetch ----------------------------------------------------------------------------------
+    def prefetch(self, asks: Optional[Asks]) -> bool:
+        """Starts batch N+1 (`asks`; None: this rank has no more data) up to its NOL rows in place.
+        Returns whether there is a batch N+1 (all ranks must agree)."""
+        # counts: per owner, my ids per slot it owns, then whether I have a next batch
+        send = []
+        for o in range(self.world):
+            send += [asks.rows[s].numel() if asks is not None else 0 for s in self.owned_by[o]]
+            send.append(1 if asks is not None else 0)
+        recv = torch.empty(self.world * (len(self.owned) + 1), dtype=torch.int64)
+        self._a2a(recv, torch.tensor(send, dtype=torch.int64), [len(self.owned) + 1] * self.world,
+                  [len(self.owned_by[o]) + 1 for o in range(self.world)], self.low).wait()
+        per_rank = recv.view(self.world, len(self.owned) + 1)
+        has_next = per_rank[:, -1].tolist()
+        if any(has_next) and not all(has_next):
+            raise CommError(f"ranks {[r for r, h in enumerate(has_next) if not h]} ran out of data while ranks "
+                            f"{[r for r, h in enumerate(has_next) if h]} still had a batch: every rank's dataloader "
+                            "must yield the same number of batches")
+        if not has_next[0]:
+            self._apply_deferred()
+            return False
+        counts = per_rank[:, :-1]  # [requester, owned slot]
+        # ids
+        inp = torch.cat([asks.rows[s] for o in range(self.world) for s in self.owned_by[o]] or
+                        [torch.empty(0, dtype=torch.int64)])
+        out = torch.empty(int(counts.sum()), dtype=torch.int64)
+        self._a2a(out, inp, counts.sum(1).tolist(),
+                  [sum(asks.rows[s].numel() for s in self.owned_by[o]) for o in range(self.world)], self.low).wait()
+        asked: dict[int, list[torch.Tensor]] = {s: [] for s in self.owned}
+        for r, block in enumerate(out.split(counts.sum(1).tolist())):
+            for s, rows in zip(self.owned, block.split(counts[r].tolist())):
+                asked[s].append(rows)
+        touched: dict[tuple, list[torch.Tensor]] = {}
+        for s in self.owned:
+            touched.setdefault(self._slot(s).key, []).extend(asked[s])
+        served = Served(asked, {k: torch.unique(torch.cat(v)) for k, v in touched.items()})
+        # flags: which of N's gradients go first, which of N+1's rows wait
+        prev = self.current
+        for s in self.owned:
+            key = self._slot(s).key
+            before = prev[1].touched.get(key) if prev is not None else None
+            served.fetch_ol[s] = [torch.isin(rows, before) if before is not None and not self.early_overlap_reads
+                                  else torch.zeros(rows.numel(), dtype=torch.bool) for rows in asked[s]]
+            if prev is not None:
+                if prev[1].grad_ol is None:
+                    prev[1].grad_ol = {}
+                prev[1].grad_ol[s] = [torch.isin(rows, served.touched[key]) for rows in prev[1].asked[s]]
+        flags_out, flags_send_splits = [], []
+        for r in range(self.world):
+            block = ([prev[1].grad_ol[s][r] for s in self.owned] if prev is not None else []) + \
+                [served.fetch_ol[s][r] for s in self.owned]
+            flags_out += block
+            flags_send_splits.append(sum(f.numel() for f in block))
+        flags_in_splits = [(0 if prev is None else sum(prev[0].rows[s].numel() for s in self.owned_by[o]))
+                           + sum(asks.rows[s].numel() for s in self.owned_by[o]) for o in range(self.world)]
+        flags_in = torch.empty(sum(flags_in_splits), dtype=torch.uint8)
+        flags_send = torch.cat(flags_out).to(torch.uint8) if flags_out else torch.empty(0, dtype=torch.uint8)
+        self._a2a(flags_in, flags_send, flags_in_splits, flags_send_splits, self.low).wait()
+        if prev is not None:
+            prev[0].grad_ol = [None] * len(self.catalog.slots)
+        asks.fetch_ol = [None] * len(self.catalog.slots)
+        offset = 0
+        for o in range(self.world):
+            if prev is not None:
+                for s in self.owned_by[o]:
+                    n = prev[0].rows[s].numel()
+                    prev[0].grad_ol[s] = flags_in[offset:offset + n].bool()
+                    offset += n
+            for s in self.owned_by[o]:
+                n = asks.rows[s].numel()
+                asks.fetch_ol[s] = flags_in[offset:offset + n].bool()
+                offset += n
+        # NOL rows, after every deferred update
+        self._apply_deferred()
+        asks.pieces = [torch.empty(asks.rows[s].numel(), self.cols[s]) for s in range(len(self.catalog.slots))]
+        self._rows(asks, served, ol=False)
+        if prev is None:  # the first batch: nothing to wait for
+            self.current = (asks, served)
+        else:
+            self.next = (asks, served)
+        return True
+
+    def _rows(self, asks: Asks, served: Served, ol: bool) -> None:
+        """Looks up and exchanges N+1's OL (or NOL) rows; places them in asks.pieces."""
+        send, send_splits = [], []
+        for r in range(self.world):
+            n = 0
+            for s in self.owned:
+                mask = served.fetch_ol[s][r] if ol else ~served.fetch_ol[s][r]
+                rows = served.asked[s][r][mask]
+                block = self.catalog.local[self._slot(s).key].weight.index_select(0, rows)
+                send.append(block.reshape(-1))
+                n += block.numel()
+            send_splits.append(n)
+        recv_splits = []
+        for o in range(self.world):
+            n = 0
+            for s in self.owned_by[o]:
+                mask = asks.fetch_ol[s] if ol else ~asks.fetch_ol[s]
+                n += int(mask.sum()) * self.cols[s]
+            recv_splits.append(n)
+        recv = torch.empty(sum(recv_splits))
+        inp = torch.cat(send) if send else torch.empty(0)
+        self._a2a(recv, inp, recv_splits, send_splits, self.high if ol else self.low).wait()
+        offset = 0
+        for o in range(self.world):
+            for s in self.owned_by[o]:
+                mask = asks.fetch_ol[s] if ol else ~asks.fetch_ol[s]
+                n = int(mask.sum())
+                block = recv[offset:offset + n * self.cols[s]].view(n, self.cols[s])
+                offset += n * self.cols[s]
+                if n:
+                    asks.pieces[s][mask] = block
+
+    # -- gradients ---------------------------------------------------------------------------------
+    def gradients(self, grads: Optional[list[torch.Tensor]], lrs: dict[int, float], has_next: bool) -> None:
+        """Batch N's gradients (per slot [n_s, cols], None in eval) are sent: OL ones first, applied,
+        then N+1's OL rows sent (`has_next`); NOL ones deferred. Then batch N+1 becomes current."""
+        asks, served = self.current
+        if grads is not None:
+            if not has_next:  # nothing reads next: every gradient is needed now
+                asks.grad_ol = [None] * len(asks.rows)
+                served.grad_ol = None
+            first = self._send_grads(asks, served, grads, lrs, first=True)
+            later = self._send_grads(asks, served, grads, lrs, first=False) if has_next else None
+            self._apply(first)
+            self.deferred_grads = later
+        if has_next:
+            nxt_asks, nxt_served = self.next
+            self._rows(nxt_asks, nxt_served, ol=True)
+            self.current, self.next = self.next, None
+        else:
+            self._apply_deferred()
+            self.current = None
+        self._pin_iterations(asks.step + 1)
+
+    def _send_grads(self, asks: Asks, served: Served, grads: list[torch.Tensor], lrs: dict[int, float],
+                    first: bool) -> _InFlight:
+        send, send_splits = [], []
+        for o in range(self.world):
+            n = 0
+            for s in self.owned_by[o]:
+                g = grads[s]
+                if asks.grad_ol[s] is not None:
+                    g = g[asks.grad_ol[s] if first else ~asks.grad_ol[s]]
+                send.append(g.reshape(-1))
+                n += g.numel()
+            send_splits.append(n)
+        rows_of: dict[int, list[torch.Tensor]] = {}
+        recv_splits = []
+        for r in range(self.world):
+            n = 0
+            for s in self.owned:
+                rows = served.asked[s][r]
+                if served.grad_ol is not None:
+                    rows = rows[served.grad_ol[s][r] if first else ~served.grad_ol[s][r]]
+                rows_of.setdefault(s, []).append(rows)
+                n += rows.numel() * self.cols[s]
+            recv_splits.append(n)
+        buffer = torch.empty(sum(recv_splits))
+        inp = torch.cat(send) if send else torch.empty(0)
+        work = self._a2a(buffer, inp, recv_splits, send_splits, self.high if first else self.deferred)
+        return _InFlight(work, buffer, recv_splits, rows_of, asks.step, lrs, self.world if _gradient_division() else 1)
+
+    def _apply_deferred(self) -> None:
+        if self.deferred_grads is not None:
+            pending, self.deferred_grads = self.deferred_grads, None
+            self._apply(pending)
+
+    def _apply(self, flight: _InFlight) -> None:
+        """Waits for `flight`'s gradients and applies them through each TBE's fused backward."""
+        flight.work.wait()
+        if flight.divisor != 1:
+            flight.buffer.div_(flight.divisor)  # as TorchRec's AllToAll backward does, after the exchange
+        rows_of: dict[int, list[torch.Tensor]] = {s: [] for s in self.owned}
+        grads_of: dict[int, list[torch.Tensor]] = {s: [] for s in self.owned}
+        for r, block in enumerate(flight.buffer.split(flight.splits)):
+            offset = 0
+            for s in self.owned:
+                rows = flight.rows_of[s][r]
+                n = rows.numel() * self.cols[s]
+                rows_of[s].append(rows)
+                grads_of[s].append(block[offset:offset + n].view(rows.numel(), self.cols[s]))
+                offset += n
+        per_tbe: dict[int, dict[int, tuple[torch.Tensor, torch.Tensor]]] = {}
+        for s in self.owned:
+            slot = self._slot(s)
+            shard = self.catalog.local[slot.key]
+            per_tbe.setdefault(id(shard.tbe), {})[shard.tbe_features[slot.feature]] = \
+                (torch.cat(rows_of[s]), torch.cat(grads_of[s]))
+        for tbe in self.tbes:
+            work = per_tbe.get(id(tbe))
+            if work and any(rows.numel() for rows, _ in work.values()):
+                tbe_update(tbe, work, self.iter_base[id(tbe)] + flight.step, flight.lrs[id(tbe)])
+
+    def _pin_iterations(self, steps_done: int) -> None:
+        for t in self.tbes:
+            value = self.iter_base[id(t)] + steps_done
+            t.iter.fill_(value)
+            if hasattr(t, "iter_cpu"):
+                t.iter_cpu.fill_(value)
+
+
+def _gradient_division() -> bool:
+    from torchrec.distributed import comm_ops
+    return comm_ops.get_gradient_division()
+
+
+def tbe_update(tbe: torch.nn.Module, per_feature: dict[int, tuple[torch.Tensor, torch.Tensor]], iteration: int,
+               lr: float) -> None:
+    """Applies gradients to rows of `tbe`'s tables through its fused backward, as if its forward ran
+    at step `iteration` (the counter Adam-like optimizers read) with learning rate `lr`.
+    per_feature: TBE feature index -> (int64 rows [n], float grads [n, dim]); each id is its own
+    bag, so a row's gradients accumulate in the order given (the order TorchRec's input has)."""
+    features = len(tbe.feature_table_map)
+    dims = [tbe.embedding_specs[t][1] for t in tbe.feature_table_map]
+    empty = torch.empty(0, dtype=torch.int64)
+    parts = [per_feature.get(f, (empty, torch.empty(0, dims[f]))) for f in range(features)]
+    indices = torch.cat([rows for rows, _ in parts])
+    counts = torch.tensor([rows.numel() for rows, _ in parts], dtype=torch.int64)
+    if tbe.is_nobag:  # sequence TBE: one bag per feature, output [ids, dim]
+        offsets = torch.cat([torch.zeros(1, dtype=torch.int64), counts.cumsum(0)])
+        grad_out = torch.cat([g for _, g in parts])
+    else:  # pooled TBE: B bags per feature, id i of a feature alone in bag i, output [B, sum dims]
+        bags = max(int(counts.max()) if features else 0, 1)
+        starts = torch.cat([torch.zeros(1, dtype=torch.int64), counts.cumsum(0)[:-1]])
+        within = torch.minimum(torch.arange(1, bags + 1).unsqueeze(0), counts.unsqueeze(1))  # [F, B]
+        offsets = torch.cat([torch.zeros(1, dtype=torch.int64), (starts.unsqueeze(1) + within).reshape(-1)])
+        grad_out = torch.zeros(bags, sum(dims))
+        col = 0
+        for (_, g), d in zip(parts, dims):
+            grad_out[:g.shape[0], col:col + d] = g
+            col += d
+    saved_lr = tbe.get_learning_rate()
+    saved_iter = int(tbe.iter.item())
+    tbe.set_learning_rate(lr)
+    tbe.iter.fill_(iteration)
+    if hasattr(tbe, "iter_cpu"):
+        tbe.iter_cpu.fill_(iteration)
+    try:
+        out = tbe(indices, offsets)  # the forward advances the counter to iteration + 1
+        out.backward(grad_out.to(out.dtype))
+    finally:
+        tbe.set_learning_rate(saved_lr)
+        tbe.iter.fill_(saved_iter)
+        if hasattr(tbe, "iter_cpu"):
+            tbe.iter_cpu.fill_(saved_iter)

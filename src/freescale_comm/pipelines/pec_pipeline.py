@@ -1,0 +1,182 @@
+"""TrainPipelinePEC: FreeScale's prioritized embedding communication (PEC) on a TorchRec
+DistributedModelParallel model's own sharded embeddings, adopted by changing one line:
+
+    pipeline = TrainPipelineSparseDist(model, optimizer, device)   # TorchRec
+    pipeline = fc.TrainPipelinePEC(model, optimizer, device)       # FreeScale's PEC
+
+While batch N computes, the rows batch N+1 reads that N does not (NOL) are looked up and sent at
+low priority; the rows both read (OL) wait for N's update and go first, at high priority; N's
+gradients for rows N+1 does not read are deferred (lowest priority) and applied before any later
+batch reads those rows. Every read equals synchronous training's. All of it runs on the
+pipeline's own fc.Communicator (a worker thread posts every message, in the same order on every
+rank), so the same code runs on CPU (host transport) and CUDA (ce / nvshmem).
+
+Scope: sharded EmbeddingCollection and EmbeddingBagCollection (SUM or MEAN pooling, unweighted),
+table-wise, row-wise and column-wise, fused kernels (the optimizer TorchRec fuses into the TBE:
+SGD, (row-wise) Adagrad, Adam...). Any other sharding or kernel: ValueError at construction naming
+the table. float32 weights. The sharded modules' inputs must be read from the batch
+(`batch.sparse`, `batch["ids"]`): found by torch.fx tracing, or given as `sparse_inputs`.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import time
+from typing import Any, Callable, Generic, Iterator, Optional, TypeVar
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from freescale_comm.communicator import Communicator, check_priority
+from freescale_comm.pipelines._catalog import build_catalog, sharded_modules
+from freescale_comm.pipelines._embeddings import module_output, route
+from freescale_comm.pipelines._exchange import Asks, PecExchange
+from freescale_comm.pipelines._sparse_inputs import find_sparse_inputs, reader
+
+In = TypeVar("In")
+Out = TypeVar("Out")
+
+
+class TrainPipelinePEC(Generic[In, Out]):
+    """Constructed like TorchRec's TrainPipelineSparseDist; `progress(dataloader_iter)` runs one
+    step and returns that batch's output, fills on the first call, drains at the end of the data and
+    then raises StopIteration. Results equal TrainPipelineSparseDist's (see README: TorchRec).
+
+    model: a DistributedModelParallel whose forward(batch) returns (losses, output).
+    group: the ranks to move embeddings among (default: the model's sharding process group).
+    high_priority / low_priority / deferred_priority: OL traffic, prefetch traffic, NOL gradients.
+    sparse_inputs: batch -> {sharded module fqn: KeyedJaggedTensor}, when tracing cannot find them.
+    """
+
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, device: torch.device,
+                 execute_all_batches: bool = True, *, group: Optional[dist.ProcessGroup] = None,
+                 high_priority: int = 100, low_priority: int = 0, deferred_priority: int = -10,
+                 sparse_inputs: Optional[Callable[[Any], dict[str, Any]]] = None) -> None:
+        if not hasattr(model, "plan") or not hasattr(model, "module"):
+            raise TypeError(f"model must be a torchrec DistributedModelParallel, got {type(model).__name__}")
+        for p in (high_priority, low_priority, deferred_priority):
+            check_priority(p)
+        if not high_priority > low_priority > deferred_priority:
+            raise ValueError("priorities must satisfy high_priority > low_priority > deferred_priority, got "
+                             f"{high_priority}, {low_priority}, {deferred_priority}")
+        self._model, self._optimizer, self._device = model, optimizer, torch.device(device)
+        self._execute_all_batches = execute_all_batches
+        if group is None:
+            env = getattr(model, "_env", None)
+            group = getattr(env, "process_group", None)
+        rank = dist.get_rank(group) if group is not None else dist.get_rank()
+        world = dist.get_world_size(group) if group is not None else dist.get_world_size()
+        self._catalog = build_catalog(model.module, model.plan, rank, world)
+        modules = dict(sharded_modules(model.module))
+        self._read_inputs = sparse_inputs if sparse_inputs is not None else \
+            reader(find_sparse_inputs(model.module, modules))
+        self._comm = Communicator(group)
+        self._exchange = PecExchange(self._comm, self._catalog, high_priority, low_priority, deferred_priority)
+        self._worker = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="freescale-pec")
+        self._batch: Optional[Any] = None  # batch N, its rows fetched
+        self._inputs: dict[str, Any] = {}  # batch N's sharded-module inputs
+        self._asks: Optional[Asks] = None  # batch N's rows (leaves) per slot
+        self._step = 0
+        self._finished = False
+        self._closed = False
+        self.exposed_ms: list[float] = []  # per step: main thread waiting on embedding communication
+        self._original_forwards = {}
+        for info in self._catalog.modules:
+            self._original_forwards[info.fqn] = info.module
+            info.module.forward = self._forward_of(info)
+
+    # -- the model's sharded modules call these during forward -------------------------------------
+    def _forward_of(self, info: Any) -> Callable[..., Any]:
+        def forward(*args: Any, **kwargs: Any) -> Any:
+            kjt = args[0] if args else next(iter(kwargs.values()), None)
+            expected = self._inputs.get(info.fqn)
+            if expected is None or kjt is not expected:
+                raise RuntimeError(f"sharded module {info.fqn!r} was called outside TrainPipelinePEC.progress or with "
+                                   "an input that is not the one the pipeline read from the batch")
+            return module_output(info, kjt, self._asks.pieces, self._asks.positions)
+        return forward
+
+    # -- helpers -----------------------------------------------------------------------------------
+    def _next_batch(self, dataloader_iter: Iterator[In]) -> Optional[In]:
+        try:
+            batch = next(dataloader_iter)
+        except StopIteration:
+            return None
+        return batch.to(self._device, non_blocking=True) if hasattr(batch, "to") else batch
+
+    def _prefetch(self, batch: Optional[In], step: int) -> tuple[bool, dict[str, Any]]:
+        """Worker: routes `batch`'s ids and runs the exchange up to its NOL rows."""
+        inputs = self._read_inputs(batch) if batch is not None else {}
+        asks = route(self._catalog, inputs, step) if batch is not None else None
+        return self._exchange.prefetch(asks), inputs
+
+    def _wait(self, future: concurrent.futures.Future) -> Any:
+        start = time.perf_counter()
+        try:
+            return future.result()
+        finally:
+            self._exposed += (time.perf_counter() - start) * 1e3
+
+    def _fail(self) -> None:
+        self._finished = True
+
+    # -- the TorchRec contract ---------------------------------------------------------------------
+    def progress(self, dataloader_iter: Iterator[In]) -> Out:
+        """Trains one batch (forward, backward, optimizer step) and returns its output."""
+        if self._closed:
+            raise RuntimeError("the pipeline is closed")
+        if self._finished:
+            raise StopIteration
+        self._exposed = 0.0
+        try:
+            if self._batch is None:  # fill: batch 0's rows, before anything else
+                first = self._next_batch(dataloader_iter)
+                has_first, inputs = self._wait(self._worker.submit(self._prefetch, first, 0))
+                if not has_first:
+                    self._finished = True
+                    raise StopIteration
+                self._batch, self._inputs, self._asks = first, inputs, self._exchange.current[0]
+            training = self._model.training
+            if training:
+                self._optimizer.zero_grad()
+            nxt = self._next_batch(dataloader_iter)
+            prefetched = self._worker.submit(self._prefetch, nxt, self._step + 1)
+            if nxt is None and not self._execute_all_batches:
+                self._wait(prefetched)
+                self._finished = True
+                raise StopIteration
+            for piece in self._asks.pieces:
+                piece.requires_grad_(training)
+            losses, output = self._model(self._batch)
+            grads, lrs = None, {}
+            if training:
+                torch.sum(losses, dim=0).backward()
+                grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self._asks.pieces]
+                lrs = {id(t): t.get_learning_rate() for t in self._exchange.tbes}
+            has_next, nxt_inputs = self._wait(prefetched)
+            self._wait(self._worker.submit(self._exchange.gradients, grads, lrs, has_next))
+            if training:
+                self._optimizer.step()
+        except StopIteration:
+            raise
+        except BaseException:
+            self._fail()
+            raise
+        self.exposed_ms.append(self._exposed)
+        self._step += 1
+        if has_next:
+            self._batch, self._inputs, self._asks = nxt, nxt_inputs, self._exchange.current[0]
+        else:
+            self._batch, self._finished = None, True
+        return output
+
+    def close(self) -> None:
+        """Stops the worker and the communicator and gives the sharded modules their forward back."""
+        if self._closed:
+            return
+        self._closed = True
+        self._worker.shutdown(wait=True)
+        self._comm.close()
+        for info in self._catalog.modules:
+            info.module.__dict__.pop("forward", None)
