@@ -213,9 +213,134 @@ def pec_matches_sparse_dist(info, steps: int, collisions: list[float], optimizer
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    """Largest |a - b| / max(|a|, 1e-30) elementwise; inf when shapes differ."""
+    """max |a - b| / max |a| (0.0: bit-identical up to signed zeros; inf when shapes differ)."""
     if a.shape != b.shape:
         return float("inf")
-    if a.numel() == 0:
+    if a.numel() == 0 or torch.equal(a, b):
         return 0.0
-    return float(((a - b).abs() / a.abs().clamp(min=1e-30)).max())
+    return float((a - b).abs().max() / a.abs().max().clamp(min=1e-30))
+
+
+# -- the staleness oracle -------------------------------------------------------------------------
+class OracleModel(nn.Module):
+    """Reads every embedding and returns them: loss = -(sum of all of them), so with fused SGD at
+    lr 1 each read of a row adds 1/world to it (TorchRec divides embedding gradients by the world
+    size): a row's value is a version counter, exact in float32."""
+
+    def __init__(self, device: torch.device, pooling: PoolingType = PoolingType.SUM) -> None:
+        super().__init__()
+        self.ebc = EmbeddingBagCollection(tables=[
+            EmbeddingBagConfig(name=f"t_{f}", embedding_dim=DIM, num_embeddings=ROWS, feature_names=[f], pooling=pooling)
+            for f in POOLED], device=device)
+        self.ec = EmbeddingCollection(tables=[
+            EmbeddingConfig(name=f"t_{f}", embedding_dim=DIM, num_embeddings=ROWS, feature_names=[f])
+            for f in SEQUENCE], device=device)
+        self.zero = nn.Parameter(torch.zeros(1, device=device))  # a dense parameter, for DDP
+
+    def forward(self, batch: Batch) -> tuple[torch.Tensor, tuple]:
+        pooled = self.ebc(batch.pooled)
+        sequences = self.ec(batch.sequence)
+        seq_values = [sequences[f].values() for f in SEQUENCE]
+        total = pooled.values().sum() + sum(v.sum() for v in seq_values)
+        loss = -total + 0.0 * self.zero.sum()
+        return loss, (pooled.values().detach(), [v.detach() for v in seq_values])
+
+
+def staleness_oracle(info, steps: int, cases: list[tuple[float, str]]) -> dict:
+    """Per (collision, mutation): {"checked": reads checked, "stale": stale ones}, see _oracle_run."""
+    return {f"{c} {m}": _oracle_run(steps, c, m) for c, m in cases}
+
+
+def _oracle_run(steps: int, collision: float, mutate: str) -> dict:
+    """Trains OracleModel with the PEC pipeline (fused SGD, lr 1, zeroed tables; a rank without
+    samples at step 2) and checks every row every batch reads against the number of earlier reads
+    of that row (all ranks). `mutate`: "" (none); "early_overlap_reads": OL rows are sent before the
+    update they wait for; "late_deferred_updates": deferred gradients are applied after the next
+    NOL lookup instead of before."""
+    pg = dist.group.WORLD
+    rank, world = dist.get_rank(), dist.get_world_size()
+    batches = make_batches(steps, world, collision, seed=11, empty="samples")
+    dmp, opt = build(pg, "sgd", OracleModel, fused_params={"optimizer": EmbOptimType.EXACT_SGD, "learning_rate": 1.0})
+    for value in dmp.state_dict().values():
+        for shard in getattr(value, "local_shards", lambda: [])():
+            shard.tensor.zero_()
+    pipe = fc.TrainPipelinePEC(dmp, opt, torch.device("cpu"), group=pg)
+    if mutate:
+        setattr(pipe._exchange, mutate, True)
+    reads = {f: torch.zeros(ROWS, dtype=torch.float64) for f in list(POOLED) + list(SEQUENCE)}  # reads so far
+    feed = iter([b[rank] for b in batches])
+    checked = stale = 0
+    for step in range(steps):
+        pooled, sequences = pipe.progress(feed)
+        mine = batches[step][rank]
+        for i, f in enumerate(POOLED):
+            jt = mine.pooled[f]
+            bags = torch.repeat_interleave(torch.arange(jt.lengths().numel()), jt.lengths())
+            expected = torch.zeros(jt.lengths().numel(), dtype=torch.float64).index_add_(0, bags, reads[f][jt.values()]) / world
+            got = pooled[:, i * DIM:(i + 1) * DIM].double()
+            checked += got.shape[0]
+            stale += int((got != expected.unsqueeze(1)).any(1).sum())
+        for f, got in zip(SEQUENCE, sequences):
+            expected = reads[f][mine.sequence[f].values()] / world
+            checked += got.shape[0]
+            stale += int((got.double() != expected.unsqueeze(1)).any(1).sum())
+        for f in reads:  # every rank's reads of this step
+            for b in batches[step]:
+                kjt = b.pooled if f in POOLED else b.sequence
+                reads[f] += torch.bincount(kjt[f].values(), minlength=ROWS).double()
+    try:
+        pipe.progress(feed)
+        raise AssertionError("progress() after the last batch must raise StopIteration")
+    except StopIteration:
+        pass
+    pipe.close()
+    return {"checked": checked, "stale": stale}
+
+
+# -- what the pipeline refuses --------------------------------------------------------------------
+def _expect(error: type, fn, *args, **kwargs) -> str:
+    try:
+        fn(*args, **kwargs)
+    except error as e:
+        return str(e)
+    raise AssertionError(f"{fn.__name__} did not raise {error.__name__}")
+
+
+def refusals(info) -> dict:
+    """The PEC pipeline's errors: unsupported tables at construction (ValueError naming the table),
+    a non-DMP model (TypeError), bad priorities (ValueError), and dataloaders of different lengths
+    (CommError on every rank, naming the ranks)."""
+    from torchrec.distributed.sharding_plan import data_parallel
+
+    pg = dist.group.WORLD
+    world = dist.get_world_size()
+    out = {}
+    dmp, opt = build(pg, "sgd")
+    out["not_dmp"] = _expect(TypeError, fc.TrainPipelinePEC, dmp.module, opt, torch.device("cpu"))
+    out["priorities"] = _expect(ValueError, fc.TrainPipelinePEC, dmp, opt, torch.device("cpu"), high_priority=0, low_priority=5)
+    for name, spec in (("data_parallel", data_parallel()), ("dense_kernel", row_wise(compute_kernel="dense"))):
+        torch.manual_seed(0)
+        sharders = (EmbeddingBagCollectionSharder(fused_params={"optimizer": EmbOptimType.EXACT_SGD, "learning_rate": 0.1}),
+                    EmbeddingCollectionSharder(fused_params={"optimizer": EmbOptimType.EXACT_SGD, "learning_rate": 0.1}))
+        model = Model(torch.device("meta"))
+        ebc = construct_module_sharding_plan(
+            model.ebc, {"t_user": row_wise(compute_kernel="fused"), "t_ctx": spec, "t_geo": table_wise(rank=0, compute_kernel="fused")},
+            sharders[0], local_size=world, world_size=world, device_type="cpu")
+        bad = DistributedModelParallel(model, env=ShardingEnv.from_process_group(pg), device=torch.device("cpu"),
+                                       plan=ShardingPlan({"ebc": ebc}), sharders=list(sharders))
+        out[name] = _expect(ValueError, fc.TrainPipelinePEC, bad, torch.optim.SGD(bad.parameters(), lr=0.1) if name == "dense_kernel"
+                            else opt, torch.device("cpu"))
+    # dataloaders of different lengths: the last rank has one batch more
+    batches = make_batches(4, world, 0.5, seed=5)
+    pipe = fc.TrainPipelinePEC(dmp, opt, torch.device("cpu"), group=pg)
+    mine = [b[dist.get_rank()] for b in batches]
+    feed = iter(mine if dist.get_rank() == world - 1 else mine[:3])
+
+    def run() -> None:
+        while True:
+            pipe.progress(feed)
+
+    out["lengths"] = _expect(fc.CommError, run)
+    out["after_failure"] = _expect(RuntimeError, pipe.progress, feed)
+    pipe.close()
+    return out

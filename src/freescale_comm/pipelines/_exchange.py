@@ -67,8 +67,9 @@ class _InFlight:
 
 
 class PecExchange:
-    """Both sides of PEC for one pipeline. `early_overlap_reads` is a mutation for tests: OL rows
-    are sent with the NOL rows, before the update they wait for (stale reads)."""
+    """Both sides of PEC for one pipeline. Two mutations, for tests that must catch them (stale
+    reads): `early_overlap_reads` sends OL rows with the NOL rows, before the update they wait for;
+    `late_deferred_updates` applies deferred gradients after the NOL lookup they must precede."""
 
     def __init__(self, comm: Communicator, catalog: Catalog, high: int, low: int, deferred: int,
                  early_overlap_reads: bool = False) -> None:
@@ -76,6 +77,7 @@ class PecExchange:
         self.rank, self.world = comm.rank, comm.world_size
         self.high, self.low, self.deferred = high, low, deferred
         self.early_overlap_reads = early_overlap_reads
+        self.late_deferred_updates = False
         self.owned = [s.index for s in catalog.owned_by(self.rank)]  # slots I serve, in order
         self.owned_by = [[s.index for s in catalog.owned_by(r)] for r in range(self.world)]
         self.cols = [s.cols for s in catalog.slots]
@@ -167,9 +169,11 @@ class PecExchange:
                 asks.fetch_ol[s] = flags_in[offset:offset + n].bool()
                 offset += n
         # NOL rows, after every deferred update
-        self._apply_deferred()
+        if not self.late_deferred_updates:
+            self._apply_deferred()
         asks.pieces = [torch.empty(asks.rows[s].numel(), self.cols[s]) for s in range(len(self.catalog.slots))]
         self._rows(asks, served, ol=False)
+        self._apply_deferred()  # (a no-op unless mutated)
         if prev is None:  # the first batch: nothing to wait for
             self.current = (asks, served)
         else:

@@ -79,6 +79,7 @@ class TrainPipelinePEC(Generic[In, Out]):
         self._asks: Optional[Asks] = None  # batch N's rows (leaves) per slot
         self._step = 0
         self._finished = False
+        self._failure: Optional[BaseException] = None  # what broke the pipeline: raised again
         self._closed = False
         self.exposed_ms: list[float] = []  # per step: main thread waiting on embedding communication
         self._original_forwards = {}
@@ -118,14 +119,15 @@ class TrainPipelinePEC(Generic[In, Out]):
         finally:
             self._exposed += (time.perf_counter() - start) * 1e3
 
-    def _fail(self) -> None:
-        self._finished = True
 
     # -- the TorchRec contract ---------------------------------------------------------------------
     def progress(self, dataloader_iter: Iterator[In]) -> Out:
         """Trains one batch (forward, backward, optimizer step) and returns its output."""
         if self._closed:
             raise RuntimeError("the pipeline is closed")
+        if self._failure is not None:
+            raise RuntimeError(f"TrainPipelinePEC failed at step {self._step} ({self._failure!r}); its tables may hold "
+                               "a partial update: restore a checkpoint and build a new pipeline") from self._failure
         if self._finished:
             raise StopIteration
         self._exposed = 0.0
@@ -160,8 +162,8 @@ class TrainPipelinePEC(Generic[In, Out]):
                 self._optimizer.step()
         except StopIteration:
             raise
-        except BaseException:
-            self._fail()
+        except BaseException as e:
+            self._failure = e
             raise
         self.exposed_ms.append(self._exposed)
         self._step += 1
