@@ -81,3 +81,20 @@ def test_what_the_pipeline_cannot_prioritize_is_refused_clearly():
         assert "'t_ctx'" in out["dense_kernel"] and "'dense'" in out["dense_kernel"], out
         assert "ranks [0] ran out of data while ranks [1] still had a batch" in out["lengths"], out
         assert "failed at step" in out["after_failure"], out
+
+
+def test_the_torchrec_pec_benchmark_writes_a_row_per_pipeline_and_rate(tmp_path):
+    """The command runs and reports (its figures are for benchmarks, never asserted here)."""
+    import json
+
+    from freescale_comm.bench.cli import main
+
+    out, png = tmp_path / "rows.json", tmp_path / "plot.png"
+    assert main(["torchrec-pec", "--ranks", "2", "--rates", "0", "1", "--steps", "1", "--warmup", "0", "--samples", "8",
+                 "--pipelines", "sparse_dist", "pec", "--json", str(out), "--plot", str(png)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["pipeline"], r["collision_rate"]) for r in rows] == [
+        ("sparse_dist", 0.0), ("pec", 0.0), ("sparse_dist", 1.0), ("pec", 1.0)], rows
+    for r in rows:
+        assert "note" not in r and r["step_ms"] > 0 and r["exposed_comm_ms"] >= 0, r
+    assert png.stat().st_size > 0

@@ -73,6 +73,19 @@ def _parser() -> argparse.ArgumentParser:
     _e2e_args(e)
     ps = sub.add_parser("pec-sweep", help="exposed embedding comm vs collision rate: vanilla vs PEC (e2e step)")
     _pec_sweep_args(ps)
+    tp = sub.add_parser("torchrec-pec", help="a TorchRec DMP model on N CPU ranks: TrainPipelineSparseDist, "
+                        "TrainPipelineSemiSync, TorchRec's TrainPipelinePEC (if installed) and fc.TrainPipelinePEC "
+                        "vs collision rate")
+    tp.add_argument("--ranks", type=int, default=4, help="ranks (default 4)")
+    tp.add_argument("--rates", type=float, nargs="+", default=[0.0, 0.25, 0.5, 0.75, 1.0],
+                    help="collision rates in [0, 1] (default 0 0.25 0.5 0.75 1)")
+    tp.add_argument("--steps", type=int, default=8, help="measured steps per pipeline and rate (default 8)")
+    tp.add_argument("--warmup", type=int, default=3, help="steps before measuring (default 3)")
+    tp.add_argument("--samples", type=int, default=64, help="samples per rank and step (default 64)")
+    tp.add_argument("--pipelines", nargs="+", default=None, help="which pipelines (default all: sparse_dist "
+                    "semi_sync torchrec_pec pec)")
+    tp.add_argument("--plot", metavar="PNG", default="torchrec-pec.png", help="where to draw (default torchrec-pec.png)")
+    _outputs(tp, progress=False)
     si = sub.add_parser("simulate", help="the e2e step at scale (up to 4096 ranks) on a cost + network model")
     si.add_argument("--ranks", type=int, default=256, help="ranks (default 256, at most 4096)")
     si.add_argument("--samples", type=int, default=64, help="samples per rank and step (default 64)")
@@ -416,6 +429,36 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return run_simulate(args)
     elif args.bench == "pec-sweep":
         return run_pec_sweep(args)
+    elif args.bench == "torchrec-pec":
+        return run_torchrec_pec(args)
+    return 0
+
+
+def run_torchrec_pec(args: argparse.Namespace) -> int:
+    import dataclasses
+
+    try:
+        from freescale_comm.bench import torchrec_pipelines as tp
+    except ImportError as err:
+        print(f"freescale-bench torchrec-pec needs torchrec and fbgemm_gpu: {err}", file=sys.stderr)
+        return 2
+    from freescale_comm.bench.report import write_json
+
+    cfg = tp.PipelineBenchConfig(ranks=args.ranks, rates=tuple(args.rates), steps=args.steps, warmup=args.warmup,
+                                 samples=args.samples, pipelines=tuple(args.pipelines or tp.PIPELINES))
+    try:
+        cfg.check()
+    except ValueError as err:
+        print(f"freescale-bench torchrec-pec: {err}", file=sys.stderr)
+        return 2
+    rows = tp.run(cfg)
+    title = (f"torchrec-pec, {cfg.ranks} CPU ranks x {cfg.samples} samples, dim {cfg.dim}, {platform.node()}; "
+             f"ms per step, mean of {cfg.steps}")
+    print(tp.table(rows, title))
+    print(tp.summary(rows))
+    print("# wrote " + tp.plot(rows, args.plot, title))
+    if args.json:
+        write_json(args.json, "torchrec-pec", rows, config=dataclasses.asdict(cfg))
     return 0
 
 

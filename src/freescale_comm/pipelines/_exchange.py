@@ -84,6 +84,8 @@ class PecExchange:
         self.current: Optional[tuple[Asks, Served]] = None  # fetched batch N, gradients pending
         self.next: Optional[tuple[Asks, Served]] = None  # prefetched batch N+1, OL rows pending
         self.deferred_grads: Optional[_InFlight] = None
+        self.any_overlap = False  # from the last flags: some rank has OL gradients or OL rows
+        self.unsent: Optional[tuple] = None  # NOL gradients gradients() left for send_deferred()
         tbes = {id(s.tbe): s.tbe for s in catalog.local.values()}
         self.tbes = list(tbes.values())
         self.iter_base = {id(t): int(t.iter.item()) for t in self.tbes}  # the TBEs' step counters at start
@@ -143,21 +145,25 @@ class PecExchange:
                 if prev[1].grad_ol is None:
                     prev[1].grad_ol = {}
                 prev[1].grad_ol[s] = [torch.isin(rows, served.touched[key]) for rows in prev[1].asked[s]]
+        # one byte more per block: does this owner serve any OL row or OL gradient (every requester
+        # gets the same byte, so every rank ORs the same bytes: all agree on skipping an empty exchange)
+        any_ol = any(bool(f.any()) for s in self.owned for f in served.fetch_ol[s]) or (
+            prev is not None and any(bool(f.any()) for s in self.owned for f in prev[1].grad_ol[s]))
         flags_out, flags_send_splits = [], []
         for r in range(self.world):
             block = ([prev[1].grad_ol[s][r] for s in self.owned] if prev is not None else []) + \
-                [served.fetch_ol[s][r] for s in self.owned]
+                [served.fetch_ol[s][r] for s in self.owned] + [torch.tensor([any_ol])]
             flags_out += block
             flags_send_splits.append(sum(f.numel() for f in block))
         flags_in_splits = [(0 if prev is None else sum(prev[0].rows[s].numel() for s in self.owned_by[o]))
-                           + sum(asks.rows[s].numel() for s in self.owned_by[o]) for o in range(self.world)]
+                           + sum(asks.rows[s].numel() for s in self.owned_by[o]) + 1 for o in range(self.world)]
         flags_in = torch.empty(sum(flags_in_splits), dtype=torch.uint8)
-        flags_send = torch.cat(flags_out).to(torch.uint8) if flags_out else torch.empty(0, dtype=torch.uint8)
-        self._a2a(flags_in, flags_send, flags_in_splits, flags_send_splits, self.low).wait()
+        self._a2a(flags_in, torch.cat(flags_out).to(torch.uint8), flags_in_splits, flags_send_splits, self.low).wait()
         if prev is not None:
             prev[0].grad_ol = [None] * len(self.catalog.slots)
         asks.fetch_ol = [None] * len(self.catalog.slots)
         offset = 0
+        any_anywhere = False
         for o in range(self.world):
             if prev is not None:
                 for s in self.owned_by[o]:
@@ -168,6 +174,9 @@ class PecExchange:
                 n = asks.rows[s].numel()
                 asks.fetch_ol[s] = flags_in[offset:offset + n].bool()
                 offset += n
+            any_anywhere |= bool(flags_in[offset])
+            offset += 1
+        self.any_overlap = any_anywhere  # OL gradients of N or OL rows of N+1 somewhere
         # NOL rows, after every deferred update
         if not self.late_deferred_updates:
             self._apply_deferred()
@@ -214,25 +223,36 @@ class PecExchange:
 
     # -- gradients ---------------------------------------------------------------------------------
     def gradients(self, grads: Optional[list[torch.Tensor]], lrs: dict[int, float], has_next: bool) -> None:
-        """Batch N's gradients (per slot [n_s, cols], None in eval) are sent: OL ones first, applied,
-        then N+1's OL rows sent (`has_next`); NOL ones deferred. Then batch N+1 becomes current."""
+        """Batch N's gradients (per slot [n_s, cols], None in eval): the OL ones are sent and applied,
+        then N+1's OL rows sent (`has_next`), both skipped when no rank has any; batch N+1 becomes
+        current. The NOL gradients wait for send_deferred()."""
         asks, served = self.current
+        self.unsent = None
         if grads is not None:
             if not has_next:  # nothing reads next: every gradient is needed now
                 asks.grad_ol = [None] * len(asks.rows)
                 served.grad_ol = None
-            first = self._send_grads(asks, served, grads, lrs, first=True)
-            later = self._send_grads(asks, served, grads, lrs, first=False) if has_next else None
-            self._apply(first)
-            self.deferred_grads = later
+            if not has_next or self.any_overlap:
+                self._apply(self._send_grads(asks, served, grads, lrs, first=True))
+            if has_next:
+                self.unsent = (asks, served, grads, lrs)
         if has_next:
             nxt_asks, nxt_served = self.next
-            self._rows(nxt_asks, nxt_served, ol=True)
+            if self.any_overlap:
+                self._rows(nxt_asks, nxt_served, ol=True)
             self.current, self.next = self.next, None
         else:
             self._apply_deferred()
             self.current = None
         self._pin_iterations(asks.step + 1)
+
+    def send_deferred(self) -> None:
+        """Posts the NOL gradients gradients() held back (lowest priority): applied by each owner
+        before its next NOL lookup."""
+        if self.unsent is not None:
+            asks, served, grads, lrs = self.unsent
+            self.unsent = None
+            self.deferred_grads = self._send_grads(asks, served, grads, lrs, first=False)
 
     def _send_grads(self, asks: Asks, served: Served, grads: list[torch.Tensor], lrs: dict[int, float],
                     first: bool) -> _InFlight:

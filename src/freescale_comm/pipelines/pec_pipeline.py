@@ -78,10 +78,14 @@ class TrainPipelinePEC(Generic[In, Out]):
         self._inputs: dict[str, Any] = {}  # batch N's sharded-module inputs
         self._asks: Optional[Asks] = None  # batch N's rows (leaves) per slot
         self._step = 0
+        self._deferred_sent: Optional[concurrent.futures.Future] = None
         self._finished = False
         self._failure: Optional[BaseException] = None  # what broke the pipeline: raised again
         self._closed = False
-        self.exposed_ms: list[float] = []  # per step: main thread waiting on embedding communication
+        # per step, ms the main thread waited on embedding communication: in all, and by phase
+        # ("embeddings": ids, flags, NOL rows; "gradients": OL gradients, OL update, OL rows)
+        self.exposed_ms: list[float] = []
+        self.exposed_by_phase: list[dict[str, float]] = []
         self._original_forwards = {}
         for info in self._catalog.modules:
             self._original_forwards[info.fqn] = info.module
@@ -112,12 +116,12 @@ class TrainPipelinePEC(Generic[In, Out]):
         asks = route(self._catalog, inputs, step) if batch is not None else None
         return self._exchange.prefetch(asks), inputs
 
-    def _wait(self, future: concurrent.futures.Future) -> Any:
+    def _wait(self, future: concurrent.futures.Future, phase: str) -> Any:
         start = time.perf_counter()
         try:
             return future.result()
         finally:
-            self._exposed += (time.perf_counter() - start) * 1e3
+            self._exposed[phase] += (time.perf_counter() - start) * 1e3
 
 
     # -- the TorchRec contract ---------------------------------------------------------------------
@@ -130,11 +134,11 @@ class TrainPipelinePEC(Generic[In, Out]):
                                "a partial update: restore a checkpoint and build a new pipeline") from self._failure
         if self._finished:
             raise StopIteration
-        self._exposed = 0.0
+        self._exposed = {"embeddings": 0.0, "gradients": 0.0}
         try:
             if self._batch is None:  # fill: batch 0's rows, before anything else
                 first = self._next_batch(dataloader_iter)
-                has_first, inputs = self._wait(self._worker.submit(self._prefetch, first, 0))
+                has_first, inputs = self._wait(self._worker.submit(self._prefetch, first, 0), "embeddings")
                 if not has_first:
                     self._finished = True
                     raise StopIteration
@@ -145,7 +149,7 @@ class TrainPipelinePEC(Generic[In, Out]):
             nxt = self._next_batch(dataloader_iter)
             prefetched = self._worker.submit(self._prefetch, nxt, self._step + 1)
             if nxt is None and not self._execute_all_batches:
-                self._wait(prefetched)
+                self._wait(prefetched, "embeddings")
                 self._finished = True
                 raise StopIteration
             for piece in self._asks.pieces:
@@ -156,8 +160,12 @@ class TrainPipelinePEC(Generic[In, Out]):
                 torch.sum(losses, dim=0).backward()
                 grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self._asks.pieces]
                 lrs = {id(t): t.get_learning_rate() for t in self._exchange.tbes}
-            has_next, nxt_inputs = self._wait(prefetched)
-            self._wait(self._worker.submit(self._exchange.gradients, grads, lrs, has_next))
+            has_next, nxt_inputs = self._wait(prefetched, "embeddings")
+            if self._deferred_sent is not None:  # ran before the prefetch (one worker, FIFO)
+                self._deferred_sent.result()
+            self._wait(self._worker.submit(self._exchange.gradients, grads, lrs, has_next), "gradients")
+            # not waited: posted under the next step's compute; its error surfaces at the next wait
+            self._deferred_sent = self._worker.submit(self._exchange.send_deferred)
             if training:
                 self._optimizer.step()
         except StopIteration:
@@ -165,7 +173,8 @@ class TrainPipelinePEC(Generic[In, Out]):
         except BaseException as e:
             self._failure = e
             raise
-        self.exposed_ms.append(self._exposed)
+        self.exposed_ms.append(sum(self._exposed.values()))
+        self.exposed_by_phase.append(dict(self._exposed))
         self._step += 1
         if has_next:
             self._batch, self._inputs, self._asks = nxt, nxt_inputs, self._exchange.current[0]
