@@ -271,7 +271,7 @@ def _train(cfg: PipelineBenchConfig, name: str, rate: float, pg: Any, rank: int,
                 if i >= cfg.warmup:
                     steps.append((now - last) * 1e3)
                     if ours:
-                        exposed.append({"ids": 0.0, **pipe.exposed_by_phase[-1]})
+                        exposed.append(dict(pipe.exposed_by_phase[-1]))
                     else:
                         exposed.append({k: blocked.ms[k] - before[k] for k in blocked.ms})
                 last = now

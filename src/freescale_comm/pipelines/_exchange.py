@@ -2,9 +2,10 @@
 
 Program order, identical on every rank (so the Communicator's sequence numbers match them):
 
-  prefetch(N+1), while batch N computes:
+  ask(N+1), after batch N-1's gradients (under N-1's optimizer step and N's forward):
     counts   int64  requester -> owner: ids per owned slot, + 1 if the rank has batch N+1 (low)
     ids      int64  the shard rows asked, by owned slot                                    (low)
+  prepare(N+1), while batch N computes:
     flags    uint8  owner -> requester: per entry of N, is its row read by N+1 (gradient
                     goes first); per entry of N+1, is its row read by N (fetch waits)      (low)
     NOL rows f32    owner -> requester: N+1's rows N does not read, looked up now after every
@@ -21,6 +22,7 @@ disjoint, so each row gets exactly the update synchronous training gives it. Run
 
 from __future__ import annotations
 
+import collections
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -82,7 +84,8 @@ class PecExchange:
         self.owned_by = [[s.index for s in catalog.owned_by(r)] for r in range(self.world)]
         self.cols = [s.cols for s in catalog.slots]
         self.current: Optional[tuple[Asks, Served]] = None  # fetched batch N, gradients pending
-        self.next: Optional[tuple[Asks, Served]] = None  # prefetched batch N+1, OL rows pending
+        self.asked: collections.deque[tuple[Asks, Served]] = collections.deque()  # ids sent, not prepared
+        self.next: Optional[tuple[Asks, Served]] = None  # prepared batch N+1, OL rows pending
         self.deferred_grads: Optional[_InFlight] = None
         self.any_overlap = False  # from the last flags: some rank has OL gradients or OL rows
         self.unsent: Optional[tuple] = None  # NOL gradients gradients() left for send_deferred()
@@ -99,9 +102,10 @@ class PecExchange:
         return self.catalog.slots[index]
 
     # -- prefetch ----------------------------------------------------------------------------------
-    def prefetch(self, asks: Optional[Asks]) -> bool:
-        """Starts batch N+1 (`asks`; None: this rank has no more data) up to its NOL rows in place.
-        Returns whether there is a batch N+1 (all ranks must agree)."""
+    def ask(self, asks: Optional[Asks]) -> bool:
+        """A later batch's ids (`asks`; None: this rank has no more data) go to their owners (counts
+        and ids, low priority); prepare() takes it from there. Returns whether there is such a batch
+        (all ranks must agree). Runs a step ahead of prepare(): ids need no earlier update."""
         # counts: per owner, my ids per slot it owns, then whether I have a next batch
         send = []
         for o in range(self.world):
@@ -117,7 +121,6 @@ class PecExchange:
                             f"{[r for r, h in enumerate(has_next) if h]} still had a batch: every rank's dataloader "
                             "must yield the same number of batches")
         if not has_next[0]:
-            self._apply_deferred()
             return False
         counts = per_rank[:, :-1]  # [requester, owned slot]
         # ids
@@ -133,7 +136,17 @@ class PecExchange:
         touched: dict[tuple, list[torch.Tensor]] = {}
         for s in self.owned:
             touched.setdefault(self._slot(s).key, []).extend(asked[s])
-        served = Served(asked, {k: torch.unique(torch.cat(v)) for k, v in touched.items()})
+        self.asked.append((asks, Served(asked, {k: torch.unique(torch.cat(v)) for k, v in touched.items()})))
+        return True
+
+    def prepare(self) -> None:
+        """The oldest asked batch (N+1) up to its NOL rows in place: flags, then N-1's deferred
+        gradients applied, then N+1's NOL rows looked up and sent (low priority). Nothing when ask()
+        found no batch."""
+        if not self.asked:
+            return
+        asks, served = self.asked.popleft()
+        asked = served.asked
         # flags: which of N's gradients go first, which of N+1's rows wait
         prev = self.current
         for s in self.owned:
@@ -187,7 +200,6 @@ class PecExchange:
             self.current = (asks, served)
         else:
             self.next = (asks, served)
-        return True
 
     def _rows(self, asks: Asks, served: Served, ol: bool) -> None:
         """Looks up and exchanges N+1's OL (or NOL) rows; places them in asks.pieces."""

@@ -79,11 +79,13 @@ class TrainPipelinePEC(Generic[In, Out]):
         self._asks: Optional[Asks] = None  # batch N's rows (leaves) per slot
         self._step = 0
         self._deferred_sent: Optional[concurrent.futures.Future] = None
+        self._asked_next: Optional[concurrent.futures.Future] = None  # the next batch's ids, in flight
         self._finished = False
         self._failure: Optional[BaseException] = None  # what broke the pipeline: raised again
         self._closed = False
         # per step, ms the main thread waited on embedding communication: in all, and by phase
-        # ("embeddings": ids, flags, NOL rows; "gradients": OL gradients, OL update, OL rows)
+        # ("ids": counts, ids; "embeddings": flags, NOL rows; "gradients": OL gradients, OL update,
+        # OL rows)
         self.exposed_ms: list[float] = []
         self.exposed_by_phase: list[dict[str, float]] = []
         self._original_forwards = {}
@@ -110,11 +112,11 @@ class TrainPipelinePEC(Generic[In, Out]):
             return None
         return batch.to(self._device, non_blocking=True) if hasattr(batch, "to") else batch
 
-    def _prefetch(self, batch: Optional[In], step: int) -> tuple[bool, dict[str, Any]]:
-        """Worker: routes `batch`'s ids and runs the exchange up to its NOL rows."""
+    def _ask(self, batch: Optional[In], step: int) -> tuple[Optional[In], dict[str, Any], bool]:
+        """Worker: routes `batch`'s ids and sends them to their owners (counts, ids)."""
         inputs = self._read_inputs(batch) if batch is not None else {}
         asks = route(self._catalog, inputs, step) if batch is not None else None
-        return self._exchange.prefetch(asks), inputs
+        return batch, inputs, self._exchange.ask(asks)
 
     def _wait(self, future: concurrent.futures.Future, phase: str) -> Any:
         start = time.perf_counter()
@@ -134,24 +136,26 @@ class TrainPipelinePEC(Generic[In, Out]):
                                "a partial update: restore a checkpoint and build a new pipeline") from self._failure
         if self._finished:
             raise StopIteration
-        self._exposed = {"embeddings": 0.0, "gradients": 0.0}
+        self._exposed = {"ids": 0.0, "embeddings": 0.0, "gradients": 0.0}
         try:
-            if self._batch is None:  # fill: batch 0's rows, before anything else
-                first = self._next_batch(dataloader_iter)
-                has_first, inputs = self._wait(self._worker.submit(self._prefetch, first, 0), "embeddings")
+            if self._batch is None:  # fill: batch 0's rows, then batch 1's ids
+                first, inputs, has_first = self._wait(
+                    self._worker.submit(self._ask, self._next_batch(dataloader_iter), 0), "ids")
                 if not has_first:
                     self._finished = True
                     raise StopIteration
+                self._wait(self._worker.submit(self._exchange.prepare), "embeddings")
                 self._batch, self._inputs, self._asks = first, inputs, self._exchange.current[0]
+                self._asked_next = self._worker.submit(self._ask, self._next_batch(dataloader_iter), 1)
             training = self._model.training
             if training:
                 self._optimizer.zero_grad()
-            nxt = self._next_batch(dataloader_iter)
-            prefetched = self._worker.submit(self._prefetch, nxt, self._step + 1)
-            if nxt is None and not self._execute_all_batches:
-                self._wait(prefetched, "embeddings")
-                self._finished = True
-                raise StopIteration
+            if not self._execute_all_batches:  # stop before training a batch once the data ran out
+                if not self._wait(self._asked_next, "ids")[2]:
+                    self._finished = True
+                    raise StopIteration
+            # after the next batch's ids (one worker, FIFO); a no-op if there is no next batch
+            prepared = self._worker.submit(self._exchange.prepare)
             for piece in self._asks.pieces:
                 piece.requires_grad_(training)
             losses, output = self._model(self._batch)
@@ -160,12 +164,19 @@ class TrainPipelinePEC(Generic[In, Out]):
                 torch.sum(losses, dim=0).backward()
                 grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self._asks.pieces]
                 lrs = {id(t): t.get_learning_rate() for t in self._exchange.tbes}
-            has_next, nxt_inputs = self._wait(prefetched, "embeddings")
-            if self._deferred_sent is not None:  # ran before the prefetch (one worker, FIFO)
+            nxt, nxt_inputs, has_next = self._wait(self._asked_next, "ids")  # sent during the previous step
+            if self._deferred_sent is not None:  # ran before it
                 self._deferred_sent.result()
-            self._wait(self._worker.submit(self._exchange.gradients, grads, lrs, has_next), "gradients")
-            # not waited: posted under the next step's compute; its error surfaces at the next wait
+            self._wait(prepared, "embeddings")
+            # the worker is idle here (everything submitted was waited for): the gradient round trip
+            # runs on this thread, no handoff; program order across ranks is unchanged
+            start = time.perf_counter()
+            self._exchange.gradients(grads, lrs, has_next)
+            self._exposed["gradients"] += (time.perf_counter() - start) * 1e3
+            # not waited: posted under the optimizer step and the next forward; errors surface at the next wait
             self._deferred_sent = self._worker.submit(self._exchange.send_deferred)
+            if has_next:
+                self._asked_next = self._worker.submit(self._ask, self._next_batch(dataloader_iter), self._step + 2)
             if training:
                 self._optimizer.step()
         except StopIteration:
