@@ -20,13 +20,15 @@ def _segments(lengths: torch.Tensor) -> torch.Tensor:
     return torch.repeat_interleave(torch.arange(lengths.numel()), lengths)
 
 
-def make_inputs(rank: int, seed: int) -> tuple[dict[str, JaggedTensor], torch.Tensor, torch.Tensor]:
+def make_inputs(rank: int, seed: int, alike_on: int = -1) -> tuple[dict[str, JaggedTensor], torch.Tensor, torch.Tensor]:
     """Rank 0 holds the long histories (heavy imbalance). "items" and "cats" share lengths, as an
     HSTU batch's features do; "extra" (bfloat16, 2 wide) has its own. Values require grad."""
     gen = torch.Generator().manual_seed(seed + rank)
     batch = 5 + rank
     lengths = torch.randint(0 if rank else 20, 6 if rank else 40, (batch,), generator=gen)
     extra_lengths = torch.randint(0, 4, (batch,), generator=gen)
+    if rank == alike_on:  # here "extra" has the lengths of "items" and "cats"; elsewhere it does not
+        extra_lengths = lengths.clone()
     rows, extra_rows = int(lengths.sum()), int(extra_lengths.sum())
     sequences = {
         "items": JaggedTensor(values=torch.randn(rows, DIM, generator=gen).requires_grad_(), lengths=lengths,
@@ -67,13 +69,13 @@ def _loss(out: dict) -> torch.Tensor:
     return (out["user"] * weights).sum() + out["cats"].values().sum() * 3 + out["extra"].float().sum()
 
 
-def hooks_balance_a_sequence_module(info, seed: int) -> dict:
+def hooks_balance_a_sequence_module(info, seed: int, alike_on: int = -1) -> dict:
     """fc.balance on a module taking (sequences, labels, num_targets=...): outputs, input
     gradients equal to the unbalanced module's bit for bit; the weight's gradient summed over
     ranks to float rounding. Returns samples computed here before/after and the imbalances."""
     rank = info.rank
     module = SequenceModule()
-    sequences, labels, num_targets = make_inputs(rank, seed)
+    sequences, labels, num_targets = make_inputs(rank, seed, alike_on)
     ref = module(sequences, labels, num_targets=num_targets)
     _loss(ref).backward()
     ref_grads = {k: jt.values().grad.clone() for k, jt in sequences.items()}

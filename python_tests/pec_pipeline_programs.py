@@ -187,6 +187,8 @@ def train(pg: dist.ProcessGroup, pipeline: str, optimizer: str, batches: list[li
             outputs.append(pipe.progress(feed).clone())
         except StopIteration:
             break
+        for group in opt.param_groups:  # a learning-rate schedule: deferred updates must use their batch's
+            group["lr"] *= 0.8
     if hasattr(pipe, "close"):
         pipe.close()
     return {"outputs": outputs, "state": _state(dmp, opt)}
@@ -344,3 +346,115 @@ def refusals(info) -> dict:
     out["after_failure"] = _expect(RuntimeError, pipe.progress, feed)
     pipe.close()
     return out
+
+
+# -- PEC + balance -----------------------------------------------------------------------------------
+class Tower(nn.Module):
+    """Per-sample work on the EmbeddingCollection's output (a stand-in for an HSTU tower): sum of
+    tanh(items @ W) + cats per history. Counts the samples it computed."""
+
+    def __init__(self, device: torch.device) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.empty(DIM, DIM, device=device))
+        self.samples: list[int] = []
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:  # DistributedModelParallel calls it when it materializes meta parameters
+        with torch.no_grad():
+            self.w.copy_(torch.linspace(-0.5, 0.5, DIM * DIM, device=self.w.device).view(DIM, DIM))
+
+    def forward(self, sequences: dict) -> torch.Tensor:
+        items, cats = sequences["items"], sequences["cats"]
+        n = items.lengths().numel()
+        if isinstance(n, int):  # not while torch.fx traces the model
+            self.samples.append(n)
+        rows = torch.tanh(items.values() @ self.w)
+        seg = torch.repeat_interleave(torch.arange(n), items.lengths())
+        seg_c = torch.repeat_interleave(torch.arange(n), cats.lengths())
+        return torch.zeros(n, DIM).index_add(0, seg, rows) + torch.zeros(n, DIM).index_add(0, seg_c, cats.values())
+
+
+class BalancedModel(nn.Module):
+    def __init__(self, device: torch.device) -> None:
+        super().__init__()
+        self.ebc = EmbeddingBagCollection(tables=[
+            EmbeddingBagConfig(name=f"t_{f}", embedding_dim=DIM, num_embeddings=ROWS, feature_names=[f]) for f in POOLED],
+            device=device)
+        self.ec = EmbeddingCollection(tables=[
+            EmbeddingConfig(name=f"t_{f}", embedding_dim=DIM, num_embeddings=ROWS, feature_names=[f]) for f in SEQUENCE],
+            device=device)
+        self.tower = Tower(device)
+        self.head = nn.Linear(DIM * (len(POOLED) + 1), 1)
+
+    def forward(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
+        pooled = self.ebc(batch.pooled)
+        user = self.tower(self.ec(batch.sequence))
+        logits = self.head(torch.cat([pooled.values(), user], dim=1)).squeeze(1)
+        return nn.functional.binary_cross_entropy_with_logits(logits, batch.label, reduction="sum"), logits.detach()
+
+
+def pec_and_balance_match_sparse_dist_with_balance(info, steps: int, collision: float) -> dict:
+    """TrainPipelineSparseDist with fc.balance on the tower vs TrainPipelinePEC(balance={"tower":
+    cost}): same data (rank 0's histories long), every output and weight equal bit for bit, and
+    the balancer moved samples."""
+    from freescale_comm.planner import CostModel
+
+    pg = dist.group.WORLD
+    rank, world = dist.get_rank(), dist.get_world_size()
+    cost = CostModel(quadratic=1.0, linear=0.0, constant=1.0)
+    batches = make_batches(steps, world, collision, seed=21, batch=6)
+    for row in batches:  # rank 0: long histories, the straggler balancing relieves
+        b = row[0]
+        lengths = b.sequence.lengths().clone()
+        lengths[:] = 6
+        values = torch.cat([torch.randint(0, ROWS, (6 * b.sequence.stride(),)) for _ in SEQUENCE])
+        row[0] = Batch(b.pooled, KeyedJaggedTensor(keys=list(SEQUENCE), values=values, lengths=lengths), b.label)
+    runs = {}
+    for name in ("sparse_dist", "pec"):
+        dmp, opt = build(pg, "rowwise_adagrad", BalancedModel)
+        tower = dmp.module.tower
+        if name == "sparse_dist":
+            fc.balance(tower, cost, group=pg)
+            pipe = TrainPipelineSparseDist(dmp, opt, torch.device("cpu"))
+        else:
+            pipe = fc.TrainPipelinePEC(dmp, opt, torch.device("cpu"), group=pg, balance={"tower": cost})
+        feed = iter([b[rank] for b in batches])
+        outputs = [pipe.progress(feed).clone() for _ in range(steps)]
+        if name == "pec":
+            pipe.close()
+            assert tower.freescale_balance is None, "close() must take the balance hooks off"
+        runs[name] = {"outputs": outputs, "state": _state(dmp, opt), "samples": list(tower.samples)}
+    ref, pec = runs["sparse_dist"], runs["pec"]
+    assert all(torch.equal(a, b) for a, b in zip(ref["outputs"], pec["outputs"])), "outputs differ"
+    for k in ref["state"]:
+        assert torch.equal(ref["state"][k], pec["state"][k]), f"{k} differs"
+    home = [len(b[rank].label) for b in batches]
+    return {"computed": pec["samples"], "home": home, "same_as_reference": pec["samples"] == ref["samples"]}
+
+
+def eval_mode_matches_sparse_dist(info, steps: int) -> int:
+    """model.eval(): forward only (no gradients move, nothing is updated); outputs equal
+    TrainPipelineSparseDist's bit for bit. Returns the steps compared."""
+    pg = dist.group.WORLD
+    rank, world = dist.get_rank(), dist.get_world_size()
+    batches = make_batches(steps, world, 0.5, seed=31)
+    outs = {}
+    for name in ("sparse_dist", "pec"):
+        dmp, opt = build(pg, "rowwise_adagrad")
+        dmp.eval()
+        before = _state(dmp, opt)
+        pipe = TrainPipelineSparseDist(dmp, opt, torch.device("cpu")) if name == "sparse_dist" else \
+            fc.TrainPipelinePEC(dmp, opt, torch.device("cpu"), group=pg)
+        feed = iter([b[rank] for b in batches])
+        outs[name] = [pipe.progress(feed).clone() for _ in range(steps)]
+        after = _state(dmp, opt)
+        assert all(torch.equal(before[k], after[k]) for k in before), f"{name}: eval changed the model"
+        if name == "pec":
+            pipe.close()
+    assert all(torch.equal(a, b) for a, b in zip(outs["sparse_dist"], outs["pec"])), "eval outputs differ"
+    return len(outs["pec"])
+
+
+def balance_and_eval(info, steps: int) -> dict:
+    return {"balance": pec_and_balance_match_sparse_dist_with_balance(info, steps, 0.5),
+            "eval_steps": eval_mode_matches_sparse_dist(info, 4)}

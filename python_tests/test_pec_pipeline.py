@@ -98,3 +98,15 @@ def test_the_torchrec_pec_benchmark_writes_a_row_per_pipeline_and_rate(tmp_path)
     for r in rows:
         assert "note" not in r and r["step_ms"] > 0 and r["exposed_comm_ms"] >= 0, r
     assert png.stat().st_size > 0
+
+
+def test_pec_with_balance_and_in_eval_mode_equals_sparse_dist():
+    """TrainPipelinePEC(balance={"tower": cost}) equals TrainPipelineSparseDist with fc.balance on
+    the same tower bit for bit, and the balancer did move samples (rank 0's histories are long);
+    in eval mode both give the same outputs and leave the model unchanged."""
+    from pec_pipeline_programs import balance_and_eval
+
+    results = spawn(balance_and_eval, 2, 6, timeout_s=300)
+    assert any(r["balance"]["computed"] != r["balance"]["home"] for r in results), results
+    for r in results:
+        assert r["balance"]["same_as_reference"] and r["eval_steps"] == 4, r

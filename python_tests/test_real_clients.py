@@ -97,6 +97,18 @@ def test_balancing_a_torchrec_sequence_module_with_one_hook(world):
     assert any(r["samples_computed"] != r["samples_home"] for r in results), results  # samples did move
 
 
+def test_balancing_when_features_are_alike_on_one_rank_only():
+    """Rank 1's three features have equal lengths (its "extra" follows "items"), rank 0's do not:
+    sharing one dispatch's counts among alike features must be a decision all ranks make alike,
+    or their collectives differ (it was local: SIZE_MISMATCH, seen with a rank whose histories
+    were all empty in a batch)."""
+    _need("torchrec")
+    from bundle_programs import hooks_balance_a_sequence_module
+
+    results = spawn(hooks_balance_a_sequence_module, 2, 11, 1, backend="freescale")
+    assert any(r["samples_computed"] != r["samples_home"] for r in results), results
+
+
 def test_a_keyed_jagged_bundle_with_per_sample_tensors_goes_and_comes_home():
     _need("torchrec")
     from bundle_programs import kjt_bundle_round_trip

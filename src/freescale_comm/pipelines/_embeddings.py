@@ -33,7 +33,7 @@ def route(catalog: Catalog, features: dict[str, Any], step: int) -> Asks:
                                      f"(table {table.name!r}): {int(ids.min())}..{int(ids.max())}")
                 slots = table.slots[feature]
                 if table.sharding == "row_wise":
-                    starts = torch.tensor([s.row0 for s in slots[1:]], dtype=torch.int64)
+                    starts = torch.tensor([s.row0 for s in slots[1:]], dtype=torch.int64, device=ids.device)
                     shard = torch.bucketize(ids, starts, right=True)
                     for k, slot in enumerate(slots):
                         where = torch.nonzero(shard == k).squeeze(1)
@@ -57,11 +57,12 @@ def module_output(info: ModuleInfo, kjt: Any, leaves: list[torch.Tensor], positi
             lengths = kjt[feature].lengths()
             n = int(lengths.sum())
             if info.pooled:
-                bags = torch.repeat_interleave(torch.arange(lengths.numel()), lengths)
+                bags = torch.repeat_interleave(torch.arange(lengths.numel(), device=lengths.device), lengths)
                 parts = []
                 for slot in slots:
                     where = bags if positions[slot.index] is None else bags[positions[slot.index]]
-                    parts.append(torch.zeros(lengths.numel(), slot.cols).index_add(0, where, leaves[slot.index]))
+                    leaf = leaves[slot.index]
+                    parts.append(leaf.new_zeros(lengths.numel(), slot.cols).index_add(0, where, leaf))
                 if table.sharding == "row_wise":  # partial sums per shard, added in shard (rank) order
                     pooled = parts[0]
                     for p in parts[1:]:
@@ -73,7 +74,7 @@ def module_output(info: ModuleInfo, kjt: Any, leaves: list[torch.Tensor], positi
                 by_feature[feature] = pooled
             else:
                 if table.sharding == "row_wise":
-                    values = torch.zeros(n, table.dim)
+                    values = leaves[slots[0].index].new_zeros(n, table.dim)
                     for slot in slots:
                         values = values.index_copy(0, positions[slot.index], leaves[slot.index])
                 elif table.sharding == "column_wise":

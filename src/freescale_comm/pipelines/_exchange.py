@@ -74,8 +74,9 @@ class PecExchange:
     `late_deferred_updates` applies deferred gradients after the NOL lookup they must precede."""
 
     def __init__(self, comm: Communicator, catalog: Catalog, high: int, low: int, deferred: int,
-                 early_overlap_reads: bool = False) -> None:
+                 device: torch.device, early_overlap_reads: bool = False) -> None:
         self.comm, self.catalog = comm, catalog
+        self.device = device  # of ids, flags, rows and gradients (the tables'); counts stay on the host
         self.rank, self.world = comm.rank, comm.world_size
         self.high, self.low, self.deferred = high, low, deferred
         self.early_overlap_reads = early_overlap_reads
@@ -125,8 +126,8 @@ class PecExchange:
         counts = per_rank[:, :-1]  # [requester, owned slot]
         # ids
         inp = torch.cat([asks.rows[s] for o in range(self.world) for s in self.owned_by[o]] or
-                        [torch.empty(0, dtype=torch.int64)])
-        out = torch.empty(int(counts.sum()), dtype=torch.int64)
+                        [torch.empty(0, dtype=torch.int64, device=self.device)])
+        out = torch.empty(int(counts.sum()), dtype=torch.int64, device=self.device)
         self._a2a(out, inp, counts.sum(1).tolist(),
                   [sum(asks.rows[s].numel() for s in self.owned_by[o]) for o in range(self.world)], self.low).wait()
         asked: dict[int, list[torch.Tensor]] = {s: [] for s in self.owned}
@@ -153,7 +154,7 @@ class PecExchange:
             key = self._slot(s).key
             before = prev[1].touched.get(key) if prev is not None else None
             served.fetch_ol[s] = [torch.isin(rows, before) if before is not None and not self.early_overlap_reads
-                                  else torch.zeros(rows.numel(), dtype=torch.bool) for rows in asked[s]]
+                                  else torch.zeros(rows.numel(), dtype=torch.bool, device=self.device) for rows in asked[s]]
             if prev is not None:
                 if prev[1].grad_ol is None:
                     prev[1].grad_ol = {}
@@ -165,12 +166,12 @@ class PecExchange:
         flags_out, flags_send_splits = [], []
         for r in range(self.world):
             block = ([prev[1].grad_ol[s][r] for s in self.owned] if prev is not None else []) + \
-                [served.fetch_ol[s][r] for s in self.owned] + [torch.tensor([any_ol])]
+                [served.fetch_ol[s][r] for s in self.owned] + [torch.tensor([any_ol], device=self.device)]
             flags_out += block
             flags_send_splits.append(sum(f.numel() for f in block))
         flags_in_splits = [(0 if prev is None else sum(prev[0].rows[s].numel() for s in self.owned_by[o]))
                            + sum(asks.rows[s].numel() for s in self.owned_by[o]) + 1 for o in range(self.world)]
-        flags_in = torch.empty(sum(flags_in_splits), dtype=torch.uint8)
+        flags_in = torch.empty(sum(flags_in_splits), dtype=torch.uint8, device=self.device)
         self._a2a(flags_in, torch.cat(flags_out).to(torch.uint8), flags_in_splits, flags_send_splits, self.low).wait()
         if prev is not None:
             prev[0].grad_ol = [None] * len(self.catalog.slots)
@@ -193,7 +194,8 @@ class PecExchange:
         # NOL rows, after every deferred update
         if not self.late_deferred_updates:
             self._apply_deferred()
-        asks.pieces = [torch.empty(asks.rows[s].numel(), self.cols[s]) for s in range(len(self.catalog.slots))]
+        asks.pieces = [torch.empty(asks.rows[s].numel(), self.cols[s], device=self.device)
+                       for s in range(len(self.catalog.slots))]
         self._rows(asks, served, ol=False)
         self._apply_deferred()  # (a no-op unless mutated)
         if prev is None:  # the first batch: nothing to wait for
@@ -220,8 +222,8 @@ class PecExchange:
                 mask = asks.fetch_ol[s] if ol else ~asks.fetch_ol[s]
                 n += int(mask.sum()) * self.cols[s]
             recv_splits.append(n)
-        recv = torch.empty(sum(recv_splits))
-        inp = torch.cat(send) if send else torch.empty(0)
+        recv = torch.empty(sum(recv_splits), device=self.device)
+        inp = torch.cat(send) if send else torch.empty(0, device=self.device)
         self._a2a(recv, inp, recv_splits, send_splits, self.high if ol else self.low).wait()
         offset = 0
         for o in range(self.world):
@@ -289,8 +291,8 @@ class PecExchange:
                 rows_of.setdefault(s, []).append(rows)
                 n += rows.numel() * self.cols[s]
             recv_splits.append(n)
-        buffer = torch.empty(sum(recv_splits))
-        inp = torch.cat(send) if send else torch.empty(0)
+        buffer = torch.empty(sum(recv_splits), device=self.device)
+        inp = torch.cat(send) if send else torch.empty(0, device=self.device)
         work = self._a2a(buffer, inp, recv_splits, send_splits, self.high if first else self.deferred)
         return _InFlight(work, buffer, recv_splits, rows_of, asks.step, lrs, self.world if _gradient_division() else 1)
 
@@ -346,19 +348,20 @@ def tbe_update(tbe: torch.nn.Module, per_feature: dict[int, tuple[torch.Tensor, 
     bag, so a row's gradients accumulate in the order given (the order TorchRec's input has)."""
     features = len(tbe.feature_table_map)
     dims = [tbe.embedding_specs[t][1] for t in tbe.feature_table_map]
-    empty = torch.empty(0, dtype=torch.int64)
-    parts = [per_feature.get(f, (empty, torch.empty(0, dims[f]))) for f in range(features)]
+    device = next(iter(per_feature.values()))[0].device
+    empty = torch.empty(0, dtype=torch.int64, device=device)
+    parts = [per_feature.get(f, (empty, torch.empty(0, dims[f], device=device))) for f in range(features)]
     indices = torch.cat([rows for rows, _ in parts])
-    counts = torch.tensor([rows.numel() for rows, _ in parts], dtype=torch.int64)
+    counts = torch.tensor([rows.numel() for rows, _ in parts], dtype=torch.int64, device=device)
     if tbe.is_nobag:  # sequence TBE: one bag per feature, output [ids, dim]
-        offsets = torch.cat([torch.zeros(1, dtype=torch.int64), counts.cumsum(0)])
+        offsets = torch.cat([counts.new_zeros(1), counts.cumsum(0)])
         grad_out = torch.cat([g for _, g in parts])
     else:  # pooled TBE: B bags per feature, id i of a feature alone in bag i, output [B, sum dims]
         bags = max(int(counts.max()) if features else 0, 1)
-        starts = torch.cat([torch.zeros(1, dtype=torch.int64), counts.cumsum(0)[:-1]])
-        within = torch.minimum(torch.arange(1, bags + 1).unsqueeze(0), counts.unsqueeze(1))  # [F, B]
-        offsets = torch.cat([torch.zeros(1, dtype=torch.int64), (starts.unsqueeze(1) + within).reshape(-1)])
-        grad_out = torch.zeros(bags, sum(dims))
+        starts = torch.cat([counts.new_zeros(1), counts.cumsum(0)[:-1]])
+        within = torch.minimum(torch.arange(1, bags + 1, device=device).unsqueeze(0), counts.unsqueeze(1))  # [F, B]
+        offsets = torch.cat([counts.new_zeros(1), (starts.unsqueeze(1) + within).reshape(-1)])
+        grad_out = torch.zeros(bags, sum(dims), device=device)
         col = 0
         for (_, g), d in zip(parts, dims):
             grad_out[:g.shape[0], col:col + d] = g

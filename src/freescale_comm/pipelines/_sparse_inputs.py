@@ -14,12 +14,15 @@ Path = list[tuple[str, Any]]  # ("attr", name) | ("item", key), applied in order
 
 
 class _Tracer(torch.fx.Tracer):
-    def __init__(self, leaves: set[int]) -> None:
+    """Traces only the modules that hold a sharded module (`through`: their qualified names): every
+    other module is a leaf, so user code the pipeline needs not see (a tower, a loss) is never traced."""
+
+    def __init__(self, through: set[str]) -> None:
         super().__init__()
-        self._leaves = leaves
+        self._through = through
 
     def is_leaf_module(self, m: nn.Module, qualname: str) -> bool:
-        return id(m) in self._leaves or super().is_leaf_module(m, qualname)
+        return qualname not in self._through
 
 
 def _path(node: torch.fx.Node, fqn: str) -> Path:
@@ -42,7 +45,8 @@ def _path(node: torch.fx.Node, fqn: str) -> Path:
 
 def find_sparse_inputs(model: nn.Module, modules: dict[str, nn.Module]) -> dict[str, Path]:
     """fqn -> path in the batch of the KeyedJaggedTensor each of `modules` is called with."""
-    tracer = _Tracer({id(m) for m in modules.values()})
+    through = {".".join(fqn.split(".")[:k]) for fqn in modules for k in range(fqn.count(".") + 1)}
+    tracer = _Tracer(through)
     try:
         graph = tracer.trace(model)
     except Exception as e:  # noqa: BLE001 - any tracing failure has the same remedy

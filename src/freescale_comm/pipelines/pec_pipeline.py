@@ -22,17 +22,19 @@ from __future__ import annotations
 
 import concurrent.futures
 import time
-from typing import Any, Callable, Generic, Iterator, Optional, TypeVar
+from typing import Any, Callable, Generic, Iterator, Mapping, Optional, TypeVar
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from freescale_comm.balancer import balance as fc_balance
 from freescale_comm.communicator import Communicator, check_priority
 from freescale_comm.pipelines._catalog import build_catalog, sharded_modules
 from freescale_comm.pipelines._embeddings import module_output, route
 from freescale_comm.pipelines._exchange import Asks, PecExchange
 from freescale_comm.pipelines._sparse_inputs import find_sparse_inputs, reader
+from freescale_comm.planner import CostModel
 
 In = TypeVar("In")
 Out = TypeVar("Out")
@@ -47,12 +49,17 @@ class TrainPipelinePEC(Generic[In, Out]):
     group: the ranks to move embeddings among (default: the model's sharding process group).
     high_priority / low_priority / deferred_priority: OL traffic, prefetch traffic, NOL gradients.
     sparse_inputs: batch -> {sharded module fqn: KeyedJaggedTensor}, when tracing cannot find them.
+    balance: {submodule fqn: CostModel}: FreeScale's load balancing after the embedding
+        communication: each named module (one consuming the embeddings, e.g. an HSTU tower taking
+        the EmbeddingCollection's output first) runs on samples fc.balance moved so every rank gets
+        about the same cost, and its outputs go home (gradients follow). Removed by close().
     """
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, device: torch.device,
                  execute_all_batches: bool = True, *, group: Optional[dist.ProcessGroup] = None,
                  high_priority: int = 100, low_priority: int = 0, deferred_priority: int = -10,
-                 sparse_inputs: Optional[Callable[[Any], dict[str, Any]]] = None) -> None:
+                 sparse_inputs: Optional[Callable[[Any], dict[str, Any]]] = None,
+                 balance: Optional[Mapping[str, CostModel]] = None) -> None:
         if not hasattr(model, "plan") or not hasattr(model, "module"):
             raise TypeError(f"model must be a torchrec DistributedModelParallel, got {type(model).__name__}")
         for p in (high_priority, low_priority, deferred_priority):
@@ -72,7 +79,9 @@ class TrainPipelinePEC(Generic[In, Out]):
         self._read_inputs = sparse_inputs if sparse_inputs is not None else \
             reader(find_sparse_inputs(model.module, modules))
         self._comm = Communicator(group)
-        self._exchange = PecExchange(self._comm, self._catalog, high_priority, low_priority, deferred_priority)
+        tables = {s.weight.device for s in self._catalog.local.values()}
+        self._exchange = PecExchange(self._comm, self._catalog, high_priority, low_priority, deferred_priority,
+                                     tables.pop() if len(tables) == 1 else self._device)
         self._worker = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="freescale-pec")
         self._batch: Optional[Any] = None  # batch N, its rows fetched
         self._inputs: dict[str, Any] = {}  # batch N's sharded-module inputs
@@ -88,9 +97,17 @@ class TrainPipelinePEC(Generic[In, Out]):
         # OL rows)
         self.exposed_ms: list[float] = []
         self.exposed_by_phase: list[dict[str, float]] = []
-        self._original_forwards = {}
+        self._balanced: list[nn.Module] = []
+        for fqn, cost_model in (balance or {}).items():
+            try:
+                target = model.module.get_submodule(fqn)
+            except AttributeError:
+                raise ValueError(f"balance names {fqn!r}, which is not a submodule of the model") from None
+            if not isinstance(cost_model, CostModel):
+                raise TypeError(f"balance[{fqn!r}] must be a freescale_comm.planner.CostModel, got "
+                                f"{type(cost_model).__name__}")
+            self._balanced.append(fc_balance(target, cost_model, group=group))
         for info in self._catalog.modules:
-            self._original_forwards[info.fqn] = info.module
             info.module.forward = self._forward_of(info)
 
     # -- the model's sharded modules call these during forward -------------------------------------
@@ -148,8 +165,11 @@ class TrainPipelinePEC(Generic[In, Out]):
                 self._batch, self._inputs, self._asks = first, inputs, self._exchange.current[0]
                 self._asked_next = self._worker.submit(self._ask, self._next_batch(dataloader_iter), 1)
             training = self._model.training
+            lrs = {}
             if training:
-                self._optimizer.zero_grad()
+                self._optimizer.zero_grad()  # sets each TBE's learning rate for this batch
+                # read now, while no update runs on the worker (those pin an earlier batch's rate)
+                lrs = {id(t): t.get_learning_rate() for t in self._exchange.tbes}
             if not self._execute_all_batches:  # stop before training a batch once the data ran out
                 if not self._wait(self._asked_next, "ids")[2]:
                     self._finished = True
@@ -159,11 +179,10 @@ class TrainPipelinePEC(Generic[In, Out]):
             for piece in self._asks.pieces:
                 piece.requires_grad_(training)
             losses, output = self._model(self._batch)
-            grads, lrs = None, {}
+            grads = None
             if training:
                 torch.sum(losses, dim=0).backward()
                 grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self._asks.pieces]
-                lrs = {id(t): t.get_learning_rate() for t in self._exchange.tbes}
             nxt, nxt_inputs, has_next = self._wait(self._asked_next, "ids")  # sent during the previous step
             if self._deferred_sent is not None:  # ran before it
                 self._deferred_sent.result()
@@ -202,3 +221,5 @@ class TrainPipelinePEC(Generic[In, Out]):
         self._comm.close()
         for info in self._catalog.modules:
             info.module.__dict__.pop("forward", None)
+        for module in self._balanced:
+            module.freescale_balance.remove()
