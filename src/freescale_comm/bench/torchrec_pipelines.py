@@ -2,7 +2,7 @@
 table- and column-wise, fused row-wise Adagrad, an MLP head) trained on N CPU ranks by TorchRec's
 TrainPipelineSparseDist (the baseline), TrainPipelineSemiSync (stale by one batch: a reference, not
 a competitor), TorchRec's TrainPipelinePEC where the installed TorchRec has it, and
-fc.TrainPipelinePEC, at several collision rates (that share of every batch's ids was read by the
+fc.TrainPipelinePEC (alone, and with fc.balance on the HSTU-like tower: pec_balance), at several collision rates (that share of every batch's ids was read by the
 batch before, on any rank).
 
 Measured per step on every rank, then: step_ms = the slowest rank's step (wall, between returns of
@@ -29,7 +29,7 @@ from torchrec import EmbeddingBagCollection, EmbeddingCollection, KeyedJaggedTen
 from torchrec.modules.embedding_configs import EmbeddingBagConfig, EmbeddingConfig
 from torchrec.streamable import Pipelineable
 
-PIPELINES = ("sparse_dist", "semi_sync", "torchrec_pec", "pec")
+PIPELINES = ("sparse_dist", "semi_sync", "torchrec_pec", "pec", "pec_balance")
 
 
 @dataclass(frozen=True)
@@ -130,15 +130,31 @@ class Batch(Pipelineable):
         return self
 
 
-@torch.fx.wrap  # a leaf for the pipelines' tracing
-def _mean_rows(values: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
-    segment = torch.repeat_interleave(torch.arange(lengths.numel()), lengths)
-    sums = torch.zeros(lengths.numel(), values.shape[1]).index_add_(0, segment, values)
-    return sums / lengths.clamp(min=1).unsqueeze(1).to(values.dtype)
+class Tower(nn.Module):
+    """HSTU-like work per user history, ~L² per sample: causal self-attention over the summed item
+    and category embeddings of each history, then its mean. Takes the EmbeddingCollection's output
+    first (what fc.balance moves); returns one row per sample."""
+
+    def __init__(self, device: torch.device, dim: int) -> None:
+        super().__init__()
+        self.proj = nn.Linear(dim, dim, device=device)
+
+    def forward(self, sequences: dict) -> torch.Tensor:
+        items, cats = sequences["items"], sequences["cats"]
+        x = self.proj(items.values() + cats.values())  # both features share each history's length
+        outs = []
+        for rows in torch.split(x, items.lengths().tolist()):
+            if rows.shape[0] == 0:
+                outs.append(x.new_zeros(x.shape[1]))
+                continue
+            scores = rows @ rows.T / rows.shape[1] ** 0.5
+            mask = torch.ones_like(scores, dtype=torch.bool).triu(1)
+            outs.append((scores.masked_fill(mask, float("-inf")).softmax(-1) @ rows).mean(0))
+        return torch.stack(outs) if outs else x.new_zeros(0, x.shape[1])
 
 
 class Model(nn.Module):
-    """Pooled features and the mean of each sequence into an MLP; forward returns (loss, logits)."""
+    """Pooled features and the tower's per-history rows into an MLP; forward returns (loss, logits)."""
 
     def __init__(self, device: torch.device, rows: int, dim: int, hidden: int) -> None:
         super().__init__()
@@ -146,14 +162,14 @@ class Model(nn.Module):
             name=f"t_{f}", embedding_dim=dim, num_embeddings=rows, feature_names=[f]) for f in POOLED], device=device)
         self.ec = EmbeddingCollection(tables=[EmbeddingConfig(
             name=f"t_{f}", embedding_dim=dim, num_embeddings=rows, feature_names=[f]) for f in SEQUENCE], device=device)
-        self.mlp = nn.Sequential(nn.Linear(dim * (len(POOLED) + len(SEQUENCE)), hidden), nn.ReLU(),
+        self.tower = Tower(device, dim)
+        self.mlp = nn.Sequential(nn.Linear(dim * (len(POOLED) + 1), hidden), nn.ReLU(),
                                  nn.Linear(hidden, hidden), nn.ReLU(), nn.Linear(hidden, 1))
 
     def forward(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
         p = self.ebc(batch.pooled)
-        s = self.ec(batch.sequence)
-        means = [_mean_rows(s[f].values(), s[f].lengths()) for f in SEQUENCE]
-        logits = self.mlp(torch.cat([p.values(), *means], dim=1)).squeeze(1)
+        user = self.tower(self.ec(batch.sequence))
+        logits = self.mlp(torch.cat([p.values(), user], dim=1)).squeeze(1)
         loss = nn.functional.binary_cross_entropy_with_logits(logits, batch.label, reduction="sum")
         return loss, logits.detach()
 
@@ -167,9 +183,16 @@ def make_batches(cfg: PipelineBenchConfig, world: int, rank: int, rate: float) -
     batches = []
     for _ in range(cfg.steps + cfg.warmup):
         lengths, values = {}, {}
+        # histories: heavy-tailed (log-normal around `history`, capped at 8x), shared by the sequence
+        # features of a sample; pooled features: uniform around history / 4
+        history = (cfg.history * torch.exp(torch.randn(world, cfg.samples, generator=gen) - 0.5)).long()
+        history = history.clamp(max=8 * cfg.history)
         for f in list(pooled) + list(sequence):
-            mean = cfg.history if f in sequence else max(1, cfg.history // 4)
-            lengths[f] = torch.randint(0, 2 * mean + 1, (world, cfg.samples), generator=gen)
+            if f in sequence:
+                lengths[f] = history
+            else:
+                mean = max(1, cfg.history // 4)
+                lengths[f] = torch.randint(0, 2 * mean + 1, (world, cfg.samples), generator=gen)
             n = int(lengths[f].sum())
             fresh = torch.randint(0, cfg.rows, (n,), generator=gen)
             prev = previous.get(f)
@@ -242,7 +265,11 @@ def _pipeline(name: str, dmp: Any, opt: Any, pg: Any) -> Optional[Any]:
         cls = getattr(tp, "TrainPipelinePEC", None) or getattr(train_pipelines, "TrainPipelinePEC", None)
         return None if cls is None else cls(dmp, opt, device)
     import freescale_comm as fc
+    from freescale_comm.planner import CostModel
 
+    if name == "pec_balance":  # the tower's cost: attention ~ L², plus per-row work
+        cost = CostModel(quadratic=1.0, linear=8.0, constant=16.0)
+        return fc.TrainPipelinePEC(dmp, opt, device, group=pg, balance={"tower": cost})
     return fc.TrainPipelinePEC(dmp, opt, device, group=pg)
 
 
