@@ -3,8 +3,9 @@
 Program order, identical on every rank (so the Communicator's sequence numbers match them):
 
   ask(N+1), after batch N-1's gradients (under N-1's optimizer step and N's forward):
-    counts   int64  requester -> owner: ids per owned slot, + 1 if the rank has batch N+1 (low)
-    ids      int64  the shard rows asked, by owned slot                                    (low)
+    ids      int64  requester -> owner: the shard rows asked, by owned slot, then the counts
+                    of batch N+2 per owned slot and 1 if the rank has it (announce() sends
+                    batch 0's counts alone)                                                (low)
   prepare(N+1), while batch N computes:
     flags    uint8  owner -> requester: per entry of N, is its row read by N+1 (gradient
                     goes first); per entry of N+1, is its row read by N (fetch waits)      (low)
@@ -89,6 +90,7 @@ class PecExchange:
         self.next: Optional[tuple[Asks, Served]] = None  # prepared batch N+1, OL rows pending
         self.deferred_grads: Optional[_InFlight] = None
         self.any_overlap = False  # from the last flags: some rank has OL gradients or OL rows
+        self.incoming: Optional[torch.Tensor] = None  # [world, owned slots]: ids each rank sends in the next ask()
         self.unsent: Optional[tuple] = None  # NOL gradients gradients() left for send_deferred()
         tbes = {id(s.tbe): s.tbe for s in catalog.local.values()}
         self.tbes = list(tbes.values())
@@ -103,42 +105,60 @@ class PecExchange:
         return self.catalog.slots[index]
 
     # -- prefetch ----------------------------------------------------------------------------------
-    def ask(self, asks: Optional[Asks]) -> bool:
-        """A later batch's ids (`asks`; None: this rank has no more data) go to their owners (counts
-        and ids, low priority); prepare() takes it from there. Returns whether there is such a batch
-        (all ranks must agree). Runs a step ahead of prepare(): ids need no earlier update."""
-        # counts: per owner, my ids per slot it owns, then whether I have a next batch
-        send = []
-        for o in range(self.world):
-            send += [asks.rows[s].numel() if asks is not None else 0 for s in self.owned_by[o]]
-            send.append(1 if asks is not None else 0)
-        recv = torch.empty(self.world * (len(self.owned) + 1), dtype=torch.int64)
-        self._a2a(recv, torch.tensor(send, dtype=torch.int64), [len(self.owned) + 1] * self.world,
-                  [len(self.owned_by[o]) + 1 for o in range(self.world)], self.low).wait()
-        per_rank = recv.view(self.world, len(self.owned) + 1)
-        has_next = per_rank[:, -1].tolist()
-        if any(has_next) and not all(has_next):
-            raise CommError(f"ranks {[r for r, h in enumerate(has_next) if not h]} ran out of data while ranks "
-                            f"{[r for r, h in enumerate(has_next) if h]} still had a batch: every rank's dataloader "
+    def _counts_of(self, asks: Optional[Asks]) -> list[list[int]]:
+        """Per owner: my ids per slot it owns, then 1 if I have that batch (0: out of data)."""
+        return [[asks.rows[s].numel() if asks is not None else 0 for s in self.owned_by[o]] + [int(asks is not None)]
+                for o in range(self.world)]
+
+    def _take_counts(self, tails: torch.Tensor) -> bool:
+        """tails: int64 [world, owned slots + 1], what each rank announced. Keeps the counts for
+        the next ask(); returns whether the batch exists (every rank must agree)."""
+        has = tails[:, -1].tolist()
+        if any(has) and not all(has):
+            raise CommError(f"ranks {[r for r, h in enumerate(has) if not h]} ran out of data while ranks "
+                            f"{[r for r, h in enumerate(has) if h]} still had a batch: every rank's dataloader "
                             "must yield the same number of batches")
-        if not has_next[0]:
-            return False
-        counts = per_rank[:, :-1]  # [requester, owned slot]
-        # ids
-        inp = torch.cat([asks.rows[s] for o in range(self.world) for s in self.owned_by[o]] or
-                        [torch.empty(0, dtype=torch.int64, device=self.device)])
-        out = torch.empty(int(counts.sum()), dtype=torch.int64, device=self.device)
-        self._a2a(out, inp, counts.sum(1).tolist(),
-                  [sum(asks.rows[s].numel() for s in self.owned_by[o]) for o in range(self.world)], self.low).wait()
+        self.incoming = tails[:, :-1].clone() if has[0] else None
+        return bool(has[0])
+
+    def announce(self, asks: Optional[Asks]) -> bool:
+        """The first batch's counts (low priority); every later batch's ride on the ids before it.
+        Returns whether the batch exists on every rank (None: this rank has no data)."""
+        send = self._counts_of(asks)
+        recv = torch.empty(self.world * (len(self.owned) + 1), dtype=torch.int64)
+        self._a2a(recv, torch.tensor([c for per_owner in send for c in per_owner], dtype=torch.int64),
+                  [len(self.owned) + 1] * self.world, [len(c) for c in send], self.low).wait()
+        return self._take_counts(recv.view(self.world, len(self.owned) + 1))
+
+    def ask(self, asks: Asks, following: Optional[Asks]) -> bool:
+        """One round (low priority): `asks`' ids (their counts were announced) go to their owners,
+        with the counts of the `following` batch (None: this rank has no more data). prepare()
+        takes `asks` from there. Returns whether `following` exists (every rank must agree). Runs a
+        step ahead of prepare(): ids need no earlier update."""
+        counts = self.incoming  # [requester, owned slot]: what each rank sends me now
+        if counts is None:
+            raise RuntimeError("ask() without announced counts")
+        tail = self._counts_of(following)
+        send, send_splits = [], []
+        for o in range(self.world):
+            ids = [asks.rows[s] for s in self.owned_by[o]]
+            send += ids + [torch.tensor(tail[o], dtype=torch.int64, device=self.device)]
+            send_splits.append(sum(i.numel() for i in ids) + len(tail[o]))
+        ids_from = counts.sum(1).tolist()
+        recv_splits = [n + len(self.owned) + 1 for n in ids_from]
+        out = torch.empty(sum(recv_splits), dtype=torch.int64, device=self.device)
+        self._a2a(out, torch.cat(send), recv_splits, send_splits, self.low).wait()
         asked: dict[int, list[torch.Tensor]] = {s: [] for s in self.owned}
-        for r, block in enumerate(out.split(counts.sum(1).tolist())):
-            for s, rows in zip(self.owned, block.split(counts[r].tolist())):
+        tails = []
+        for r, block in enumerate(out.split(recv_splits)):
+            for s, rows in zip(self.owned, block[:ids_from[r]].split(counts[r].tolist())):
                 asked[s].append(rows)
+            tails.append(block[ids_from[r]:])
         touched: dict[tuple, list[torch.Tensor]] = {}
         for s in self.owned:
             touched.setdefault(self._slot(s).key, []).extend(asked[s])
         self.asked.append((asks, Served(asked, {k: torch.unique(torch.cat(v)) for k, v in touched.items()})))
-        return True
+        return self._take_counts(torch.stack(tails).cpu())
 
     def prepare(self) -> None:
         """The oldest asked batch (N+1) up to its NOL rows in place: flags, then N-1's deferred

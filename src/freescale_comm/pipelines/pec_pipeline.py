@@ -20,6 +20,7 @@ the table. float32 weights. The sharded modules' inputs must be read from the ba
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import time
 from typing import Any, Callable, Generic, Iterator, Mapping, Optional, TypeVar
@@ -89,6 +90,8 @@ class TrainPipelinePEC(Generic[In, Out]):
         self._step = 0
         self._deferred_sent: Optional[concurrent.futures.Future] = None
         self._asked_next: Optional[concurrent.futures.Future] = None  # the next batch's ids, in flight
+        self._has_next = False  # batch N+1 exists (every rank agreed)
+        self._routed: collections.deque = collections.deque()  # worker: (batch, inputs, asks) counted, not asked
         self._finished = False
         self._failure: Optional[BaseException] = None  # what broke the pipeline: raised again
         self._closed = False
@@ -129,11 +132,25 @@ class TrainPipelinePEC(Generic[In, Out]):
             return None
         return batch.to(self._device, non_blocking=True) if hasattr(batch, "to") else batch
 
-    def _ask(self, batch: Optional[In], step: int) -> tuple[Optional[In], dict[str, Any], bool]:
-        """Worker: routes `batch`'s ids and sends them to their owners (counts, ids)."""
+    def _route(self, batch: Optional[In], step: int) -> tuple[dict[str, Any], Any]:
         inputs = self._read_inputs(batch) if batch is not None else {}
-        asks = route(self._catalog, inputs, step) if batch is not None else None
-        return batch, inputs, self._exchange.ask(asks)
+        return inputs, (route(self._catalog, inputs, step) if batch is not None else None)
+
+    def _announce(self, batch: Optional[In]) -> bool:
+        """Worker: the first batch's counts. Whether it exists on every rank."""
+        inputs, asks = self._route(batch, 0)
+        if batch is not None:
+            self._routed.append((batch, inputs, asks))
+        return self._exchange.announce(asks)
+
+    def _ask(self, following: Optional[In], step: int) -> tuple[In, dict[str, Any], bool]:
+        """Worker: the oldest routed batch's ids go out with the counts of `following` (batch
+        `step`; None: out of data). Returns that batch, its inputs and whether `following` exists."""
+        batch, inputs, asks = self._routed.popleft()
+        following_inputs, following_asks = self._route(following, step)
+        if following is not None:
+            self._routed.append((following, following_inputs, following_asks))
+        return batch, inputs, self._exchange.ask(asks, following_asks)
 
     def _wait(self, future: concurrent.futures.Future, phase: str) -> Any:
         start = time.perf_counter()
@@ -155,27 +172,28 @@ class TrainPipelinePEC(Generic[In, Out]):
             raise StopIteration
         self._exposed = {"ids": 0.0, "embeddings": 0.0, "gradients": 0.0}
         try:
-            if self._batch is None:  # fill: batch 0's rows, then batch 1's ids
-                first, inputs, has_first = self._wait(
-                    self._worker.submit(self._ask, self._next_batch(dataloader_iter), 0), "ids")
-                if not has_first:
+            if self._batch is None:  # fill: batch 0's counts, its ids (with batch 1's counts), its rows
+                if not self._wait(self._worker.submit(self._announce, self._next_batch(dataloader_iter)), "ids"):
                     self._finished = True
                     raise StopIteration
+                first, inputs, self._has_next = self._wait(
+                    self._worker.submit(self._ask, self._next_batch(dataloader_iter), 1), "ids")
                 self._wait(self._worker.submit(self._exchange.prepare), "embeddings")
                 self._batch, self._inputs, self._asks = first, inputs, self._exchange.current[0]
-                self._asked_next = self._worker.submit(self._ask, self._next_batch(dataloader_iter), 1)
+                self._asked_next = self._worker.submit(self._ask, self._next_batch(dataloader_iter), 2) \
+                    if self._has_next else None  # batch 1's ids, batch 2's counts
             training = self._model.training
             lrs = {}
             if training:
                 self._optimizer.zero_grad()  # sets each TBE's learning rate for this batch
                 # read now, while no update runs on the worker (those pin an earlier batch's rate)
                 lrs = {id(t): t.get_learning_rate() for t in self._exchange.tbes}
-            if not self._execute_all_batches:  # stop before training a batch once the data ran out
-                if not self._wait(self._asked_next, "ids")[2]:
-                    self._finished = True
-                    raise StopIteration
-            # after the next batch's ids (one worker, FIFO); a no-op if there is no next batch
-            prepared = self._worker.submit(self._exchange.prepare)
+            has_next = self._has_next  # batch N+1 exists (agreed when its counts went out)
+            if not has_next and not self._execute_all_batches:  # the data ran out: stop before training
+                self._finished = True
+                raise StopIteration
+            # after batch N+1's ids (one worker, FIFO)
+            prepared = self._worker.submit(self._exchange.prepare) if has_next else None
             for piece in self._asks.pieces:
                 piece.requires_grad_(training)
             losses, output = self._model(self._batch)
@@ -183,10 +201,13 @@ class TrainPipelinePEC(Generic[In, Out]):
             if training:
                 torch.sum(losses, dim=0).backward()
                 grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self._asks.pieces]
-            nxt, nxt_inputs, has_next = self._wait(self._asked_next, "ids")  # sent during the previous step
+            nxt, nxt_inputs, has_after = None, {}, False
+            if self._asked_next is not None:  # N+1's ids, N+2's counts: sent during the previous step
+                nxt, nxt_inputs, has_after = self._wait(self._asked_next, "ids")
             if self._deferred_sent is not None:  # ran before it
                 self._deferred_sent.result()
-            self._wait(prepared, "embeddings")
+            if prepared is not None:
+                self._wait(prepared, "embeddings")
             # the worker is idle here (everything submitted was waited for): the gradient round trip
             # runs on this thread, no handoff; program order across ranks is unchanged
             start = time.perf_counter()
@@ -194,8 +215,9 @@ class TrainPipelinePEC(Generic[In, Out]):
             self._exposed["gradients"] += (time.perf_counter() - start) * 1e3
             # not waited: posted under the optimizer step and the next forward; errors surface at the next wait
             self._deferred_sent = self._worker.submit(self._exchange.send_deferred)
-            if has_next:
-                self._asked_next = self._worker.submit(self._ask, self._next_batch(dataloader_iter), self._step + 2)
+            # N+2's ids with N+3's counts, under the optimizer step and the next forward
+            self._asked_next = self._worker.submit(self._ask, self._next_batch(dataloader_iter), self._step + 3) \
+                if has_after else None
             if training:
                 self._optimizer.step()
         except StopIteration:
@@ -208,6 +230,7 @@ class TrainPipelinePEC(Generic[In, Out]):
         self._step += 1
         if has_next:
             self._batch, self._inputs, self._asks = nxt, nxt_inputs, self._exchange.current[0]
+            self._has_next = has_after
         else:
             self._batch, self._finished = None, True
         return output
