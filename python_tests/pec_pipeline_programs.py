@@ -173,25 +173,30 @@ def _state(dmp: nn.Module, optimizer: CombinedOptimizer) -> dict[str, torch.Tens
     return out
 
 
-def train(pg: dist.ProcessGroup, pipeline: str, optimizer: str, batches: list[list[Batch]], **kwargs) -> dict:
+def train(pg: dist.ProcessGroup, pipeline: str, optimizer: str, batches: list[list[Batch]],
+          epochs: int = 1, stop_after: Optional[int] = None, **kwargs) -> dict:
+    """Trains on `batches` (each epoch a new iterator over them, as a dataloader loop does), or
+    stops after `stop_after` steps and reads the state mid-run (the PEC pipeline still open)."""
     rank = dist.get_rank(pg)
     dmp, opt = build(pg, optimizer)
     if pipeline == "sparse_dist":
         pipe = TrainPipelineSparseDist(dmp, opt, torch.device("cpu"))
     else:
         pipe = fc.TrainPipelinePEC(dmp, opt, torch.device("cpu"), group=pg, **kwargs)
-    feed = iter([b[rank] for b in batches])
     outputs = []
-    while True:
-        try:
-            outputs.append(pipe.progress(feed).clone())
-        except StopIteration:
-            break
-        for group in opt.param_groups:  # a learning-rate schedule: deferred updates must use their batch's
-            group["lr"] *= 0.8
+    for _ in range(epochs):
+        feed = iter([b[rank] for b in batches])
+        while stop_after is None or len(outputs) < stop_after:
+            try:
+                outputs.append(pipe.progress(feed).clone())
+            except StopIteration:
+                break
+            for group in opt.param_groups:  # a learning-rate schedule: deferred updates must use their batch's
+                group["lr"] *= 0.8
+    state = _state(dmp, opt)  # mid-run for stop_after: the model's state_dict() flushes PEC first
     if hasattr(pipe, "close"):
         pipe.close()
-    return {"outputs": outputs, "state": _state(dmp, opt)}
+    return {"outputs": outputs, "state": state}
 
 
 def pec_matches_sparse_dist(info, steps: int, collisions: list[float], optimizers: list[str]) -> dict:
@@ -211,6 +216,14 @@ def pec_matches_sparse_dist(info, steps: int, collisions: list[float], optimizer
             assert ref["state"].keys() == pec["state"].keys(), (case, sorted(ref["state"]), sorted(pec["state"]))
             state_diff = {k: _rel(ref["state"][k], pec["state"][k]) for k in ref["state"]}
             report[case] = {"outputs": out_diff, "state": state_diff}
+    # two epochs (a new iterator after StopIteration), and the state read after 5 of 8 steps
+    batches = make_batches(steps, world, 0.5, seed=77)
+    for case, kwargs in (("two epochs", {"epochs": 2}), ("stopped after 5 steps", {"stop_after": 5})):
+        ref = train(pg, "sparse_dist", optimizers[-1], batches, **kwargs)
+        pec = train(pg, "pec", optimizers[-1], batches, **kwargs)
+        assert len(ref["outputs"]) == len(pec["outputs"]), (case, len(ref["outputs"]), len(pec["outputs"]))
+        report[case] = {"outputs": max(_rel(a, b) for a, b in zip(ref["outputs"], pec["outputs"])),
+                        "state": {k: _rel(ref["state"][k], pec["state"][k]) for k in ref["state"]}}
     return report
 
 
@@ -320,6 +333,8 @@ def refusals(info) -> dict:
     dmp, opt = build(pg, "sgd")
     out["not_dmp"] = _expect(TypeError, fc.TrainPipelinePEC, dmp.module, opt, torch.device("cpu"))
     out["priorities"] = _expect(ValueError, fc.TrainPipelinePEC, dmp, opt, torch.device("cpu"), high_priority=0, low_priority=5)
+    out["balance_name"] = _expect(ValueError, fc.TrainPipelinePEC, dmp, opt, torch.device("cpu"), balance={"nope": None})
+    out["balance_cost"] = _expect(TypeError, fc.TrainPipelinePEC, dmp, opt, torch.device("cpu"), balance={"head": 1.0})
     for name, spec in (("data_parallel", data_parallel()), ("dense_kernel", row_wise(compute_kernel="dense"))):
         torch.manual_seed(0)
         sharders = (EmbeddingBagCollectionSharder(fused_params={"optimizer": EmbOptimType.EXACT_SGD, "learning_rate": 0.1}),
@@ -345,6 +360,20 @@ def refusals(info) -> dict:
     out["lengths"] = _expect(fc.CommError, run)
     out["after_failure"] = _expect(RuntimeError, pipe.progress, feed)
     pipe.close()
+    # a dataloader that raises on one rank: that rank raises its error, the others CommError, at once
+    dmp, opt = build(pg, "sgd")
+    pipe = fc.TrainPipelinePEC(dmp, opt, torch.device("cpu"), group=pg)
+
+    def broken():
+        yield from mine[:2]
+        if dist.get_rank() == 0:
+            raise OSError("disk gone")
+        yield from mine[2:]
+
+    feed = broken()
+    out["data_error"] = _expect(OSError if dist.get_rank() == 0 else fc.CommError, run)
+    pipe.close()
+    out["second_close"] = "ok" if pipe.close() is None else "?"
     return out
 
 

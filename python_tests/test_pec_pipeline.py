@@ -27,12 +27,14 @@ COLLISIONS = [0.0, 0.5, 1.0]
 
 def test_pec_pipeline_is_bit_identical_to_sparse_dist_on_two_ranks():
     """8 steps (fill, steady state, drain, an uneven last batch, a rank without ids at step 2) at
-    collision rates 0, 0.5, 1, with fused SGD and row-wise Adagrad: every step's output, every
-    table shard, dense weight and optimizer state equal bit for bit."""
+    collision rates 0, 0.5, 1, with fused SGD and row-wise Adagrad and a learning-rate schedule:
+    every step's output, every table shard, dense weight and optimizer state equal bit for bit.
+    Also two epochs (a new iterator after StopIteration) and the state read after 5 of 8 steps
+    (deferred gradients flushed by the model's state_dict())."""
     from pec_pipeline_programs import pec_matches_sparse_dist
 
     for report in spawn(pec_matches_sparse_dist, 2, 8, COLLISIONS, ["sgd", "rowwise_adagrad"], timeout_s=300):
-        assert len(report) == len(COLLISIONS) * 2, report
+        assert len(report) == len(COLLISIONS) * 2 + 2, report  # + two epochs, + stopped after 5 steps
         for case, diff in report.items():
             assert diff["outputs"] == 0.0, (case, diff)
             if "adagrad" in case:  # the momentum is compared too (SGD keeps no state)
@@ -77,9 +79,11 @@ def test_what_the_pipeline_cannot_prioritize_is_refused_clearly():
     for out in spawn(refusals, 2, timeout_s=300):
         assert "DistributedModelParallel" in out["not_dmp"], out
         assert "high_priority > low_priority" in out["priorities"], out
+        assert "'nope'" in out["balance_name"] and "CostModel" in out["balance_cost"], out
         assert "'t_ctx'" in out["data_parallel"] and "data_parallel" in out["data_parallel"], out
         assert "'t_ctx'" in out["dense_kernel"] and "'dense'" in out["dense_kernel"], out
         assert "ranks [0] ran out of data while ranks [1] still had a batch" in out["lengths"], out
+        assert "disk gone" in out["data_error"] or "ranks [0] could not read" in out["data_error"], out
         assert "failed at step" in out["after_failure"], out
 
 

@@ -16,7 +16,9 @@ import torch
 from torch import nn
 
 SUPPORTED_SHARDINGS = ("table_wise", "row_wise", "column_wise")
-FUSED_KERNELS = ("fused", "fused_uvm", "fused_uvm_caching")
+# Kernels whose TBE weights split_embedding_weights() views directly. Not "fused_uvm_caching": its
+# write-back cache holds updated rows that a read of the UVM weights would miss (stale reads).
+FUSED_KERNELS = ("fused", "fused_uvm")
 
 
 @dataclass(frozen=True)
@@ -116,6 +118,9 @@ def _table_info(module_fqn: str, config: object, sharding: object, pooled: bool)
     if sharding.compute_kernel not in FUSED_KERNELS:
         raise ValueError(f"table {name!r} of {module_fqn!r} uses compute kernel {sharding.compute_kernel!r}: the PEC "
                          f"pipeline updates tables through their fused optimizer ({', '.join(FUSED_KERNELS)})")
+    data_type = getattr(getattr(config, "data_type", None), "name", "FP32")
+    if data_type != "FP32":  # from the config, the same on every rank (a local check could split them)
+        raise ValueError(f"table {name!r} of {module_fqn!r} holds {data_type}: the PEC pipeline moves float32 rows")
     pooling = None
     if pooled:
         pooling = getattr(config.pooling, "name", str(config.pooling))
@@ -172,6 +177,13 @@ def build_catalog(model: nn.Module, plan: object, rank: int, world: int) -> Cata
             raise ValueError(f"{fqn!r} is an EmbeddingCollection with need_indices=True: not supported")
         configs = module._embedding_bag_configs if pooled else module._embedding_configs
         tables = []
+        seen: dict[str, str] = {}
+        for config in configs:
+            for feature in config.feature_names:
+                if feature in seen:
+                    raise ValueError(f"feature {feature!r} of {fqn!r} feeds tables {seen[feature]!r} and {config.name!r}: "
+                                     "shared features (TorchRec names them feature@table) are not supported")
+                seen[feature] = config.name
         owned = _local_shards(module, fqn, pooled)
         for config in configs:
             sharding = module_plan.get(config.name) if hasattr(module_plan, "get") else module_plan[config.name]
@@ -193,6 +205,8 @@ def build_catalog(model: nn.Module, plan: object, rank: int, world: int) -> Cata
         info = ModuleInfo(fqn, pooled, tables, module)
         if pooled:
             info.output_keys, info.output_dims = list(module._embedding_names), list(module._embedding_dims)
+        else:  # the sharded EC's dict order: by sharding type, as TorchRec builds it
+            info.output_keys = [n for names in getattr(module, "_embedding_names_per_sharding", []) for n in names]
         modules.append(info)
     if not modules:
         raise ValueError("the model holds no sharded EmbeddingCollection or EmbeddingBagCollection: nothing to "

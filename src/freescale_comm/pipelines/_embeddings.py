@@ -85,5 +85,6 @@ def module_output(info: ModuleInfo, kjt: Any, leaves: list[torch.Tensor], positi
     if info.pooled:
         return KeyedTensor(keys=list(info.output_keys), length_per_key=list(info.output_dims),
                            values=torch.cat([by_feature[k] for k in info.output_keys], dim=1))
-    return by_feature
+    order = [k for k in info.output_keys if k in by_feature]
+    return {k: by_feature[k] for k in order + [k for k in by_feature if k not in order]}
 

@@ -105,15 +105,21 @@ class PecExchange:
         return self.catalog.slots[index]
 
     # -- prefetch ----------------------------------------------------------------------------------
-    def _counts_of(self, asks: Optional[Asks]) -> list[list[int]]:
-        """Per owner: my ids per slot it owns, then 1 if I have that batch (0: out of data)."""
-        return [[asks.rows[s].numel() if asks is not None else 0 for s in self.owned_by[o]] + [int(asks is not None)]
+    def _counts_of(self, asks: Optional[Asks], failed: bool = False) -> list[list[int]]:
+        """Per owner: my ids per slot it owns, then 1 if I have that batch (0: out of data; 2: this
+        rank could not read or route it, so every rank fails together instead of waiting)."""
+        flag = 2 if failed else int(asks is not None)
+        return [[asks.rows[s].numel() if asks is not None else 0 for s in self.owned_by[o]] + [flag]
                 for o in range(self.world)]
 
     def _take_counts(self, tails: torch.Tensor) -> bool:
         """tails: int64 [world, owned slots + 1], what each rank announced. Keeps the counts for
         the next ask(); returns whether the batch exists (every rank must agree)."""
         has = tails[:, -1].tolist()
+        failed = [r for r, h in enumerate(has) if h == 2]
+        if failed:
+            raise CommError(f"ranks {failed} could not read or route their next batch (their own error says why); "
+                            "every rank stops")
         if any(has) and not all(has):
             raise CommError(f"ranks {[r for r, h in enumerate(has) if not h]} ran out of data while ranks "
                             f"{[r for r, h in enumerate(has) if h]} still had a batch: every rank's dataloader "
@@ -121,16 +127,17 @@ class PecExchange:
         self.incoming = tails[:, :-1].clone() if has[0] else None
         return bool(has[0])
 
-    def announce(self, asks: Optional[Asks]) -> bool:
+    def announce(self, asks: Optional[Asks], failed: bool = False) -> bool:
         """The first batch's counts (low priority); every later batch's ride on the ids before it.
-        Returns whether the batch exists on every rank (None: this rank has no data)."""
-        send = self._counts_of(asks)
+        Returns whether the batch exists on every rank (None: this rank has no data; `failed`: this
+        rank could not make it, every rank raises)."""
+        send = self._counts_of(asks, failed)
         recv = torch.empty(self.world * (len(self.owned) + 1), dtype=torch.int64)
         self._a2a(recv, torch.tensor([c for per_owner in send for c in per_owner], dtype=torch.int64),
                   [len(self.owned) + 1] * self.world, [len(c) for c in send], self.low).wait()
         return self._take_counts(recv.view(self.world, len(self.owned) + 1))
 
-    def ask(self, asks: Asks, following: Optional[Asks]) -> bool:
+    def ask(self, asks: Asks, following: Optional[Asks], failed: bool = False) -> bool:
         """One round (low priority): `asks`' ids (their counts were announced) go to their owners,
         with the counts of the `following` batch (None: this rank has no more data). prepare()
         takes `asks` from there. Returns whether `following` exists (every rank must agree). Runs a
@@ -138,7 +145,7 @@ class PecExchange:
         counts = self.incoming  # [requester, owned slot]: what each rank sends me now
         if counts is None:
             raise RuntimeError("ask() without announced counts")
-        tail = self._counts_of(following)
+        tail = self._counts_of(following, failed)
         send, send_splits = [], []
         for o in range(self.world):
             ids = [asks.rows[s] for s in self.owned_by[o]]
@@ -280,6 +287,14 @@ class PecExchange:
             self.current = None
         self._pin_iterations(asks.step + 1)
 
+    def reset(self) -> None:
+        """After the data ran out (every rank alike): applies what is deferred and forgets the
+        batches, so a new dataloader iterator starts afresh."""
+        self._apply_deferred()
+        self.current = self.next = None
+        self.asked.clear()
+        self.incoming, self.unsent, self.any_overlap = None, None, False
+
     def send_deferred(self) -> None:
         """Posts the NOL gradients gradients() held back (lowest priority): applied by each owner
         before its next NOL lookup."""
@@ -315,6 +330,10 @@ class PecExchange:
         inp = torch.cat(send) if send else torch.empty(0, device=self.device)
         work = self._a2a(buffer, inp, recv_splits, send_splits, self.high if first else self.deferred)
         return _InFlight(work, buffer, recv_splits, rows_of, asks.step, lrs, self.world if _gradient_division() else 1)
+
+    def apply_deferred(self) -> None:
+        """Applies the deferred gradients in flight, if any (they were sent by every rank)."""
+        self._apply_deferred()
 
     def _apply_deferred(self) -> None:
         if self.deferred_grads is not None:
@@ -393,8 +412,9 @@ def tbe_update(tbe: torch.nn.Module, per_feature: dict[int, tuple[torch.Tensor, 
     if hasattr(tbe, "iter_cpu"):
         tbe.iter_cpu.fill_(iteration)
     try:
-        out = tbe(indices, offsets)  # the forward advances the counter to iteration + 1
-        out.backward(grad_out.to(out.dtype))
+        with torch.enable_grad():  # the fused update is the TBE's backward, even under a caller's no_grad
+            out = tbe(indices, offsets)  # the forward advances the counter to iteration + 1
+            out.backward(grad_out.to(out.dtype))
     finally:
         tbe.set_learning_rate(saved_lr)
         tbe.iter.fill_(saved_iter)

@@ -68,22 +68,34 @@ class TrainPipelinePEC(Generic[In, Out]):
         if not high_priority > low_priority > deferred_priority:
             raise ValueError("priorities must satisfy high_priority > low_priority > deferred_priority, got "
                              f"{high_priority}, {low_priority}, {deferred_priority}")
-        self._model, self._optimizer, self._device = model, optimizer, torch.device(device)
+        self._model, self._optimizer, self._device = model, optimizer, _with_index(torch.device(device))
         self._execute_all_batches = execute_all_batches
         if group is None:
             env = getattr(model, "_env", None)
             group = getattr(env, "process_group", None)
         rank = dist.get_rank(group) if group is not None else dist.get_rank()
         world = dist.get_world_size(group) if group is not None else dist.get_world_size()
+        model_group = getattr(getattr(model, "_env", None), "process_group", None)
+        if model_group is not None and dist.get_world_size(model_group) != world:
+            raise ValueError(f"group has {world} ranks but the model is sharded over {dist.get_world_size(model_group)}: "
+                             "pass the model's sharding group (or leave group=None)")
         self._catalog = build_catalog(model.module, model.plan, rank, world)
+        for info in self._catalog.modules:
+            if "forward" in info.module.__dict__:
+                raise ValueError(f"sharded module {info.fqn!r} is already driven by another TrainPipelinePEC: close() "
+                                 "that one first")
         modules = dict(sharded_modules(model.module))
         self._read_inputs = sparse_inputs if sparse_inputs is not None else \
             reader(find_sparse_inputs(model.module, modules))
+        to_balance = _balance_targets(model.module, balance)  # checked before anything starts
         self._comm = Communicator(group)
         tables = {s.weight.device for s in self._catalog.local.values()}
         self._exchange = PecExchange(self._comm, self._catalog, high_priority, low_priority, deferred_priority,
                                      tables.pop() if len(tables) == 1 else self._device)
-        self._worker = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="freescale-pec")
+        data_device = self._exchange.device
+        self._worker = concurrent.futures.ThreadPoolExecutor(  # the CUDA device is per thread
+            1, thread_name_prefix="freescale-pec",
+            initializer=(lambda: torch.cuda.set_device(data_device)) if data_device.type == "cuda" else None)
         self._batch: Optional[Any] = None  # batch N, its rows fetched
         self._inputs: dict[str, Any] = {}  # batch N's sharded-module inputs
         self._asks: Optional[Asks] = None  # batch N's rows (leaves) per slot
@@ -92,7 +104,7 @@ class TrainPipelinePEC(Generic[In, Out]):
         self._asked_next: Optional[concurrent.futures.Future] = None  # the next batch's ids, in flight
         self._has_next = False  # batch N+1 exists (every rank agreed)
         self._routed: collections.deque = collections.deque()  # worker: (batch, inputs, asks) counted, not asked
-        self._finished = False
+        self._drained = False  # the data ran out: the next progress() raises StopIteration
         self._failure: Optional[BaseException] = None  # what broke the pipeline: raised again
         self._closed = False
         # per step, ms the main thread waited on embedding communication: in all, and by phase
@@ -100,18 +112,12 @@ class TrainPipelinePEC(Generic[In, Out]):
         # OL rows)
         self.exposed_ms: list[float] = []
         self.exposed_by_phase: list[dict[str, float]] = []
-        self._balanced: list[nn.Module] = []
-        for fqn, cost_model in (balance or {}).items():
-            try:
-                target = model.module.get_submodule(fqn)
-            except AttributeError:
-                raise ValueError(f"balance names {fqn!r}, which is not a submodule of the model") from None
-            if not isinstance(cost_model, CostModel):
-                raise TypeError(f"balance[{fqn!r}] must be a freescale_comm.planner.CostModel, got "
-                                f"{type(cost_model).__name__}")
-            self._balanced.append(fc_balance(target, cost_model, group=group))
+        self._balanced = [fc_balance(target, cost_model, group=group) for target, cost_model in to_balance]
+        self._hooks = []
         for info in self._catalog.modules:
             info.module.forward = self._forward_of(info)
+            # a checkpoint sees every update, as after TrainPipelineSparseDist's steps
+            self._hooks.append(info.module.register_state_dict_pre_hook(lambda *_: self.flush()))
 
     # -- the model's sharded modules call these during forward -------------------------------------
     def _forward_of(self, info: Any) -> Callable[..., Any]:
@@ -125,20 +131,30 @@ class TrainPipelinePEC(Generic[In, Out]):
         return forward
 
     # -- helpers -----------------------------------------------------------------------------------
-    def _next_batch(self, dataloader_iter: Iterator[In]) -> Optional[In]:
+    def _next_batch(self, dataloader_iter: Iterator[In]) -> Any:
+        """The next batch on the device; None at the end; a _DataError if reading it failed (raised
+        on the worker after every rank learned it, so no peer waits for this rank)."""
         try:
             batch = next(dataloader_iter)
+            return batch.to(self._device, non_blocking=True) if hasattr(batch, "to") else batch
         except StopIteration:
             return None
-        return batch.to(self._device, non_blocking=True) if hasattr(batch, "to") else batch
+        except Exception as e:  # noqa: BLE001 - re-raised by _route
+            return _DataError(e)
 
     def _route(self, batch: Optional[In], step: int) -> tuple[dict[str, Any], Any]:
+        if isinstance(batch, _DataError):
+            raise batch.error
         inputs = self._read_inputs(batch) if batch is not None else {}
         return inputs, (route(self._catalog, inputs, step) if batch is not None else None)
 
     def _announce(self, batch: Optional[In]) -> bool:
         """Worker: the first batch's counts. Whether it exists on every rank."""
-        inputs, asks = self._route(batch, 0)
+        try:
+            inputs, asks = self._route(batch, self._step)
+        except Exception:
+            _tell_peers(lambda: self._exchange.announce(None, failed=True))
+            raise
         if batch is not None:
             self._routed.append((batch, inputs, asks))
         return self._exchange.announce(asks)
@@ -147,7 +163,11 @@ class TrainPipelinePEC(Generic[In, Out]):
         """Worker: the oldest routed batch's ids go out with the counts of `following` (batch
         `step`; None: out of data). Returns that batch, its inputs and whether `following` exists."""
         batch, inputs, asks = self._routed.popleft()
-        following_inputs, following_asks = self._route(following, step)
+        try:
+            following_inputs, following_asks = self._route(following, step)
+        except Exception:
+            _tell_peers(lambda: self._exchange.ask(asks, None, failed=True))
+            raise
         if following is not None:
             self._routed.append((following, following_inputs, following_asks))
         return batch, inputs, self._exchange.ask(asks, following_asks)
@@ -168,19 +188,19 @@ class TrainPipelinePEC(Generic[In, Out]):
         if self._failure is not None:
             raise RuntimeError(f"TrainPipelinePEC failed at step {self._step} ({self._failure!r}); its tables may hold "
                                "a partial update: restore a checkpoint and build a new pipeline") from self._failure
-        if self._finished:
+        if self._drained:  # once per exhausted iterator; the next call fills from the one it gets
+            self._drained = False
             raise StopIteration
         self._exposed = {"ids": 0.0, "embeddings": 0.0, "gradients": 0.0}
         try:
             if self._batch is None:  # fill: batch 0's counts, its ids (with batch 1's counts), its rows
                 if not self._wait(self._worker.submit(self._announce, self._next_batch(dataloader_iter)), "ids"):
-                    self._finished = True
                     raise StopIteration
                 first, inputs, self._has_next = self._wait(
-                    self._worker.submit(self._ask, self._next_batch(dataloader_iter), 1), "ids")
+                    self._worker.submit(self._ask, self._next_batch(dataloader_iter), self._step + 1), "ids")
                 self._wait(self._worker.submit(self._exchange.prepare), "embeddings")
                 self._batch, self._inputs, self._asks = first, inputs, self._exchange.current[0]
-                self._asked_next = self._worker.submit(self._ask, self._next_batch(dataloader_iter), 2) \
+                self._asked_next = self._worker.submit(self._ask, self._next_batch(dataloader_iter), self._step + 2) \
                     if self._has_next else None  # batch 1's ids, batch 2's counts
             training = self._model.training
             lrs = {}
@@ -190,7 +210,7 @@ class TrainPipelinePEC(Generic[In, Out]):
                 lrs = {id(t): t.get_learning_rate() for t in self._exchange.tbes}
             has_next = self._has_next  # batch N+1 exists (agreed when its counts went out)
             if not has_next and not self._execute_all_batches:  # the data ran out: stop before training
-                self._finished = True
+                self._drain()
                 raise StopIteration
             # after batch N+1's ids (one worker, FIFO)
             prepared = self._worker.submit(self._exchange.prepare) if has_next else None
@@ -232,17 +252,92 @@ class TrainPipelinePEC(Generic[In, Out]):
             self._batch, self._inputs, self._asks = nxt, nxt_inputs, self._exchange.current[0]
             self._has_next = has_after
         else:
-            self._batch, self._finished = None, True
+            self._drain()
         return output
 
+    def _drain(self) -> None:
+        """The data ran out: every update applied, the exchange forgets the batches; progress()
+        raises StopIteration once, then fills again from the iterator it is given (a new epoch)."""
+        self._wait(self._worker.submit(self._exchange.reset), "gradients")
+        self._batch, self._asks, self._inputs, self._asked_next = None, None, {}, None
+        self._has_next, self._drained = False, True
+        self._routed.clear()
+
+    def flush(self) -> None:
+        """Applies the gradients PEC deferred (its last batch's, for rows the next batch does not
+        read), so the tables and optimizer state are what TrainPipelineSparseDist would hold after
+        the same steps. Local (every rank sent them already); runs by itself before the sharded
+        modules' state_dict() and in close()."""
+        if self._closed or self._failure is not None:
+            return
+        if self._deferred_sent is not None:
+            self._deferred_sent.result()
+        self._worker.submit(self._exchange.apply_deferred).result()
+
     def close(self) -> None:
-        """Stops the worker and the communicator and gives the sharded modules their forward back."""
+        """Applies deferred gradients (flush), stops the worker and the communicator and gives the
+        sharded modules their forward back. After a failure the communicator stops first, so a
+        worker blocked on a peer returns at once."""
         if self._closed:
             return
+        if self._failure is None:
+            try:
+                self.flush()
+            except BaseException as e:  # noqa: BLE001 - still release everything below
+                self._failure = e
         self._closed = True
-        self._worker.shutdown(wait=True)
-        self._comm.close()
+        if self._failure is not None:
+            self._comm.close()
+            self._worker.shutdown(wait=True, cancel_futures=True)
+        else:
+            self._worker.shutdown(wait=True)
+            self._comm.close()
+        for hook in self._hooks:
+            hook.remove()
         for info in self._catalog.modules:
             info.module.__dict__.pop("forward", None)
         for module in self._balanced:
             module.freescale_balance.remove()
+
+
+def _balance_targets(model: nn.Module, balance: Optional[Mapping[str, CostModel]]) -> list[tuple[nn.Module, CostModel]]:
+    """(submodule, cost model) per entry of `balance`; ValueError / TypeError naming a bad entry."""
+    if balance is None:
+        return []
+    if not isinstance(balance, Mapping):
+        raise TypeError(f"balance must map submodule names to CostModels, got {type(balance).__name__}")
+    targets = []
+    for fqn, cost_model in balance.items():
+        try:
+            target = model.get_submodule(fqn)
+        except AttributeError:
+            raise ValueError(f"balance names {fqn!r}, which is not a submodule of the model") from None
+        if not isinstance(cost_model, CostModel):
+            raise TypeError(f"balance[{fqn!r}] must be a freescale_comm.planner.CostModel, got {type(cost_model).__name__}")
+        if getattr(target, "freescale_balance", None) is not None:
+            raise ValueError(f"balance[{fqn!r}]: the module is already balanced by fc.balance")
+        targets.append((target, cost_model))
+    return targets
+
+
+class _DataError:
+    """What reading a batch raised, carried to the worker that tells the peers before raising it."""
+
+    def __init__(self, error: BaseException) -> None:
+        self.error = error
+
+
+def _tell_peers(post: Callable[[], Any]) -> None:
+    """Posts the message that makes every peer raise (CommError) instead of waiting for this rank;
+    this rank raises its own error afterwards."""
+    try:
+        post()
+    except Exception:  # noqa: BLE001 - the CommError every rank gets; this rank's own error follows
+        pass
+
+
+def _with_index(device: torch.device) -> torch.device:
+    """cuda -> cuda:<current device>: the worker thread must use the same device as the caller."""
+    if device.type == "cuda" and device.index is None and torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
