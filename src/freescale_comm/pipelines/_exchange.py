@@ -11,15 +11,17 @@ Program order, identical on every rank (so the Communicator's sequence numbers m
                     goes first); per entry of N+1, is its row read by N (fetch waits)      (low)
     NOL rows f32    owner -> requester: N+1's rows N does not read, looked up now after every
                     earlier update (N-1's deferred gradients are applied first)             (low)
-  gradients(N), after N's backward:
+  gradients(N), after N's backward (both skipped when the flags say no rank has any):
     OL grads  f32   requester -> owner: gradients of rows N+1 reads                        (high)
-    NOL grads f32   the rest, applied by the owner before it next looks a row up     (deferred)
     OL rows   f32   owner -> requester: N+1's rows N read, looked up after N's OL update   (high)
+  send_deferred(N):
+    NOL grads f32   the rest, applied by the owner before it next looks a row up     (deferred)
 
 A row of N+1 is OL if any rank read it (through any feature of its table) in N; both sides see
 the same flags, so sizes are known before every exchange. Updates go through the TBE's fused
 backward (the optimizer TorchRec configured), one call per TBE and partition; OL and NOL rows are
-disjoint, so each row gets exactly the update synchronous training gives it. Runs on one thread."""
+disjoint, so each row gets exactly the update synchronous training gives it. One thread at a
+time: the pipeline's worker, or the caller's while the worker is idle."""
 
 from __future__ import annotations
 

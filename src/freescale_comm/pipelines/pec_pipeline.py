@@ -47,6 +47,8 @@ class TrainPipelinePEC(Generic[In, Out]):
     then raises StopIteration. Results equal TrainPipelineSparseDist's (see README: TorchRec).
 
     model: a DistributedModelParallel whose forward(batch) returns (losses, output).
+    execute_all_batches: False stops as soon as the data runs out, without training the batch
+        already fetched (TorchRec's TrainPipelineSparseDist, which looks two batches ahead, leaves two).
     group: the ranks to move embeddings among (default: the model's sharding process group).
     high_priority / low_priority / deferred_priority: OL traffic, prefetch traffic, NOL gradients.
     sparse_inputs: batch -> {sharded module fqn: KeyedJaggedTensor}, when tracing cannot find them.
