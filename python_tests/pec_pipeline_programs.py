@@ -4,7 +4,6 @@ weights, optimizer state); a staleness oracle checks every row each batch reads.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -21,10 +20,10 @@ from torchrec.distributed.types import ShardingEnv, ShardingPlan
 from torchrec.modules.embedding_configs import EmbeddingBagConfig, EmbeddingConfig, PoolingType
 from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizerWrapper
 from torchrec.optim.optimizers import in_backward_optimizer_filter
-from torchrec.streamable import Pipelineable
 from fbgemm_gpu.split_embedding_configs import EmbOptimType
 
 import freescale_comm as fc
+from dmp_programs import Batch  # pooled + sequence KJTs and labels, as TorchRec's pipelines move them
 
 DIM = 8
 ROWS = 40  # per table: small, so collisions are plentiful
@@ -32,24 +31,6 @@ POOLED = {"user": "row_wise", "ctx": "table_wise", "geo": "column_wise"}  # EBC 
 SEQUENCE = {"items": "row_wise", "cats": "table_wise", "hist": "column_wise"}  # EC feature -> sharding
 OPTIMIZERS = {"sgd": EmbOptimType.EXACT_SGD, "rowwise_adagrad": EmbOptimType.EXACT_ROWWISE_ADAGRAD,
               "adagrad": EmbOptimType.EXACT_ADAGRAD}
-
-
-@dataclass
-class Batch(Pipelineable):
-    pooled: KeyedJaggedTensor
-    sequence: KeyedJaggedTensor
-    label: torch.Tensor  # float [B]
-
-    def to(self, device: torch.device, non_blocking: bool = False) -> "Batch":
-        return Batch(self.pooled.to(device, non_blocking), self.sequence.to(device, non_blocking),
-                     self.label.to(device, non_blocking=non_blocking))
-
-    def record_stream(self, stream: torch.Stream) -> None:
-        self.pooled.record_stream(stream)
-        self.sequence.record_stream(stream)
-
-    def pin_memory(self) -> "Batch":
-        return self
 
 
 def _ids(previous: Optional[torch.Tensor], n: int, collision: float, gen: torch.Generator) -> torch.Tensor:
@@ -108,18 +89,24 @@ def _mean_rows(values: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
     return sums / lengths.clamp(min=1).unsqueeze(1).to(values.dtype)
 
 
+def _collections(device: torch.device, pooling: PoolingType = PoolingType.SUM) -> tuple[nn.Module, nn.Module]:
+    """The test models' EmbeddingBagCollection (POOLED) and EmbeddingCollection (SEQUENCE)."""
+    ebc = EmbeddingBagCollection(tables=[
+        EmbeddingBagConfig(name=f"t_{f}", embedding_dim=DIM, num_embeddings=ROWS, feature_names=[f], pooling=pooling)
+        for f in POOLED], device=device)
+    ec = EmbeddingCollection(tables=[
+        EmbeddingConfig(name=f"t_{f}", embedding_dim=DIM, num_embeddings=ROWS, feature_names=[f]) for f in SEQUENCE],
+        device=device)
+    return ebc, ec
+
+
 class Model(nn.Module):
     """EBC (pooled) and EC (mean over each history) into a linear head; forward returns
     (loss summed over samples, logits)."""
 
     def __init__(self, device: torch.device, pooling: PoolingType = PoolingType.SUM) -> None:
         super().__init__()
-        self.ebc = EmbeddingBagCollection(tables=[
-            EmbeddingBagConfig(name=f"t_{f}", embedding_dim=DIM, num_embeddings=ROWS, feature_names=[f], pooling=pooling)
-            for f in POOLED], device=device)
-        self.ec = EmbeddingCollection(tables=[
-            EmbeddingConfig(name=f"t_{f}", embedding_dim=DIM, num_embeddings=ROWS, feature_names=[f])
-            for f in SEQUENCE], device=device)
+        self.ebc, self.ec = _collections(device, pooling)
         self.head = nn.Linear(DIM * (len(POOLED) + len(SEQUENCE)), 1)
 
     def forward(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
@@ -244,12 +231,7 @@ class OracleModel(nn.Module):
 
     def __init__(self, device: torch.device, pooling: PoolingType = PoolingType.SUM) -> None:
         super().__init__()
-        self.ebc = EmbeddingBagCollection(tables=[
-            EmbeddingBagConfig(name=f"t_{f}", embedding_dim=DIM, num_embeddings=ROWS, feature_names=[f], pooling=pooling)
-            for f in POOLED], device=device)
-        self.ec = EmbeddingCollection(tables=[
-            EmbeddingConfig(name=f"t_{f}", embedding_dim=DIM, num_embeddings=ROWS, feature_names=[f])
-            for f in SEQUENCE], device=device)
+        self.ebc, self.ec = _collections(device, pooling)
         self.zero = nn.Parameter(torch.zeros(1, device=device))  # a dense parameter, for DDP
 
     def forward(self, batch: Batch) -> tuple[torch.Tensor, tuple]:
@@ -406,12 +388,7 @@ class Tower(nn.Module):
 class BalancedModel(nn.Module):
     def __init__(self, device: torch.device) -> None:
         super().__init__()
-        self.ebc = EmbeddingBagCollection(tables=[
-            EmbeddingBagConfig(name=f"t_{f}", embedding_dim=DIM, num_embeddings=ROWS, feature_names=[f]) for f in POOLED],
-            device=device)
-        self.ec = EmbeddingCollection(tables=[
-            EmbeddingConfig(name=f"t_{f}", embedding_dim=DIM, num_embeddings=ROWS, feature_names=[f]) for f in SEQUENCE],
-            device=device)
+        self.ebc, self.ec = _collections(device)
         self.tower = Tower(device)
         self.head = nn.Linear(DIM * (len(POOLED) + 1), 1)
 

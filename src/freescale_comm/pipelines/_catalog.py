@@ -75,7 +75,6 @@ class LocalShard:
     weight: torch.Tensor  # [rows, cols], a view: reads see every update
     tbe: nn.Module  # SplitTableBatchedEmbeddingBagsCodegen
     tbe_features: dict[str, int]  # feature -> its index among the TBE's features
-    pooled: bool
 
 
 @dataclass
@@ -83,7 +82,6 @@ class Catalog:
     modules: list[ModuleInfo]
     slots: list[Slot]
     local: dict[tuple[str, str, int], LocalShard]  # slot.key -> this rank's shard
-    world: int
 
     def owned_by(self, rank: int) -> list[Slot]:
         return [s for s in self.slots if s.owner == rank]
@@ -140,7 +138,7 @@ def _shards(table: TableInfo, sharding: object) -> list[tuple[int, int, int, int
     return sorted(shards, key=lambda s: (s[1], s[3]))
 
 
-def _local_shards(module: nn.Module, module_fqn: str, pooled: bool) -> dict[tuple[str, str, int], tuple]:
+def _local_shards(module: nn.Module) -> dict[tuple[str, int, int], tuple]:
     """(table, row0, col0) -> (TBE, table index in it, {feature: TBE feature index}) for every shard
     in this rank's lookups."""
     found = {}
@@ -161,7 +159,7 @@ def _local_shards(module: nn.Module, module_fqn: str, pooled: bool) -> dict[tupl
     return found
 
 
-def build_catalog(model: nn.Module, plan: object, rank: int, world: int) -> Catalog:
+def build_catalog(model: nn.Module, plan: object, rank: int) -> Catalog:
     """The catalog of `model`'s (DMP's inner module) sharded EC/EBC tables under `plan`. Raises
     ValueError naming the table for what the pipeline cannot prioritize."""
     ec_type, _ = _sharded_types()
@@ -184,7 +182,7 @@ def build_catalog(model: nn.Module, plan: object, rank: int, world: int) -> Cata
                     raise ValueError(f"feature {feature!r} of {fqn!r} feeds tables {seen[feature]!r} and {config.name!r}: "
                                      "shared features (TorchRec names them feature@table) are not supported")
                 seen[feature] = config.name
-        owned = _local_shards(module, fqn, pooled)
+        owned = _local_shards(module)
         for config in configs:
             sharding = module_plan.get(config.name) if hasattr(module_plan, "get") else module_plan[config.name]
             table = _table_info(fqn, config, sharding, pooled)
@@ -200,7 +198,7 @@ def build_catalog(model: nn.Module, plan: object, rank: int, world: int) -> Cata
                         raise ValueError(f"rank {rank} owns shard {shard_index} of table {table.name!r} in {fqn!r} "
                                          "but holds no fused TBE for it")
                     tbe, weight, features = entry
-                    local[(fqn, table.name, shard_index)] = LocalShard(weight, tbe, features, pooled)
+                    local[(fqn, table.name, shard_index)] = LocalShard(weight, tbe, features)
             tables.append(table)
         info = ModuleInfo(fqn, pooled, tables, module)
         if pooled:
@@ -214,4 +212,4 @@ def build_catalog(model: nn.Module, plan: object, rank: int, world: int) -> Cata
     dtypes = {s.weight.dtype for s in local.values()}
     if len(dtypes) > 1 or (dtypes and torch.float32 not in dtypes):
         raise ValueError(f"the PEC pipeline moves float32 embedding rows; this rank's tables hold {sorted(map(str, dtypes))}")
-    return Catalog(modules, slots, local, world)
+    return Catalog(modules, slots, local)

@@ -222,11 +222,11 @@ class PecExchange:
         self.any_overlap = any_anywhere  # OL gradients of N or OL rows of N+1 somewhere
         # NOL rows, after every deferred update
         if not self.late_deferred_updates:
-            self._apply_deferred()
+            self.apply_deferred()
         asks.pieces = [torch.empty(asks.rows[s].numel(), self.cols[s], device=self.device)
                        for s in range(len(self.catalog.slots))]
         self._rows(asks, served, ol=False)
-        self._apply_deferred()  # (a no-op unless mutated)
+        self.apply_deferred()  # (a no-op unless mutated)
         if prev is None:  # the first batch: nothing to wait for
             self.current = (asks, served)
         else:
@@ -285,14 +285,14 @@ class PecExchange:
                 self._rows(nxt_asks, nxt_served, ol=True)
             self.current, self.next = self.next, None
         else:
-            self._apply_deferred()
+            self.apply_deferred()
             self.current = None
         self._pin_iterations(asks.step + 1)
 
     def reset(self) -> None:
         """After the data ran out (every rank alike): applies what is deferred and forgets the
         batches, so a new dataloader iterator starts afresh."""
-        self._apply_deferred()
+        self.apply_deferred()
         self.current = self.next = None
         self.asked.clear()
         self.incoming, self.unsent, self.any_overlap = None, None, False
@@ -334,10 +334,7 @@ class PecExchange:
         return _InFlight(work, buffer, recv_splits, rows_of, asks.step, lrs, self.world if _gradient_division() else 1)
 
     def apply_deferred(self) -> None:
-        """Applies the deferred gradients in flight, if any (they were sent by every rank)."""
-        self._apply_deferred()
-
-    def _apply_deferred(self) -> None:
+        """Applies the deferred gradients in flight, if any (every rank sent them already)."""
         if self.deferred_grads is not None:
             pending, self.deferred_grads = self.deferred_grads, None
             self._apply(pending)

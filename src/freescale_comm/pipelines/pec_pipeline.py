@@ -81,7 +81,7 @@ class TrainPipelinePEC(Generic[In, Out]):
         if model_group is not None and dist.get_world_size(model_group) != world:
             raise ValueError(f"group has {world} ranks but the model is sharded over {dist.get_world_size(model_group)}: "
                              "pass the model's sharding group (or leave group=None)")
-        self._catalog = build_catalog(model.module, model.plan, rank, world)
+        self._catalog = build_catalog(model.module, model.plan, rank)
         for info in self._catalog.modules:
             if "forward" in info.module.__dict__:
                 raise ValueError(f"sharded module {info.fqn!r} is already driven by another TrainPipelinePEC: close() "
