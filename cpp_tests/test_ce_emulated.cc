@@ -334,9 +334,12 @@ TEST(CeEmulatedFailures, KilledRankFailsEverySurvivorWithPeerDied) {
 // and nothing hangs: not the faulted rank's teardown, not a user's stream that waited for an op.
 TEST(CeEmulatedFailures, AContextWideFaultFailsEveryPendingOpOnEveryRank) {
   auto outcomes = run_forked_ranks(2, [](int rank, Bootstrap& bootstrap) -> std::string {
+    // Declared before the device, so destroyed after it: the device joins its stream threads, and
+    // a copy already running when the context faulted may still write into these (nothing can
+    // wait for it on a faulted context; TSan saw the buffers freed under such a copy).
+    std::vector<std::unique_ptr<Exchange>> xs;
     EmulatedDevice device;
     Stream user = device.create_stream(), kernels = device.create_stream();
-    std::vector<std::unique_ptr<Exchange>> xs;  // outlive the transport's queued device work
     auto comm = ce_communicator(bootstrap, small_config(/*timeout_ms=*/60000), device);
     std::vector<std::shared_ptr<OpState>> ops;
     auto submit = [&] {
