@@ -170,6 +170,14 @@ def train(pg: dist.ProcessGroup, pipeline: str, optimizer: str, batches: list[li
         pipe = TrainPipelineSparseDist(dmp, opt, torch.device("cpu"))
     else:
         pipe = fc.TrainPipelinePEC(dmp, opt, torch.device("cpu"), group=pg, **kwargs)
+    exchanges: list[tuple[int, str]] = []  # PEC: (priority, dtype) of every exchange, in program order
+    if hasattr(pipe, "_exchange"):
+        post = pipe._exchange._a2a
+
+        def counted(out, inp, out_splits, in_splits, priority):
+            exchanges.append((priority, str(out.dtype)))
+            return post(out, inp, out_splits, in_splits, priority)
+        pipe._exchange._a2a = counted
     outputs = []
     for _ in range(epochs):
         feed = iter([b[rank] for b in batches])
@@ -183,7 +191,7 @@ def train(pg: dist.ProcessGroup, pipeline: str, optimizer: str, batches: list[li
     state = _state(dmp, opt)  # mid-run for stop_after: the model's state_dict() flushes PEC first
     if hasattr(pipe, "close"):
         pipe.close()
-    return {"outputs": outputs, "state": state}
+    return {"outputs": outputs, "state": state, "exchanges": exchanges}
 
 
 def pec_matches_sparse_dist(info, steps: int, collisions: list[float], optimizers: list[str]) -> dict:
@@ -202,7 +210,7 @@ def pec_matches_sparse_dist(info, steps: int, collisions: list[float], optimizer
             out_diff = max((_rel(a, b) for a, b in zip(ref["outputs"], pec["outputs"])), default=0.0)
             assert ref["state"].keys() == pec["state"].keys(), (case, sorted(ref["state"]), sorted(pec["state"]))
             state_diff = {k: _rel(ref["state"][k], pec["state"][k]) for k in ref["state"]}
-            report[case] = {"outputs": out_diff, "state": state_diff}
+            report[case] = {"outputs": out_diff, "state": state_diff, "exchanges": pec["exchanges"]}
     # two epochs (a new iterator after StopIteration), and the state read after 5 of 8 steps
     batches = make_batches(steps, world, 0.5, seed=77)
     for case, kwargs in (("two epochs", {"epochs": 2}), ("stopped after 5 steps", {"stop_after": 5})):

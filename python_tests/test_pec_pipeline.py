@@ -40,6 +40,12 @@ def test_pec_pipeline_is_bit_identical_to_sparse_dist_on_two_ranks():
             if "adagrad" in case:  # the momentum is compared too (SGD keeps no state)
                 assert any(k.startswith("state:") for k in diff["state"]), (case, sorted(diff["state"]))
             assert all(v == 0.0 for v in diff["state"].values()), (case, {k: v for k, v in diff["state"].items() if v})
+            # counted: the exchanges no rank has anything for are skipped, on every rank alike
+            rows_or_grads = [p for p, dtype in diff.get("exchanges", []) if dtype == "torch.float32"]
+            if case.startswith("collision=0.0"):  # no row is read twice in a row: no high-priority
+                assert rows_or_grads.count(100) == 1, (case, rows_or_grads)  # round but the last batch's gradients
+            if case.startswith("collision=1.0"):  # every row is: no NOL rows but the first batch's
+                assert rows_or_grads.count(0) == 1, (case, rows_or_grads)
 
 
 def test_pec_pipeline_matches_sparse_dist_on_four_ranks():
@@ -94,7 +100,7 @@ def test_the_torchrec_pec_benchmark_writes_a_row_per_pipeline_and_rate(tmp_path)
     from freescale_comm.bench.cli import main
 
     out, png = tmp_path / "rows.json", tmp_path / "plot.png"
-    assert main(["torchrec-pec", "--ranks", "2", "--rates", "0", "1", "--steps", "1", "--warmup", "0", "--samples", "8",
+    assert main(["torchrec-pec", "--ranks", "2", "--rates", "0", "1", "--steps", "1", "--warmup", "0", "--rounds", "1", "--samples", "8",
                  "--pipelines", "sparse_dist", "pec", "--json", str(out), "--plot", str(png)]) == 0
     rows = json.loads(out.read_text())["rows"]
     assert [(r["pipeline"], r["collision_rate"]) for r in rows] == [

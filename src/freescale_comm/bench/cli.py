@@ -81,6 +81,7 @@ def _parser() -> argparse.ArgumentParser:
                     help="collision rates in [0, 1] (default 0 0.25 0.5 0.75 1)")
     tp.add_argument("--steps", type=int, default=8, help="measured steps per pipeline and rate (default 8)")
     tp.add_argument("--warmup", type=int, default=3, help="steps before measuring (default 3)")
+    tp.add_argument("--rounds", type=int, default=3, help="trainings per pipeline and rate, in rotated order (default 3)")
     tp.add_argument("--samples", type=int, default=64, help="samples per rank and step (default 64)")
     tp.add_argument("--pipelines", nargs="+", default=None, help="which pipelines (default all: sparse_dist "
                     "semi_sync torchrec_pec pec)")
@@ -301,7 +302,7 @@ def run_e2e(args: argparse.Namespace) -> int:
         "sharing cores" if cfg.pin_cores else "unpinned")
     title = (f"e2e, {cfg.ranks} ranks ({pinned}) x {cfg.samples} samples, {cfg.workload} x "
              f"{cfg.length_scale:.3g}, dim {cfg.dim}, {cfg.device}, {platform.node()}; "
-             f"ms per step, mean of {cfg.steps}")
+             f"ms per step, median of {cfg.rounds} rounds of {cfg.steps} steps")
     # Ranks sharing cores wait for each other's: the oversubscription line says it, not the busy one.
     busy = "" if res.placement.oversubscribed else busy_note(res.rows)
     print("\n".join(line for line in (oversubscription_note(res.placement), busy,
@@ -445,7 +446,7 @@ def run_torchrec_pec(args: argparse.Namespace) -> int:
     from freescale_comm.bench.report import write_json
 
     cfg = tp.PipelineBenchConfig(ranks=args.ranks, rates=tuple(args.rates), steps=args.steps, warmup=args.warmup,
-                                 samples=args.samples, pipelines=tuple(args.pipelines or tp.PIPELINES))
+                                 rounds=args.rounds, samples=args.samples, pipelines=tuple(args.pipelines or tp.PIPELINES))
     try:
         cfg.check()
     except ValueError as err:
@@ -453,7 +454,7 @@ def run_torchrec_pec(args: argparse.Namespace) -> int:
         return 2
     rows = tp.run(cfg)
     title = (f"torchrec-pec, {cfg.ranks} CPU ranks x {cfg.samples} samples, dim {cfg.dim}, {platform.node()}; "
-             f"ms per step, mean of {cfg.steps}")
+             f"ms per step, median of {cfg.rounds} rounds of {cfg.steps} steps")
     print(tp.table(rows, title))
     print(tp.summary(rows))
     print("# wrote " + tp.plot(rows, args.plot, title))

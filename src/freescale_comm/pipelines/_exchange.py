@@ -8,9 +8,11 @@ Program order, identical on every rank (so the Communicator's sequence numbers m
                     batch 0's counts alone)                                                (low)
   prepare(N+1), while batch N computes:
     flags    uint8  owner -> requester: per entry of N, is its row read by N+1 (gradient
-                    goes first); per entry of N+1, is its row read by N (fetch waits)      (low)
+                    goes first); per entry of N+1, is its row read by N (fetch waits); then
+                    whether the owner has any OL entry, any NOL row                        (low)
     NOL rows f32    owner -> requester: N+1's rows N does not read, looked up now after every
-                    earlier update (N-1's deferred gradients are applied first)             (low)
+                    earlier update (N-1's deferred gradients are applied first); skipped
+                    when the flags say no rank has any                                      (low)
   gradients(N), after N's backward (both skipped when the flags say no rank has any):
     OL grads  f32   requester -> owner: gradients of rows N+1 reads                        (high)
     OL rows   f32   owner -> requester: N+1's rows N read, looked up after N's OL update   (high)
@@ -188,25 +190,27 @@ class PecExchange:
                 if prev[1].grad_ol is None:
                     prev[1].grad_ol = {}
                 prev[1].grad_ol[s] = [torch.isin(rows, served.touched[key]) for rows in prev[1].asked[s]]
-        # one byte more per block: does this owner serve any OL row or OL gradient (every requester
-        # gets the same byte, so every rank ORs the same bytes: all agree on skipping an empty exchange)
+        # two bytes more per block: does this owner serve any OL row or OL gradient, any NOL row (every
+        # requester gets the same bytes, so every rank ORs the same ones: all agree on skipping an
+        # exchange no rank has anything for)
         any_ol = any(bool(f.any()) for s in self.owned for f in served.fetch_ol[s]) or (
             prev is not None and any(bool(f.any()) for s in self.owned for f in prev[1].grad_ol[s]))
+        any_nol = any(not bool(f.all()) for s in self.owned for f in served.fetch_ol[s])
         flags_out, flags_send_splits = [], []
         for r in range(self.world):
             block = ([prev[1].grad_ol[s][r] for s in self.owned] if prev is not None else []) + \
-                [served.fetch_ol[s][r] for s in self.owned] + [torch.tensor([any_ol], device=self.device)]
+                [served.fetch_ol[s][r] for s in self.owned] + [torch.tensor([any_ol, any_nol], device=self.device)]
             flags_out += block
             flags_send_splits.append(sum(f.numel() for f in block))
         flags_in_splits = [(0 if prev is None else sum(prev[0].rows[s].numel() for s in self.owned_by[o]))
-                           + sum(asks.rows[s].numel() for s in self.owned_by[o]) + 1 for o in range(self.world)]
+                           + sum(asks.rows[s].numel() for s in self.owned_by[o]) + 2 for o in range(self.world)]
         flags_in = torch.empty(sum(flags_in_splits), dtype=torch.uint8, device=self.device)
         self._a2a(flags_in, torch.cat(flags_out).to(torch.uint8), flags_in_splits, flags_send_splits, self.low).wait()
         if prev is not None:
             prev[0].grad_ol = [None] * len(self.catalog.slots)
         asks.fetch_ol = [None] * len(self.catalog.slots)
         offset = 0
-        any_anywhere = False
+        any_anywhere = nol_anywhere = False
         for o in range(self.world):
             if prev is not None:
                 for s in self.owned_by[o]:
@@ -218,14 +222,16 @@ class PecExchange:
                 asks.fetch_ol[s] = flags_in[offset:offset + n].bool()
                 offset += n
             any_anywhere |= bool(flags_in[offset])
-            offset += 1
+            nol_anywhere |= bool(flags_in[offset + 1])
+            offset += 2
         self.any_overlap = any_anywhere  # OL gradients of N or OL rows of N+1 somewhere
         # NOL rows, after every deferred update
         if not self.late_deferred_updates:
             self.apply_deferred()
         asks.pieces = [torch.empty(asks.rows[s].numel(), self.cols[s], device=self.device)
                        for s in range(len(self.catalog.slots))]
-        self._rows(asks, served, ol=False)
+        if nol_anywhere:  # at collision 1 no rank has any: one round less
+            self._rows(asks, served, ol=False)
         self.apply_deferred()  # (a no-op unless mutated)
         if prev is None:  # the first batch: nothing to wait for
             self.current = (asks, served)
