@@ -76,10 +76,14 @@ def roundtrip_is_identity(info, seed: int, device: str = "cpu") -> int:
     return cases
 
 
-def roundtrip_through_the_layout_kernels(info, seed: int) -> int:
+def roundtrip_through_the_layout_kernels(info, seed: int, order: str = "identity") -> int:
     """roundtrip_is_identity on CPU tensors, once a dispatch proved it took the layout kernels
-    (FREESCALE_LAYOUT_KERNELS_ON_CPU=1 and TRITON_INTERPRET=1 in the environment)."""
+    (FREESCALE_LAYOUT_KERNELS_ON_CPU=1 and TRITON_INTERPRET=1 in the environment), the kernels'
+    programs run in `order` (program_order.ORDERS)."""
     from freescale_comm._device_dispatch import DevicePlan
+    from program_order import permute_programs
+
+    permute_programs(order, seed=seed + info.rank)
 
     values, lengths, dest = _inputs("random", seed, info.rank, info.world_size, (3,), torch.float32)
     assert isinstance(fc.dispatch(values, lengths, dest).handle.plan, DevicePlan), "the CPU planner ran"
@@ -184,4 +188,78 @@ def side_communicator_lets_the_group_go(info) -> dict:
     except RuntimeError as e:
         report["bootstrap_error"] = str(e)
     comm.close()
+    return report
+
+
+def layout_work_per_call(info) -> dict:
+    """What one fc.dispatch, fc.combine and dispatch_like ask of the device when the layout
+    kernels run (CUDA; here CPU tensors through the interpreter, the same code path): Triton
+    launches by kernel, other device ops (aten ops that are neither views nor allocations, outside
+    the launches; the transports' copies are not counted) and host reads (read_host calls, and
+    any .item()). Counted on this rank after one warm-up call."""
+    import collections
+
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from freescale_comm import _device_dispatch, _layout_kernels
+    from freescale_comm.dispatch import dispatch_like
+
+    launches: collections.Counter = collections.Counter()
+    ops: collections.Counter = collections.Counter()
+    state = {"in_launch": False, "counting": False, "reads": 0}
+
+    class Launch:
+        def __init__(self, kernel, name):
+            self.kernel, self.name = kernel, name
+
+        def __getitem__(self, grid):
+            run = self.kernel[grid]
+
+            def call(*args, **kwargs):
+                if state["counting"]:
+                    launches[self.name] += 1
+                state["in_launch"] = True  # the interpreter's own copies of the arguments are no device op
+                try:
+                    return run(*args, **kwargs)
+                finally:
+                    state["in_launch"] = False
+            return call
+
+    for name in ("count_kernel", "scan_chunks_kernel", "scan_totals_kernel", "place_kernel", "copy_kernel"):
+        setattr(_layout_kernels, name, Launch(getattr(_layout_kernels, name), name))
+    read_host = _device_dispatch.read_host
+
+    def counted_read(t):
+        if state["counting"]:
+            state["reads"] += 1
+        return read_host(t)
+    _device_dispatch.read_host = counted_read
+
+    class DeviceOps(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            name = str(func)
+            if state["counting"] and not state["in_launch"] and not func.is_view and \
+                    not name.startswith(("aten.empty", "aten.new_empty")):
+                ops[name] += 1
+            return func(*args, **(kwargs or {}))
+
+    gen = torch.Generator().manual_seed(info.rank)
+    lengths = torch.randint(0, 5, (50,), generator=gen)
+    values = torch.randn(int(lengths.sum()), 8, generator=gen)
+    dest = torch.randint(0, info.world_size, (50,), generator=gen)
+    fc.dispatch(values, lengths, dest)  # warm-up
+    report = {}
+    for call in ("dispatch", "combine", "dispatch_like"):
+        res = fc.dispatch(values, lengths, dest)
+        launches.clear(), ops.clear()
+        state.update(reads=0, counting=True)
+        with DeviceOps():
+            if call == "dispatch":
+                fc.dispatch(values, lengths, dest)
+            elif call == "combine":
+                fc.combine(res.values, res.handle)
+            else:
+                dispatch_like(values, res.handle)
+        state["counting"] = False
+        report[call] = {"launches": dict(launches), "ops": dict(ops), "reads": state["reads"]}
     return report

@@ -134,9 +134,10 @@ def test_plan_tensors_are_kept_for_the_stream_that_uses_them(monkeypatch):
     combine_stream = Stream()
     FakeGpus(monkeypatch, capturing=set())
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: combine_stream)
-    plan = _device_dispatch.DevicePlan(0, Tracked("sent_lengths"), Tracked("home_row"), Tracked("packed_row"), [0], [0])
+    plan = _device_dispatch.DevicePlan(0, Tracked("sent"), Tracked("home_row"), Tracked("packed_row"),
+                                       Tracked("row_home"), [0], [0])
     _device_dispatch.copy_runs(Home(), Home(), plan, to_packed=False)
-    assert sorted(name for name, _ in recorded) == ["home_row", "packed_row", "sent_lengths"]
+    assert sorted(name for name, _ in recorded) == ["home_row", "packed_row", "row_home", "sent"]
     assert all(stream is combine_stream for _, stream in recorded)
 
 

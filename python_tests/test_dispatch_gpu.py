@@ -26,7 +26,7 @@ def _batch(samples: int, world: int, seed: int):
 def test_plan_kernel_matches_the_cpu_planner(world, samples):
     lengths, dest = _batch(samples, world, seed=world * 7 + samples)
     cpu = _core.plan_jagged_dispatch(lengths.data_ptr(), dest.data_ptr(), samples, world)
-    plan = _device_dispatch.plan(lengths.cuda(), dest.cuda(), world)
+    plan = _device_dispatch.plan(lengths.cuda(), dest.cuda(), world, 0, int(lengths.sum()))
     order = torch.from_numpy(cpu.order)
     starts = torch.cumsum(lengths, 0) - lengths
     sent = torch.from_numpy(cpu.sent_lengths)
@@ -42,7 +42,7 @@ def test_gather_and_scatter_kernels_match_torch(row_shape, dtype):
     world, samples = 17, 3000
     lengths, dest = _batch(samples, world, seed=5)
     values = (torch.randn((int(lengths.sum()), *row_shape)) * 50).to(dtype).cuda()
-    plan = _device_dispatch.plan(lengths.cuda(), dest.cuda(), world)
+    plan = _device_dispatch.plan(lengths.cuda(), dest.cuda(), world, 0, int(lengths.sum()))
     order = torch.sort(dest, stable=True).indices
     starts = torch.cumsum(lengths, 0) - lengths
     rows = torch.cat([torch.arange(int(starts[i]), int(starts[i] + lengths[i])) for i in order.tolist()])
@@ -53,9 +53,10 @@ def test_gather_and_scatter_kernels_match_torch(row_shape, dtype):
 
 def test_bad_samples_raise_naming_them():
     with pytest.raises(ValueError, match=r"dest_ranks\[2\] = 4"):
-        _device_dispatch.plan(torch.tensor([1, 2, 3, 4], device="cuda"), torch.tensor([0, 1, 4, -1], device="cuda"), 4)
+        _device_dispatch.plan(torch.tensor([1, 2, 3, 4], device="cuda"), torch.tensor([0, 1, 4, -1], device="cuda"), 4,
+                              0, 10)
     with pytest.raises(ValueError, match=r"lengths\[1\] = -2"):
-        _device_dispatch.plan(torch.tensor([1, -2, 3], device="cuda"), torch.tensor([0, 1, 2], device="cuda"), 4)
+        _device_dispatch.plan(torch.tensor([1, -2, 3], device="cuda"), torch.tensor([0, 1, 2], device="cuda"), 4, 0, 2)
 
 
 @pytest.mark.parametrize("world", [2, 3])
@@ -83,3 +84,21 @@ def test_the_layout_kernels_are_triton_and_the_core_has_no_kernels():
 
     assert _device_dispatch.kernels().__name__ == "freescale_comm._layout_kernels"
     assert not hasattr(_core, "plan_jagged_dispatch_cuda")
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+def test_the_kernels_run_on_the_tensors_gpu_while_another_is_current():
+    """Issue 39 item 1: Triton launches on the current device; tensors of cuda:1 while cuda:0 is
+    current must still be planned and copied on cuda:1 (its stream)."""
+    world = 17
+    lengths, dest = _batch(3000, world, seed=11)
+    values = torch.randn(int(lengths.sum()), 64).to("cuda:1")
+    with torch.cuda.device(0):
+        plan = _device_dispatch.plan(lengths.to("cuda:1"), dest.to("cuda:1"), world, 0, values.shape[0])
+        packed = _device_dispatch.gather(values, plan)
+        back = _device_dispatch.scatter(packed, plan)
+    order = torch.sort(dest, stable=True).indices
+    starts = torch.cumsum(lengths, 0) - lengths
+    rows = torch.cat([torch.arange(int(starts[i]), int(starts[i] + lengths[i])) for i in order.tolist()])
+    assert torch.equal(packed.cpu(), values.cpu()[rows])
+    assert torch.equal(back, values)

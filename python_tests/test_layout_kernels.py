@@ -3,6 +3,7 @@ tensors (no GPU): the plan and the packed gather/scatter against pure-torch refe
 dispatch/combine end to end with the kernels forced on CPU tensors. Correctness only: nothing
 here is timed."""
 
+import contextlib
 import os
 
 import pytest
@@ -15,17 +16,29 @@ if os.environ.get("TRITON_INTERPRET") != "1":  # conftest.py sets it where there
 
 from freescale_comm import _device_dispatch  # noqa: E402
 from freescale_comm.testing import spawn  # noqa: E402
-from dispatch_programs import PATTERNS, ROW_CASES, roundtrip_through_the_layout_kernels  # noqa: E402
+from dispatch_programs import PATTERNS, ROW_CASES, layout_work_per_call, roundtrip_through_the_layout_kernels  # noqa: E402
+from program_order import ORDERS, permute_programs  # noqa: E402
 
 
-def reference_plan(lengths: torch.Tensor, dest: torch.Tensor, world: int):
-    """(sample_counts, row_counts, sent_lengths, home_row, packed_row): a stable sort by destination."""
+@pytest.fixture(autouse=True, params=ORDERS)
+def program_order(request):
+    """Every kernel test runs its launches' programs in each order of program_order.ORDERS."""
+    undo = permute_programs(request.param)
+    yield request.param
+    undo()
+
+
+def reference_plan(lengths: torch.Tensor, dest: torch.Tensor, world: int, map_rows: bool = True):
+    """(sample_counts, row_counts, sent_lengths, home_row, packed_row, row_home): a stable sort by
+    destination; row_home: each packed row's home row (None unless map_rows)."""
     order = torch.sort(dest, stable=True).indices
     home = torch.cumsum(lengths, 0) - lengths
     sent = lengths[order]
+    row_home = torch.cat([torch.arange(int(h), int(h) + int(n)) for h, n in zip(home[order], sent)]
+                         or [torch.zeros(0, dtype=torch.int64)]) if map_rows else None
     return (torch.bincount(dest, minlength=world).tolist(),
             torch.zeros(world, dtype=torch.int64).index_add_(0, dest, lengths).tolist(),
-            sent, home[order], torch.cumsum(sent, 0) - sent)
+            sent, home[order], torch.cumsum(sent, 0) - sent, row_home)
 
 
 def random_batch(seed: int, samples: int, world: int, max_len: int = 7):
@@ -38,28 +51,51 @@ def random_batch(seed: int, samples: int, world: int, max_len: int = 7):
     return lengths, dest.to(torch.int64)
 
 
-def check_plan(lengths, dest, world):
-    plan = _device_dispatch.plan(lengths, dest, world)
-    samples, rows, sent, home, packed = reference_plan(lengths, dest, world)
+def check_plan(lengths, dest, world, rank=0):
+    plan = _device_dispatch.plan(lengths, dest, world, rank, int(lengths.sum()))
+    samples, rows, sent, home, packed, row_home = reference_plan(lengths, dest, world)
     assert plan.sample_counts == samples and plan.row_counts == rows
     assert plan.rows == int(lengths.sum())
     assert torch.equal(plan.sent_lengths, sent)
+    assert torch.equal(plan.sent[:, 1], torch.full_like(sent, rank))
     assert torch.equal(plan.home_row, home)
     assert torch.equal(plan.packed_row, packed)
+    assert torch.equal(plan.row_home, row_home)
     return plan
 
 
 @pytest.mark.parametrize("world", [1, 2, 3, 64, 129, 512])
-@pytest.mark.parametrize("samples", [0, 1, 37, 300])
+@pytest.mark.parametrize("samples", [0, 1, 37, 300, 1000])
 def test_the_plan_matches_a_stable_sort(world, samples):
-    check_plan(*random_batch(world * 1000 + samples, samples, world), world)
+    check_plan(*random_batch(world * 1000 + samples, samples, world), world, rank=world - 1)
+
+
+def test_a_plan_past_2_16_samples_and_many_scan_chunks_matches_a_stable_sort(program_order):
+    """70,000 samples: 547 blocks, 9 chunks of the first scan level, several steps of the second."""
+    if program_order != "random":
+        pytest.skip("one order is enough for the large case (the interpreter runs it slowly)")
+    check_plan(*random_batch(3, 70_000, 5, max_len=3), 5, rank=2)
 
 
 def test_plan_offsets_past_2_31_rows_do_not_overflow():
+    """Samples of 2**30 to 2**33 rows: every slot, home row and packed row as a stable sort says.
+    The values are said to have 8 rows (a 2**34-row map would not fit here): the kernels leave the
+    map alone and plan() refuses the mismatch."""
     lengths = torch.tensor([3 << 30, 1, 1 << 33, 0, 5, (1 << 31) + 7], dtype=torch.int64)
     dest = torch.tensor([1, 0, 1, 0, 1, 0], dtype=torch.int64)
-    plan = check_plan(lengths, dest, 2)
-    assert int(plan.packed_row[-1]) > 1 << 33
+    counts, sent, home_row, packed_row, row_home = _device_dispatch.run_plan_kernels(lengths, dest, 2, 1, 8)
+    samples, rows, sent_ref, home_ref, packed_ref, _ = reference_plan(lengths, dest, 2, map_rows=False)
+    assert counts == samples + rows + [lengths.numel()]
+    assert torch.equal(sent[:, 0], sent_ref) and torch.equal(home_row, home_ref) and torch.equal(packed_row, packed_ref)
+    assert int(packed_row[-1]) > 1 << 33 and int(home_row.max()) > 1 << 33
+    assert row_home.numel() == 8
+    with pytest.raises(ValueError, match=f"lengths sum to {int(lengths.sum())}, but values has 8 rows"):
+        _device_dispatch.plan(lengths, dest, 2, 1, 8)
+
+
+def test_lengths_that_do_not_sum_to_the_values_rows_are_refused():
+    with pytest.raises(ValueError, match="lengths sum to 6, but values has 5 rows"):
+        _device_dispatch.plan(torch.tensor([1, 2, 3]), torch.tensor([0, 1, 0]), 2, 0, 5)
 
 
 @pytest.mark.parametrize("lengths,dest,message", [
@@ -69,7 +105,7 @@ def test_plan_offsets_past_2_31_rows_do_not_overflow():
 ])
 def test_the_first_bad_sample_is_named(lengths, dest, message):
     with pytest.raises(ValueError, match=message):
-        _device_dispatch.plan(torch.tensor(lengths), torch.tensor(dest), 2)
+        _device_dispatch.plan(torch.tensor(lengths), torch.tensor(dest), 2, 0, sum(lengths))
 
 
 # Row widths from 1 byte to 4 KiB, in every word width the copy kernel picks (8, 4, 2, 1 bytes).
@@ -86,9 +122,7 @@ def test_gather_and_scatter_match_a_reference_and_invert_each_other(row_shape, d
     rows = int(lengths.sum())
     values = (torch.randn((rows, *row_shape), generator=torch.Generator().manual_seed(world)) * 50).to(dtype)
     packed = _device_dispatch.gather(values, plan)
-    order = torch.cat([torch.arange(int(h), int(h) + int(n)) for h, n in zip(plan.home_row, plan.sent_lengths)]
-                      or [torch.zeros(0, dtype=torch.int64)])
-    assert torch.equal(packed, values[order])
+    assert torch.equal(packed, values[reference_plan(lengths, dest, world)[-1]])
     assert torch.equal(_device_dispatch.scatter(packed, plan), values)
 
 
@@ -105,8 +139,184 @@ KERNELS_ON_CPU = {"TRITON_INTERPRET": "1", "FREESCALE_LAYOUT_KERNELS_ON_CPU": "1
 
 
 @pytest.mark.parametrize("world", [2, 4])
-def test_dispatch_and_combine_through_the_kernels_match_the_cpu_path(world):
+def test_dispatch_and_combine_through_the_kernels_match_the_cpu_path(world, program_order):
     # The same checks as test_dispatch.py's identity round trips (exact rows, lengths and
-    # sources; combine brings every row home), with the layout kernels doing the layout work.
-    assert spawn(roundtrip_through_the_layout_kernels, world, 70 + world, env=KERNELS_ON_CPU, timeout_s=300) == \
-        [len(ROW_CASES) * len(PATTERNS)] * world
+    # sources; combine brings every row home), with the layout kernels doing the layout work,
+    # their programs in a random order on every rank (one order: these spawn ranks).
+    if program_order != "random":
+        pytest.skip("the ranks run their programs in a random order: one run is enough")
+    assert spawn(roundtrip_through_the_layout_kernels, world, 70 + world, "random", env=KERNELS_ON_CPU,
+                 timeout_s=300) == [len(ROW_CASES) * len(PATTERNS)] * world
+
+
+def test_a_dispatch_is_five_launches_one_device_op_and_one_host_read(program_order):
+    """Counted, not timed: fc.dispatch of device tensors launches the four plan kernels and one
+    copy, makes its received (length, source) pairs contiguous (one op) and reads its counts back
+    once; combine and dispatch_like launch one copy each (the plan's row map) and read nothing.
+    Before: 4 launches and ~20 other device ops per dispatch (8 zero-fills, 3 cumsums, cat, arange,
+    an H2D copy, repeat_interleave...)."""
+    if program_order != "identity":
+        pytest.skip("counts do not depend on the program order")
+    plan_kernels = {"count_kernel": 1, "scan_chunks_kernel": 1, "scan_totals_kernel": 1, "place_kernel": 1}
+    for report in spawn(layout_work_per_call, 2, env=KERNELS_ON_CPU, timeout_s=300):
+        assert report["dispatch"] == {"launches": {**plan_kernels, "copy_kernel": 1}, "ops": {"aten.clone.default": 1},
+                                      "reads": 1}, report["dispatch"]
+        for call in ("combine", "dispatch_like"):
+            assert report[call] == {"launches": {"copy_kernel": 1}, "ops": {}, "reads": 0}, (call, report[call])
+
+
+def test_launch_device_makes_the_tensors_gpu_current(monkeypatch, program_order):
+    """Triton launches on the current device's current stream: for tensors of cuda:1 while cuda:0
+    is current, the launch must happen with cuda:1 current (its stream is the transport's)."""
+    if program_order != "identity":
+        pytest.skip("no kernel runs here")
+    from test_capture import FakeGpus
+
+    gpus = FakeGpus(monkeypatch, capturing=set())
+    with _device_dispatch.launch_device(torch.device("cuda", 1)):
+        assert gpus.current == 1
+    assert gpus.current == 0
+    with _device_dispatch.launch_device(torch.device("cpu")):
+        assert gpus.current == 0
+
+
+def test_every_launch_of_a_plan_and_its_copies_runs_under_the_tensors_device(monkeypatch, program_order):
+    """plan(), gather() and scatter() launched on whatever device was current (a wrong GPU and
+    stream for tensors of another GPU): every launch must run inside launch_device(their device)."""
+    if program_order != "identity":
+        pytest.skip("the order of programs does not change where they launch")
+    k = _device_dispatch.kernels()
+    entered: list = []
+    inside = {"device": None}
+
+    @contextlib.contextmanager
+    def recording(device):
+        entered.append(device)
+        saved, inside["device"] = inside["device"], device
+        try:
+            yield
+        finally:
+            inside["device"] = saved
+
+    launched: list = []
+
+    class Launch:
+        def __init__(self, kernel, name):
+            self.kernel, self.name = kernel, name
+
+        def __getitem__(self, grid):
+            launched.append((self.name, inside["device"]))
+            return self.kernel[grid]
+
+    monkeypatch.setattr(_device_dispatch, "launch_device", recording)
+    for name in ("count_kernel", "scan_chunks_kernel", "scan_totals_kernel", "place_kernel", "copy_kernel"):
+        monkeypatch.setattr(k, name, Launch(getattr(k, name), name))
+    lengths, dest = random_batch(9, 40, 3)
+    plan = check_plan(lengths, dest, 3)
+    values = torch.randn(int(lengths.sum()), 4)
+    assert torch.equal(_device_dispatch.scatter(_device_dispatch.gather(values, plan), plan), values)
+    assert [name for name, _ in launched] == ["count_kernel", "scan_chunks_kernel", "scan_totals_kernel",
+                                              "place_kernel", "copy_kernel", "copy_kernel"]
+    assert all(device == values.device for _, device in launched), launched
+
+
+def test_the_programs_run_in_the_fixture_order(program_order):
+    """The order fixture itself: each program takes a ticket from an atomic counter."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def ticket(counter, out):
+        tl.store(out + tl.program_id(0), tl.atomic_add(counter, 1))
+
+    counter, out = torch.zeros(1, dtype=torch.int64), torch.full((16,), -1, dtype=torch.int64)
+    ticket[(16,)](counter, out)
+    assert sorted(out.tolist()) == list(range(16))
+    expected = {"identity": list(range(16)), "reversed": list(range(15, -1, -1))}
+    if program_order in expected:
+        assert out.tolist() == expected[program_order]
+    else:
+        assert out.tolist() != list(range(16))
+
+
+def _variant(kernel, args: tuple, kwargs: dict) -> tuple:
+    """What Triton compiles a launch for: each constexpr's value, and each other argument's
+    specialization (its type; an int's being 1 or a multiple of 16, a pointer's 16-byte alignment,
+    unless the kernel says do_not_specialize), by Triton's own rule (native_specialize_impl)."""
+    import inspect
+
+    from triton.backends.compiler import BaseBackend
+    from triton.runtime.jit import native_specialize_impl
+
+    bound = inspect.signature(kernel.fn).bind(*args, **kwargs)
+    loose = set(kernel.kwargs.get("do_not_specialize") or ())  # InterpretedFunction keeps jit's arguments
+    key = []
+    for name, value in bound.arguments.items():
+        if "constexpr" in str(kernel.fn.__annotations__.get(name, "")):
+            key.append((name, value))
+        else:
+            key.append((name,) + native_specialize_impl(BaseBackend, value, False, name not in loose, True))
+    return tuple(key)
+
+
+def test_twenty_balanced_steps_of_e2e_shapes_compile_each_kernel_once(monkeypatch, program_order):
+    """Batches as freescale-bench e2e draws them (kuairand lengths, 4 ranks, every step balanced by
+    the planner): whatever the shapes, each kernel compiles once (a recompile mid-training costs
+    0.3-1.5 s on one rank while the others wait). Before: the copy's search depth and the
+    specialized sizes gave each batch its own variants."""
+    if program_order != "identity":
+        pytest.skip("the variants do not depend on the program order")
+    import numpy as np
+
+    from freescale_comm.bench import workloads
+    from freescale_comm.planner import CostModel, plan_rebalance
+
+    k = _device_dispatch.kernels()
+    variants: dict[str, set] = {}
+
+    class Launch:
+        def __init__(self, kernel, name):
+            self.kernel, self.name = kernel, name
+
+        def __getitem__(self, grid):
+            def call(*args, **kwargs):
+                variants.setdefault(self.name, set()).add(_variant(self.kernel, args, kwargs))
+                if self.name != "copy_kernel":  # (no copy result is read here: other tests check them)
+                    return self.kernel[grid](*args, **kwargs)
+            return call
+
+    for name in ("count_kernel", "scan_chunks_kernel", "scan_totals_kernel", "place_kernel", "copy_kernel"):
+        monkeypatch.setattr(k, name, Launch(getattr(k, name), name))
+    world, samples = 4, 8
+    cost = CostModel(quadratic=1.0, linear=8.0, constant=16.0)
+    for step in range(20):
+        per_rank = [workloads.step_lengths("kuairand", samples, seed=0, step=step, rank=r, scale=1 / 16)
+                    for r in range(world)]
+        plan = plan_rebalance(per_rank, cost_model=cost)
+        for rank in range(world):
+            lengths = torch.from_numpy(np.asarray(per_rank[rank], dtype=np.int64))
+            dest = torch.from_numpy(np.ascontiguousarray(plan.dest[rank])).to(torch.int64)
+            values = torch.randn(int(lengths.sum()), 64)  # dim 64, float32: e2e's rows
+            device_plan = _device_dispatch.plan(lengths, dest, world, rank, values.shape[0])
+            _device_dispatch.scatter(_device_dispatch.gather(values, device_plan), device_plan)
+    assert set(variants) == {"count_kernel", "scan_chunks_kernel", "scan_totals_kernel", "place_kernel", "copy_kernel"}
+    assert {name: len(keys) for name, keys in variants.items()} == {
+        "count_kernel": 1, "scan_chunks_kernel": 1, "scan_totals_kernel": 1, "place_kernel": 1,
+        "copy_kernel": 2}, variants  # copy: gather and scatter (TO_PACKED)
+
+
+def test_copy_tiles_fill_about_4_kib_and_leave_few_lanes_idle(program_order):
+    """Issue 39 item 3: the old fixed 32 x 128-word tile left 75 % of lanes masked for 256-byte
+    rows, 94 % for 64-byte rows. A row's words round up to a power of two (fewer than half idle),
+    rows per program fill ~4 KiB."""
+    if program_order != "identity":
+        pytest.skip("no kernel runs here")
+    k = _device_dispatch.kernels()
+    for word_bytes in (1, 2, 4, 8):
+        for row_words in range(1, 3000):
+            rows, words = k.copy_shape(row_words, word_bytes)
+            tiles = -(-row_words // words)
+            assert (tiles * words - row_words) / (tiles * words) < 0.5, (row_words, word_bytes, words)
+            assert rows * words * word_bytes <= k.COPY_TILE_BYTES or rows == 1, (row_words, word_bytes)
+            assert rows == 1 or 2 * rows * words * word_bytes > k.COPY_TILE_BYTES, (row_words, word_bytes)
+    assert k.copy_shape(8, 8) == (64, 8) and k.copy_shape(32, 8) == (16, 32)  # 64- and 256-byte rows

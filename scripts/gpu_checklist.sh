@@ -51,6 +51,8 @@ step 2 failure-paths 300 python3 -m pytest -m gpu -q -p no:cacheprovider python_
 step 3 overlap-ce 300 freescale-bench overlap --transport ce --no-progress --json "$LOGS/overlap-ce.json"
 step 3 alltoall-ce 240 freescale-bench alltoall --transport ce --no-progress --json "$LOGS/alltoall-ce.json"
 step 4 layout-kernels 300 python3 -m pytest -m gpu -q -p no:cacheprovider python_tests/test_dispatch_gpu.py
+# the kernels vs PyTorch at training sizes, then each kernel's compiled variants, registers, spills
+step 4 layout-bench 300 freescale-bench layout --json "$LOGS/layout.json"
 step 5 e2e-cuda 300 freescale-bench e2e --device cuda --ranks 4 --no-progress --trace "$LOGS/e2e-trace" --json "$LOGS/e2e-cuda.json"
 step 6 nvshmem-tests 300 python3 -m pytest -m gpu -q -p no:cacheprovider python_tests/test_nvshmem_gpu.py
 step 6 alltoall-nvshmem 240 freescale-bench alltoall --transport nvshmem --no-progress --json "$LOGS/alltoall-nvshmem.json"

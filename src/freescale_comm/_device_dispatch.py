@@ -1,11 +1,13 @@
 """The device side of fc.dispatch / fc.combine: the layout kernels (plan, gather, scatter; Triton,
 in _layout_kernels) are the only SM work; the rows move packed on the copy-engine transport. One
-host sync per dispatch: the transports need the byte counts on the host (as every AllToAllv does).
+host sync per dispatch (read_host): the transports need the byte counts on the host (as every
+AllToAllv does). Every launch runs under the tensors' own device (launch_device).
 The kernels also run on CPU tensors through Triton's interpreter (TRITON_INTERPRET=1): with
 FREESCALE_LAYOUT_KERNELS_ON_CPU=1 (tests only) fc.dispatch takes this path for CPU tensors too."""
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 from dataclasses import dataclass
@@ -19,12 +21,17 @@ class DevicePlan:
     """A dispatch's plan, made by the layout kernels on the values' device; entry k is the k-th
     sample in send order (by destination rank, then original order)."""
 
-    rows: int  # rows of the original (home) values
-    sent_lengths: torch.Tensor  # int64 [samples]: rows of sample k
+    rows: int  # rows of the original (home) values = rows sent
+    sent: torch.Tensor  # int64 [samples, 2]: (rows of sample k, the sending rank): what the receivers get
     home_row: torch.Tensor  # int64 [samples]: its first row in the home values
     packed_row: torch.Tensor  # int64 [samples]: its first row in the packed send buffer
+    row_home: torch.Tensor  # int64 [rows]: packed row -> its home row (every copy of this plan reads it)
     sample_counts: list[int]  # [world] samples sent to each rank
     row_counts: list[int]  # [world] rows sent to each rank
+
+    @property
+    def sent_lengths(self) -> torch.Tensor:
+        return self.sent[:, 0]
 
 
 def forced_on_cpu() -> bool:
@@ -42,40 +49,72 @@ def kernels() -> ModuleType:
     return _layout_kernels
 
 
-def plan(lengths: torch.Tensor, dest_ranks: torch.Tensor, world: int) -> DevicePlan:
-    """Runs the plan kernels on the current stream and reads the counts back (the one host sync).
-    ValueError naming the first bad sample, as the CPU planner does, before anything collective
+def launch_device(device: torch.device) -> contextlib.AbstractContextManager:
+    """Where a kernel for tensors of `device` must launch: Triton launches on the current CUDA
+    device's current stream, so the tensors' own GPU becomes current (their stream is the one the
+    transport and record_stream use); nothing for CPU tensors (the interpreter)."""
+    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
+
+
+def read_host(t: torch.Tensor) -> list[int]:
+    """The one device-to-host read of a dispatch (its counts): every one goes through here."""
+    return t.tolist()
+
+
+def plan(lengths: torch.Tensor, dest_ranks: torch.Tensor, world: int, rank: int, rows: int) -> DevicePlan:
+    """Runs the plan kernels on the current stream of the tensors' device and reads the counts
+    back (the one host sync): four launches and one copy. `rank`: this rank (sent with every
+    sample's length); `rows`: the values' rows, which the lengths must sum to. ValueError naming
+    the first bad sample (or the mismatch), as the CPU planner does, before anything collective
     (or naming the fix when triton does not import: kernels())."""
+    samples = lengths.numel()
+    counts, sent, home_row, packed_row, row_home = run_plan_kernels(lengths, dest_ranks, world, rank, rows)
+    first_bad = counts[-1]
+    if first_bad < samples:
+        length, to = (int(v) for v in torch.stack([lengths[first_bad], dest_ranks[first_bad]]).tolist())
+        if length < 0:
+            raise ValueError(f"lengths[{first_bad}] = {length} is negative; every sample has >= 0 rows")
+        raise ValueError(f"dest_ranks[{first_bad}] = {to} is not a rank of this group; it must be in [0, {world})")
+    row_counts = counts[world:2 * world]
+    if sum(row_counts) != rows:
+        raise ValueError(f"lengths sum to {sum(row_counts)}, but values has {rows} rows; they must be equal")
+    return DevicePlan(rows, sent, home_row, packed_row, row_home, counts[:world], row_counts)
+
+
+def run_plan_kernels(lengths: torch.Tensor, dest_ranks: torch.Tensor, world: int, rank: int,
+                     rows: int) -> tuple[list[int], torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """plan()'s launches and its host read, unchecked: (counts read back: [world] samples, [world]
+    rows, the first bad sample; sent [samples, 2], home_row, packed_row, row_home [rows])."""
     k = kernels()
     device, samples = lengths.device, lengths.numel()
     blocks = max(1, k.plan_grid(samples))
+    chunks = k.triton.cdiv(blocks, k.SCAN_CHUNK)
+    width = world + 1
+    # Scratch (dropped when this returns; the allocator orders its reuse on this stream) and the
+    # plan's own tensors: two allocations, nothing to initialize (every kernel writes what it reads).
+    table, sums = 2 * blocks * width, 2 * chunks * width
+    hist, prefix, chunk_sums, chunk_prefix, starts, block_bad, host = _int64_pieces(
+        device, [table, table, sums, sums, 2 * width, blocks, 2 * world + 1])
+    sent, home_row, packed_row, row_home = _int64_pieces(device, [2 * samples, samples, samples, rows])
+    with launch_device(device):
+        k.count_kernel[(blocks,)](lengths, dest_ranks, samples, world, hist, block_bad, BLOCK=k.PLAN_BLOCK,
+                                  DT=k.DEST_TILE)
+        k.scan_chunks_kernel[(chunks, k.triton.cdiv(width, k.DEST_TILE))](hist, prefix, chunk_sums, blocks, width,
+                                                                           CHUNK=k.SCAN_CHUNK, DT=k.DEST_TILE)
+        k.scan_totals_kernel[(1,)](chunk_sums, chunk_prefix, starts, block_bad, host, samples, blocks, chunks, width,
+                                   CHUNK=k.SCAN_CHUNK, DT=k.DEST_TILE)
+        k.place_kernel[(blocks,)](lengths, dest_ranks, samples, world, rank, rows, prefix, chunk_prefix, starts, sent,
+                                  home_row, packed_row, row_home, BLOCK=k.PLAN_BLOCK, CHUNK=k.SCAN_CHUNK)
+    return read_host(host), sent.view(samples, 2), home_row, packed_row, row_home
 
-    def int64(n: int) -> torch.Tensor:
-        return torch.zeros(n, dtype=torch.int64, device=device)
 
-    block_samples, block_rows, block_total = int64(blocks * world), int64(blocks * world), int64(blocks)
-    total_samples, total_rows, bad = int64(world), int64(world), torch.full((1,), samples, dtype=torch.int64,
-                                                                            device=device)
-    sent_lengths, home_row, packed_row = int64(samples), int64(samples), int64(samples)
-    if samples > 0:
-        k.count_kernel[(blocks,)](lengths, dest_ranks, samples, world, block_samples, block_rows, block_total, bad,
-                                  BLOCK=k.PLAN_BLOCK, DT=k.DEST_TILE)
-        k.scan_kernel[(k.triton.cdiv(world, k.DEST_TILE),)](block_samples, block_rows, blocks, world, total_samples,
-                                                             total_rows, DT=k.DEST_TILE)
-        start_samples = torch.cumsum(total_samples, 0) - total_samples  # [world] and [blocks]: small scans
-        start_rows = torch.cumsum(total_rows, 0) - total_rows
-        block_home = torch.cumsum(block_total, 0) - block_total
-        k.place_kernel[(blocks,)](lengths, dest_ranks, samples, world, block_samples, block_rows, start_samples,
-                                  start_rows, block_home, sent_lengths, home_row, packed_row, BLOCK=k.PLAN_BLOCK)
-    host = torch.cat([total_samples, total_rows, bad]).tolist()
-    first_bad = host[-1]
-    if first_bad < samples:
-        length, rank = int(lengths[first_bad]), int(dest_ranks[first_bad])
-        if length < 0:
-            raise ValueError(f"lengths[{first_bad}] = {length} is negative; every sample has >= 0 rows")
-        raise ValueError(f"dest_ranks[{first_bad}] = {rank} is not a rank of this group; it must be in [0, {world})")
-    row_counts = host[world:2 * world]
-    return DevicePlan(sum(row_counts), sent_lengths, home_row, packed_row, host[:world], row_counts)
+def _int64_pieces(device: torch.device, sizes: list[int]) -> list[torch.Tensor]:
+    """int64 tensors of these sizes in one allocation, each starting 16-byte aligned (Triton
+    specializes pointers on 16-byte alignment: an offset that moved with a batch's shape would
+    compile the kernels again)."""
+    padded = [n + n % 2 for n in sizes]
+    whole = torch.empty(sum(padded), dtype=torch.int64, device=device)
+    return [piece[:n] for piece, n in zip(whole.split(padded), sizes)]
 
 
 def _words(t: torch.Tensor, word: torch.dtype) -> torch.Tensor:
@@ -84,15 +123,16 @@ def _words(t: torch.Tensor, word: torch.dtype) -> torch.Tensor:
 
 def copy_runs(home: torch.Tensor, packed: torch.Tensor, plan: DevicePlan, to_packed: bool) -> None:
     """Gathers the plan's samples from `home` into send order in `packed` (to_packed), or
-    scatters them back; both contiguous, same dtype and row shape, on the current stream."""
+    scatters them back; both contiguous, same dtype and row shape, on the current stream of their
+    device: one launch."""
     if home.device.type == "cuda":
         stream = torch.cuda.current_stream(home.device)
-        for t in (plan.sent_lengths, plan.home_row, plan.packed_row):
+        for t in (plan.sent, plan.home_row, plan.packed_row, plan.row_home):
             # Made on the dispatch's stream; this kernel may run on another (combine, dispatch_like):
             # the allocator must not reuse them before it ran, even if the handle goes first.
             t.record_stream(stream)
     row_bytes = math.prod(home.shape[1:]) * home.element_size()
-    rows, runs = packed.shape[0], plan.sent_lengths.numel()
+    rows = packed.shape[0]
     if rows == 0 or row_bytes == 0:
         return
     # The widest word that divides a row and both buffers' alignment: fewer, wider accesses.
@@ -101,9 +141,11 @@ def copy_runs(home: torch.Tensor, packed: torch.Tensor, plan: DevicePlan, to_pac
                       (torch.uint8, 1))
     k = kernels()
     row_words = row_bytes // size
-    grid = (k.triton.cdiv(rows, k.COPY_ROWS), k.triton.cdiv(row_words, k.COPY_WORDS))
-    k.copy_kernel[grid](_words(home, word), _words(packed, word), plan.home_row, plan.packed_row, runs, rows, row_words,
-                        TO_PACKED=to_packed, STEPS=max(1, runs.bit_length()), ROWS=k.COPY_ROWS, WORDS=k.COPY_WORDS)
+    tile_rows, tile_words = k.copy_shape(row_words, size)
+    grid = (k.triton.cdiv(rows, tile_rows), k.triton.cdiv(row_words, tile_words))
+    with launch_device(home.device):
+        k.copy_kernel[grid](_words(home, word), _words(packed, word), plan.row_home, rows, row_words,
+                            TO_PACKED=to_packed, ROWS=tile_rows, WORDS=tile_words)
 
 
 def gather(values: torch.Tensor, plan: DevicePlan) -> torch.Tensor:

@@ -95,7 +95,7 @@ def check_jagged_batch(values: object, lengths: object) -> tuple[torch.Tensor, t
     TypeError/ValueError naming the argument. Returns them (lengths contiguous)."""
     values = _check_values(values)
     lengths = _check_index_tensor(lengths, "lengths", None, values.device)
-    if values.device.type == "cuda":
+    if values.device.type == "cuda" or _device_dispatch.forced_on_cpu():
         return values, lengths  # the plan kernel checks the sum with the counts it reads back
     total = int(lengths.sum()) if lengths.numel() else 0
     if total != values.shape[0]:
@@ -204,18 +204,16 @@ def _dispatch_cuda(values: torch.Tensor, lengths: torch.Tensor, dest_ranks: torc
     Triton's interpreter, when a test forces the kernels: _device_dispatch.forced_on_cpu.)"""
     if values.device.type == "cuda":
         refuse_capture(values.device, "fc.dispatch")  # before the plan's host sync would invalidate the capture
-    plan = _device_dispatch.plan(lengths, dest_ranks.contiguous(), world)
-    if plan.rows != values.shape[0]:
-        raise ValueError(f"lengths sum to {plan.rows}, but values has {values.shape[0]} rows; they must be equal")
-    comm = communicator_for(group)
-    send_counts = torch.tensor([plan.sample_counts, plan.row_counts], dtype=torch.int64).T.contiguous()
+    plan = _device_dispatch.plan(lengths, dest_ranks.contiguous(), world, dist.get_rank(group), values.shape[0])
+    comm = communicator_for(group)  # after the plan's local checks, as for CPU tensors
+    send_counts = torch.tensor(list(zip(plan.sample_counts, plan.row_counts)), dtype=torch.int64)  # host
     recv_counts = torch.empty(world, 2, dtype=torch.int64)
     comm.all_to_all_single(recv_counts, send_counts, priority=priority)  # [world, (samples, rows)]
     recv_samples, recv_rows = recv_counts[:, 0].tolist(), recv_counts[:, 1].tolist()
-    recv_lengths = torch.empty(sum(recv_samples), dtype=torch.int64, device=values.device)
-    comm.all_to_all_single(recv_lengths, plan.sent_lengths, recv_samples, plan.sample_counts, priority=priority)
-    source_ranks = torch.repeat_interleave(torch.arange(world, dtype=torch.int64, device=values.device),
-                                           recv_counts[:, 0].to(values.device), output_size=sum(recv_samples))
+    # Each sample's length comes with its sender's rank: one device op makes both contiguous.
+    received = torch.empty(sum(recv_samples), 2, dtype=torch.int64, device=values.device)
+    comm.all_to_all_single(received, plan.sent, recv_samples, plan.sample_counts, priority=priority)
+    recv_lengths, source_ranks = received.T.contiguous()
     handle = DispatchHandle(comm, plan, plan.row_counts, recv_rows, recv_lengths)
     out = _Dispatch.apply(values, handle, priority)
     return DispatchResult(out, recv_lengths, source_ranks, handle)

@@ -104,6 +104,16 @@ def _parser() -> argparse.ArgumentParser:
                          "default: HSTU FLOPs (4 layers, 4 heads x 128) at 300 TFLOP/s")
     si.add_argument("--modes", nargs="+", default=list(_modes(simulated=True)), help="modes to simulate (default all)")
     _outputs(si, trace=True, progress=False)
+    la = sub.add_parser("layout", help="CUDA: fc.dispatch's layout work (counts + gather) at training sizes: the Triton "
+                        "kernels vs a vectorized PyTorch sort and a per-rank loop; the kernels' registers and spills")
+    la.add_argument("--worlds", type=int, nargs="+", default=[32, 128, 512], help="group sizes (default 32 128 512)")
+    la.add_argument("--samples", type=int, nargs="+", default=[16384, 131072],
+                    help="samples of the dispatched batch (default 16384 131072)")
+    la.add_argument("--dim", type=int, default=128, help="bf16 values per row (default 128)")
+    la.add_argument("--scale", type=float, default=1 / 64, help="kuairand lengths scaled by this (default 1/64)")
+    la.add_argument("--reps", type=int, default=10, help="measured repetitions; medians (default 10)")
+    la.add_argument("--warmup", type=int, default=3, help="unmeasured repetitions (default 3)")
+    _outputs(la, progress=False)
     _overlap_args(sub.add_parser("overlap", help="CUDA: a bf16 GEMM alone vs overlapped with an SM-copy or a copy-engine "
                                                  "AllToAll; busbw vs size; layout kernels vs PyTorch"))
     return p
@@ -196,6 +206,35 @@ def run_overlap(args: argparse.Namespace) -> int:
     if args.json:
         write_json(args.json, "overlap", res["rows"], busbw_rows=res["busbw_rows"], layout_rows=layout_rows,
                    device=res["device"], date=str(datetime.date.today()), config=dataclasses.asdict(cfg))
+    return 0
+
+
+def run_layout(args: argparse.Namespace) -> int:
+    import datetime
+
+    import torch
+
+    from freescale_comm.bench import layout
+    from freescale_comm.bench.report import write_json
+
+    if not torch.cuda.is_available():
+        print("freescale-bench layout: needs a CUDA device (the kernels' timings mean nothing under the interpreter)",
+              file=sys.stderr)
+        return 2
+    if min(args.samples) < 1 or args.dim < 1 or min(args.worlds) < 1 or not 0 < args.scale <= 1:
+        print("freescale-bench layout: --samples, --dim and --worlds must be >= 1, --scale in (0, 1]", file=sys.stderr)
+        return 2
+    rows = []
+    for samples in args.samples:
+        part = layout.run(args.worlds, samples, args.dim, args.scale, args.warmup, args.reps)
+        print(layout.table(part, f"dispatch layout (counts + gather) of {samples} samples, {part[0]['rows']} rows x "
+                                 f"{args.dim} bf16, {torch.cuda.get_device_name()}, {datetime.date.today()}"))
+        rows += part
+    resources = layout.kernel_resources()
+    print(layout.resources_table(resources))
+    if args.json:
+        write_json(args.json, "layout", rows, kernels=resources, device=torch.cuda.get_device_name(),
+                   date=str(datetime.date.today()))
     return 0
 
 
@@ -403,6 +442,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             return 1
     elif args.bench == "overlap":
         return run_overlap(args)
+    elif args.bench == "layout":
+        return run_layout(args)
     elif args.bench == "planner":
         from freescale_comm.bench import planner, workloads
         from freescale_comm.bench.report import write_json

@@ -16,6 +16,7 @@ from typing import Any, Callable
 import torch
 
 CASES = ("layout_kernels", "torch_sort", "torch_loop")
+KERNELS = ("count_kernel", "scan_chunks_kernel", "scan_totals_kernel", "place_kernel", "copy_kernel")
 
 
 def _row_index(starts: torch.Tensor, lengths: torch.Tensor, total: int) -> torch.Tensor:
@@ -53,7 +54,7 @@ def freescale_kernels(values: torch.Tensor, lengths: torch.Tensor, dest: torch.T
     """(packed rows, sample counts, row counts) with freescale's plan and gather kernels."""
     from freescale_comm import _device_dispatch
 
-    plan = _device_dispatch.plan(lengths, dest, world)
+    plan = _device_dispatch.plan(lengths, dest, world, 0, values.shape[0])
     return _device_dispatch.gather(values, plan), plan.sample_counts, plan.row_counts
 
 
@@ -107,4 +108,31 @@ def table(rows: Sequence[dict[str, Any]], title: str) -> str:
     for r in rows:
         lines.append(f"{r['world']:>6}  {r['case']:<15} {r['time_us']:>10.1f} {r['time_std_us']:>9.1f} "
                      f"{r['kernels_speedup']:>10.1f} {r['wrong']:>7d}")
+    return "\n".join(lines)
+
+
+def kernel_resources() -> list[dict[str, Any]]:
+    """Per layout kernel, what Triton compiled on this GPU so far (run after `run`): variants
+    (compiled specializations: more than one per row width means a recompile mid-training),
+    registers and spills per variant. Read from each kernel's own cache of compiled binaries."""
+    from freescale_comm import _layout_kernels
+
+    rows = []
+    for name in KERNELS:
+        fn = getattr(_layout_kernels, name)
+        compiled = []
+        for cache in getattr(fn, "device_caches", {}).values():
+            binaries = cache[0] if isinstance(cache, tuple) else cache
+            compiled += list(binaries.values()) if isinstance(binaries, dict) else []
+        rows.append({"kernel": name, "variants": len(compiled),
+                     "n_regs": [getattr(c, "n_regs", None) for c in compiled],
+                     "n_spills": [getattr(c, "n_spills", None) for c in compiled]})
+    return rows
+
+
+def resources_table(rows: Sequence[dict[str, Any]]) -> str:
+    lines = ["# layout kernels as compiled here (spills > 0: registers ran out)",
+             f"{'kernel':<20}{'variants':>9}  {'registers':<16}{'spills':<16}"]
+    for r in rows:
+        lines.append(f"{r['kernel']:<20}{r['variants']:>9}  {str(r['n_regs']):<16}{str(r['n_spills']):<16}")
     return "\n".join(lines)
