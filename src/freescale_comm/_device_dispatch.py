@@ -100,9 +100,10 @@ def run_plan_kernels(lengths: torch.Tensor, dest_ranks: torch.Tensor, world: int
         k.count_kernel[(blocks,)](lengths, dest_ranks, samples, world, hist, block_bad, BLOCK=k.PLAN_BLOCK,
                                   DT=k.DEST_TILE)
         k.scan_chunks_kernel[(chunks, k.triton.cdiv(width, k.DEST_TILE))](hist, prefix, chunk_sums, blocks, width,
-                                                                           CHUNK=k.SCAN_CHUNK, DT=k.DEST_TILE)
+                                                                           CHUNK=k.SCAN_CHUNK, DT=k.DEST_TILE,
+                                                                           num_warps=k.SCAN_WARPS)
         k.scan_totals_kernel[(1,)](chunk_sums, chunk_prefix, starts, block_bad, host, samples, blocks, chunks, width,
-                                   CHUNK=k.SCAN_CHUNK, DT=k.DEST_TILE)
+                                   CHUNK=k.SCAN_CHUNK, DT=k.DEST_TILE, num_warps=k.SCAN_WARPS)
         k.place_kernel[(blocks,)](lengths, dest_ranks, samples, world, rank, rows, prefix, chunk_prefix, starts, sent,
                                   home_row, packed_row, row_home, BLOCK=k.PLAN_BLOCK, CHUNK=k.SCAN_CHUNK)
     return read_host(host), sent.view(samples, 2), home_row, packed_row, row_home

@@ -22,9 +22,12 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-PLAN_BLOCK = 128  # samples per program of count and place
-DEST_TILE = 64  # destinations per step of the histograms and scans
-SCAN_CHUNK = 64  # blocks per program of scan_chunks (and per step of scan_totals)
+# Tile sizes keep every kernel within its registers, no spills (ptxas for sm_90, checked in CI:
+# test_layout_kernels.py compiles them): place's [BLOCK, BLOCK] int64 tiles bound PLAN_BLOCK.
+PLAN_BLOCK = 64  # samples per program of count and place
+DEST_TILE = 16  # destinations per step of the histograms and scans
+SCAN_CHUNK = 128  # blocks per program of scan_chunks (and per step of scan_totals)
+SCAN_WARPS = 8  # warps of the scans' programs ([SCAN_CHUNK, DEST_TILE] int64 tiles)
 COPY_TILE_BYTES = 4096  # bytes a copy program moves (rows x words)
 COPY_MAX_WORDS = 1024  # words of a row per copy program at most (wider rows take several)
 

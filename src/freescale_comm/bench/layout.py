@@ -136,3 +136,76 @@ def resources_table(rows: Sequence[dict[str, Any]]) -> str:
     for r in rows:
         lines.append(f"{r['kernel']:<20}{r['variants']:>9}  {str(r['n_regs']):<16}{str(r['n_spills']):<16}")
     return "\n".join(lines)
+
+
+_POINTEE = {torch.int64: "i64", torch.int32: "i32", torch.int16: "i16", torch.uint8: "u8", torch.int8: "i8",
+            torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16", torch.float64: "fp64"}
+
+
+def launch_spec(kernel: Any, args: tuple, kwargs: dict) -> dict[str, Any]:
+    """What Triton compiles for one launch of a layout kernel (a triton.jit function or the
+    interpreter's stand-in): its name, argument types (pointers by dtype, ints as i32 or i64),
+    constants and warps."""
+    import inspect
+
+    fn = kernel.fn
+    kwargs = dict(kwargs)
+    warps = kwargs.pop("num_warps", 4)
+    signature, constants = {}, {}
+    for name, value in inspect.signature(fn).bind(*args, **kwargs).arguments.items():
+        if "constexpr" in str(fn.__annotations__.get(name, "")):
+            signature[name], constants[name] = "constexpr", value
+        elif isinstance(value, torch.Tensor):
+            signature[name] = "*" + _POINTEE[value.dtype]
+        else:
+            signature[name] = "i32" if -(1 << 31) <= int(value) < (1 << 31) else "i64"
+    return {"kernel": fn.__name__, "signature": signature, "constants": constants, "warps": warps}
+
+
+def compile_offline(specs: Sequence[dict[str, Any]], arch: int = 90) -> list[dict[str, Any]]:
+    """Compiles each distinct launch_spec with Triton's own compiler for sm_<arch> and reads
+    registers and spill bytes from ptxas -v: no GPU needed (Triton's wheel carries ptxas). Runs in
+    a fresh interpreter without TRITON_INTERPRET (which turns the kernels into its stand-ins)."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    distinct = list({json.dumps(s, sort_keys=True): s for s in specs}.values())
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    code = "import json, sys; from freescale_comm.bench.layout import _compile_here; " \
+           "print(json.dumps(_compile_here(json.load(sys.stdin), int(sys.argv[1]))))"
+    out = subprocess.run([sys.executable, "-c", code, str(arch)], input=json.dumps(distinct), capture_output=True,
+                         text=True, env=env, check=False)
+    if out.returncode != 0:
+        raise RuntimeError(f"compiling the layout kernels for sm_{arch} failed:\n{out.stderr[-4000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def _compile_here(specs: Sequence[dict[str, Any]], arch: int) -> list[dict[str, Any]]:
+    import subprocess
+    import tempfile
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.backends.nvidia.compiler import get_ptxas
+    from triton.compiler import ASTSource
+
+    from freescale_comm import _layout_kernels
+
+    ptxas = get_ptxas(arch).path
+    rows = []
+    for spec in specs:
+        compiled = triton.compile(ASTSource(fn=getattr(_layout_kernels, spec["kernel"]), signature=spec["signature"],
+                                            constexprs=spec["constants"]),
+                                  target=GPUTarget("cuda", arch, 32), options={"num_warps": spec["warps"]})
+        with tempfile.NamedTemporaryFile("w", suffix=".ptx") as ptx:
+            ptx.write(compiled.asm["ptx"])
+            ptx.flush()
+            report = subprocess.run([ptxas, f"-arch=sm_{arch}a", "-v", ptx.name, "-o", "/dev/null"],
+                                    capture_output=True, text=True, check=True).stderr
+        lines = report.splitlines()
+        registers = [int(line.split("Used ")[1].split(" registers")[0]) for line in lines if "Used " in line]
+        spills = [int(line.split(", ")[1].split(" bytes")[0]) for line in lines if "spill stores" in line]
+        rows.append({**spec, "registers": max(registers), "spill_store_bytes": max(spills)})
+    return rows
