@@ -78,19 +78,28 @@ def test_a_plan_past_2_16_samples_and_many_scan_chunks_matches_a_stable_sort(pro
 
 
 def test_plan_offsets_past_2_31_rows_do_not_overflow():
-    """Samples of 2**30 to 2**33 rows: every slot, home row and packed row as a stable sort says.
-    The values are said to have 8 rows (a 2**34-row map would not fit here): the kernels leave the
-    map alone and plan() refuses the mismatch."""
+    """Samples of 2**30 to 2**33 rows: every slot, home row and packed row as a stable sort says
+    (without the map: 2**34 rows of it would not fit here)."""
     lengths = torch.tensor([3 << 30, 1, 1 << 33, 0, 5, (1 << 31) + 7], dtype=torch.int64)
     dest = torch.tensor([1, 0, 1, 0, 1, 0], dtype=torch.int64)
-    counts, sent, home_row, packed_row, row_home = _device_dispatch.run_plan_kernels(lengths, dest, 2, 1, 8)
-    samples, rows, sent_ref, home_ref, packed_ref, _ = reference_plan(lengths, dest, 2, map_rows=False)
-    assert counts == samples + rows + [lengths.numel()]
-    assert torch.equal(sent[:, 0], sent_ref) and torch.equal(home_row, home_ref) and torch.equal(packed_row, packed_ref)
-    assert int(packed_row[-1]) > 1 << 33 and int(home_row.max()) > 1 << 33
-    assert row_home.numel() == 8
-    with pytest.raises(ValueError, match=f"lengths sum to {int(lengths.sum())}, but values has 8 rows"):
-        _device_dispatch.plan(lengths, dest, 2, 1, 8)
+    rows = int(lengths.sum())
+    counts, sent, home_row, packed_row, row_home = _device_dispatch.run_plan_kernels(lengths, dest, 2, 1, rows,
+                                                                                     with_map=False)
+    samples, row_counts, sent_ref, home_ref, packed_ref, _ = reference_plan(lengths, dest, 2, map_rows=False)
+    assert counts == samples + row_counts + [lengths.numel()]
+    assert torch.equal(sent[:, 0], sent_ref) and torch.equal(sent[:, 1], torch.ones_like(sent_ref))
+    assert torch.equal(home_row, home_ref) and torch.equal(packed_row, packed_ref)
+    assert int(packed_row[-1]) > 1 << 33 and int(home_row.max()) > 1 << 33 and row_home.numel() == 0
+
+
+def test_lengths_that_could_wrap_the_row_sum_are_refused_naming_the_sample():
+    """A review found lengths whose int64 sum wraps to the values' rows accepted: the map then
+    pointed outside the values. Every length must lie in [0, rows]; samples * rows < 2**63."""
+    big = [(1 << 62) + 7, (1 << 62) + 4, (1 << 63) - 1]  # sums to 10 modulo 2**64
+    with pytest.raises(ValueError, match=r"lengths\[0\] = 4611686018427387911 exceeds the 10 rows of values"):
+        _device_dispatch.plan(torch.tensor(big), torch.tensor([1, 0, 0]), 2, 0, 10)
+    with pytest.raises(ValueError, match="could sum past 2\\*\\*63 rows"):
+        _device_dispatch.plan(torch.tensor([1, 2]), torch.tensor([0, 1]), 2, 0, 1 << 62)
 
 
 def test_lengths_that_do_not_sum_to_the_values_rows_are_refused():
@@ -105,7 +114,7 @@ def test_lengths_that_do_not_sum_to_the_values_rows_are_refused():
 ])
 def test_the_first_bad_sample_is_named(lengths, dest, message):
     with pytest.raises(ValueError, match=message):
-        _device_dispatch.plan(torch.tensor(lengths), torch.tensor(dest), 2, 0, sum(lengths))
+        _device_dispatch.plan(torch.tensor(lengths), torch.tensor(dest), 2, 0, sum(max(n, 0) for n in lengths))
 
 
 # Row widths from 1 byte to 4 KiB, in every word width the copy kernel picks (8, 4, 2, 1 bytes).

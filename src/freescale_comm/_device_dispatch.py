@@ -68,12 +68,17 @@ def plan(lengths: torch.Tensor, dest_ranks: torch.Tensor, world: int, rank: int,
     the first bad sample (or the mismatch), as the CPU planner does, before anything collective
     (or naming the fix when triton does not import: kernels())."""
     samples = lengths.numel()
+    if samples * rows >= 1 << 63:  # then no sum of lengths in [0, rows] wraps in int64
+        raise ValueError(f"{samples} samples of up to {rows} rows each could sum past 2**63 rows; dispatch fewer")
     counts, sent, home_row, packed_row, row_home = run_plan_kernels(lengths, dest_ranks, world, rank, rows)
     first_bad = counts[-1]
     if first_bad < samples:
         length, to = (int(v) for v in torch.stack([lengths[first_bad], dest_ranks[first_bad]]).tolist())
         if length < 0:
             raise ValueError(f"lengths[{first_bad}] = {length} is negative; every sample has >= 0 rows")
+        if length > rows:
+            raise ValueError(f"lengths[{first_bad}] = {length} exceeds the {rows} rows of values; lengths must sum "
+                             "to values.shape[0]")
         raise ValueError(f"dest_ranks[{first_bad}] = {to} is not a rank of this group; it must be in [0, {world})")
     row_counts = counts[world:2 * world]
     if sum(row_counts) != rows:
@@ -81,10 +86,11 @@ def plan(lengths: torch.Tensor, dest_ranks: torch.Tensor, world: int, rank: int,
     return DevicePlan(rows, sent, home_row, packed_row, row_home, counts[:world], row_counts)
 
 
-def run_plan_kernels(lengths: torch.Tensor, dest_ranks: torch.Tensor, world: int, rank: int,
-                     rows: int) -> tuple[list[int], torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+def run_plan_kernels(lengths: torch.Tensor, dest_ranks: torch.Tensor, world: int, rank: int, rows: int,
+                     with_map: bool = True) -> tuple[list[int], torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """plan()'s launches and its host read, unchecked: (counts read back: [world] samples, [world]
-    rows, the first bad sample; sent [samples, 2], home_row, packed_row, row_home [rows])."""
+    rows, the first bad sample; sent [samples, 2], home_row, packed_row, row_home [rows], or empty
+    without the map: tests of offsets past 2**31 rows)."""
     k = kernels()
     device, samples = lengths.device, lengths.numel()
     blocks = max(1, k.plan_grid(samples))
@@ -95,17 +101,18 @@ def run_plan_kernels(lengths: torch.Tensor, dest_ranks: torch.Tensor, world: int
     table, sums = 2 * blocks * width, 2 * chunks * width
     hist, prefix, chunk_sums, chunk_prefix, starts, block_bad, host = _int64_pieces(
         device, [table, table, sums, sums, 2 * width, blocks, 2 * world + 1])
-    sent, home_row, packed_row, row_home = _int64_pieces(device, [2 * samples, samples, samples, rows])
+    map_rows = rows if with_map else 0
+    sent, home_row, packed_row, row_home = _int64_pieces(device, [2 * samples, samples, samples, map_rows])
     with launch_device(device):
-        k.count_kernel[(blocks,)](lengths, dest_ranks, samples, world, hist, block_bad, BLOCK=k.PLAN_BLOCK,
+        k.count_kernel[(blocks,)](lengths, dest_ranks, samples, world, rows, hist, block_bad, BLOCK=k.PLAN_BLOCK,
                                   DT=k.DEST_TILE)
         k.scan_chunks_kernel[(chunks, k.triton.cdiv(width, k.DEST_TILE))](hist, prefix, chunk_sums, blocks, width,
                                                                            CHUNK=k.SCAN_CHUNK, DT=k.DEST_TILE,
                                                                            num_warps=k.SCAN_WARPS)
         k.scan_totals_kernel[(1,)](chunk_sums, chunk_prefix, starts, block_bad, host, samples, blocks, chunks, width,
                                    CHUNK=k.SCAN_CHUNK, DT=k.DEST_TILE, num_warps=k.SCAN_WARPS)
-        k.place_kernel[(blocks,)](lengths, dest_ranks, samples, world, rank, rows, prefix, chunk_prefix, starts, sent,
-                                  home_row, packed_row, row_home, BLOCK=k.PLAN_BLOCK, CHUNK=k.SCAN_CHUNK)
+        k.place_kernel[(blocks,)](lengths, dest_ranks, samples, world, rank, rows, map_rows, prefix, chunk_prefix,
+                                  starts, sent, home_row, packed_row, row_home, BLOCK=k.PLAN_BLOCK, CHUNK=k.SCAN_CHUNK)
     return read_host(host), sent.view(samples, 2), home_row, packed_row, row_home
 
 

@@ -32,12 +32,13 @@ COPY_TILE_BYTES = 4096  # bytes a copy program moves (rows x words)
 COPY_MAX_WORDS = 1024  # words of a row per copy program at most (wider rows take several)
 
 
-@triton.jit(do_not_specialize=["samples", "world"])
-def count_kernel(lengths, dest, samples, world, hist, block_bad, BLOCK: tl.constexpr, DT: tl.constexpr):
+@triton.jit(do_not_specialize=["samples", "world", "rows"])
+def count_kernel(lengths, dest, samples, world, rows, hist, block_bad, BLOCK: tl.constexpr, DT: tl.constexpr):
     """Per block b of samples: hist[0, b, d] samples and hist[1, b, d] rows going to destination d
     (d < world); column `world`: every valid sample and row of the block (rows: its share of the
     home values). hist: int64 [2, blocks, world + 1]. block_bad[b]: the smallest index of a sample
-    with a negative length or a destination outside [0, world), or `samples` if none."""
+    with a length outside [0, rows] (rows: the values'; so no sum of valid lengths wraps, the host
+    having checked samples * rows < 2**63) or a destination outside [0, world), or `samples`."""
     b = tl.program_id(0).to(tl.int64)
     blocks = tl.num_programs(0).to(tl.int64)
     width = world.to(tl.int64) + 1
@@ -45,7 +46,7 @@ def count_kernel(lengths, dest, samples, world, hist, block_bad, BLOCK: tl.const
     m = i < samples
     length = tl.load(lengths + i, mask=m, other=0)
     d = tl.load(dest + i, mask=m, other=0)
-    ok = (length >= 0) & (d >= 0) & (d < world)
+    ok = (length >= 0) & (length <= rows) & (d >= 0) & (d < world)
     tl.store(block_bad + b, tl.min(tl.where(m & ~ok, i, samples), axis=0))
     valid = m & ok
     length = tl.where(valid, length, 0)
@@ -68,9 +69,10 @@ def scan_chunks_kernel(hist, prefix, chunk_sums, blocks, width, CHUNK: tl.conste
     dd = tl.program_id(1).to(tl.int64) * DT + tl.arange(0, DT).to(tl.int64)
     m = (bb < blocks)[:, None] & (dd < width)[None, :]
     at = bb[:, None] * width + dd[None, :]
+    plane = blocks.to(tl.int64) * width  # entries of one of the two tables
     for q in tl.static_range(2):  # samples, rows
-        x = tl.load(hist + q * blocks * width + at, mask=m, other=0)
-        tl.store(prefix + q * blocks * width + at, tl.cumsum(x, axis=0) - x, mask=m)
+        x = tl.load(hist + q * plane + at, mask=m, other=0)
+        tl.store(prefix + q * plane + at, tl.cumsum(x, axis=0) - x, mask=m)
         tl.store(chunk_sums + (q * chunks + c) * width + dd, tl.sum(x, axis=0), mask=dd < width)
 
 
@@ -106,14 +108,14 @@ def scan_totals_kernel(chunk_sums, chunk_prefix, starts, block_bad, host, sample
     tl.store(host + 2 * world + tl.arange(0, 1), bad)
 
 
-@triton.jit(do_not_specialize=["samples", "world", "rank", "rows"])
-def place_kernel(lengths, dest, samples, world, rank, rows, prefix, chunk_prefix, starts, sent, home_row,
+@triton.jit(do_not_specialize=["samples", "world", "rank", "rows", "map_rows"])
+def place_kernel(lengths, dest, samples, world, rank, rows, map_rows, prefix, chunk_prefix, starts, sent, home_row,
                  packed_row, row_home, BLOCK: tl.constexpr, CHUNK: tl.constexpr):
     """Each valid sample's slot k in send order (by destination, then original order), and its
     rows: sent[k] = (length, rank) (int64 [samples, 2]: what its destination receives), home_row[k]
     (first row in the home values), packed_row[k] (first row in the packed send buffer); and
-    row_home [rows]: for each packed row, its home row (not written when the lengths do not sum to
-    `rows`, the values' rows: the host refuses such a plan)."""
+    row_home [map_rows]: for each packed row, its home row, written only when the valid lengths sum
+    to map_rows (plan: the values' rows; else the host refuses the plan; tests: 0, no map)."""
     b = tl.program_id(0).to(tl.int64)
     blocks = tl.num_programs(0).to(tl.int64)
     chunks = (blocks + CHUNK - 1) // CHUNK
@@ -123,7 +125,7 @@ def place_kernel(lengths, dest, samples, world, rank, rows, prefix, chunk_prefix
     m = i < samples
     length = tl.load(lengths + i, mask=m, other=0)
     d = tl.load(dest + i, mask=m, other=0)
-    ok = m & (length >= 0) & (d >= 0) & (d < world)
+    ok = m & (length >= 0) & (length <= rows) & (d >= 0) & (d < world)  # as count_kernel
     length = tl.where(ok, length, 0)
     c = b // CHUNK
     home = tl.load(chunk_prefix + (chunks + c) * width + world) + tl.load(prefix + (blocks + b) * width + world) \
@@ -144,11 +146,11 @@ def place_kernel(lengths, dest, samples, world, rank, rows, prefix, chunk_prefix
     tl.store(packed_row + k, first, mask=ok)
     # The map, BLOCK of the block's home rows per step (its samples' rows are contiguous at home):
     # row q belongs to the sample whose rows end after it; its packed row is q + first - home.
-    # None when the lengths do not sum to the values' rows (the host refuses the plan).
+    # None unless the lengths sum to the map's size.
     base = home - (tl.cumsum(length, axis=0) - length)  # the block's first home row (every lane)
     ends = tl.cumsum(length, axis=0)
     shift = first - home  # packed row - home row, per sample
-    mapped = tl.where(tl.load(starts + width + world) == rows, tl.sum(length, axis=0), 0)
+    mapped = tl.where(tl.load(starts + width + world) == map_rows, tl.sum(length, axis=0), 0)
     for r0 in range(0, mapped, BLOCK):
         q = r0 + j.to(tl.int64)
         owner = tl.sum((q[:, None] >= ends[None, :]).to(tl.int32), axis=1)  # sample within the block

@@ -341,7 +341,7 @@ def run_e2e(args: argparse.Namespace) -> int:
         "sharing cores" if cfg.pin_cores else "unpinned")
     title = (f"e2e, {cfg.ranks} ranks ({pinned}) x {cfg.samples} samples, {cfg.workload} x "
              f"{cfg.length_scale:.3g}, dim {cfg.dim}, {cfg.device}, {platform.node()}; "
-             f"ms per step, median of {cfg.rounds} rounds of {cfg.steps} steps")
+             f"ms per step, mean of {cfg.steps}")
     # Ranks sharing cores wait for each other's: the oversubscription line says it, not the busy one.
     busy = "" if res.placement.oversubscribed else busy_note(res.rows)
     print("\n".join(line for line in (oversubscription_note(res.placement), busy,
