@@ -184,6 +184,29 @@ def _exit_at_once_round(info, scenario: str, round_: int, report_fd: int) -> Non
     os._exit(0)
 
 
+CHILD_DEADLINE_S = 100
+
+
+def _read_until_eof(fd: int, deadline_s: float) -> tuple[bytes, bool]:
+    """Everything written to the pipe `fd` until its writer closes it; (what came, True) if that
+    takes longer than deadline_s. Closes fd."""
+    import select
+    import time
+
+    chunks, end = [], time.monotonic() + deadline_s
+    try:
+        while True:
+            left = end - time.monotonic()
+            if left <= 0 or not select.select([fd], [], [], left)[0]:
+                return b"".join(chunks), True
+            chunk = os.read(fd, 65536)
+            if not chunk:
+                return b"".join(chunks), False
+            chunks.append(chunk)
+    finally:
+        os.close(fd)
+
+
 def exit_at_once_rounds(info, scenario: str, rounds: int) -> list[dict]:
     """Issue 28, `rounds` times: each rank forks a child that runs _exit_at_once_round (scenario
     "mismatch": rank 1 expects 3 rows from rank 0, which sends 2; "killed": rank 3 SIGKILLs
@@ -202,9 +225,13 @@ def exit_at_once_rounds(info, scenario: str, rounds: int) -> list[dict]:
             finally:
                 os._exit(1)
         os.close(write_fd)
-        with os.fdopen(read_fd, "rb") as f:
-            blob = f.read()
+        blob, hung = _read_until_eof(read_fd, CHILD_DEADLINE_S)
+        if hung:  # well past the child's 30 s op and 60 s store timeouts: fail this round, not the suite's clock
+            os.kill(pid, signal.SIGKILL)
         _, status = os.waitpid(pid, 0)
-        reports.append(json.loads(blob) if blob else {"code": "killed" if os.WIFSIGNALED(status) else "no report"})
+        if hung:
+            reports.append({"code": f"hung: no report within {CHILD_DEADLINE_S} s (round {round_})"})
+        else:
+            reports.append(json.loads(blob) if blob else {"code": "killed" if os.WIFSIGNALED(status) else "no report"})
         dist.barrier()  # every rank's child is gone before the next round starts
     return reports

@@ -94,9 +94,22 @@ def _sharded_types() -> tuple[type, type]:
 
 
 def sharded_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    """(fqn, module) of every sharded EmbeddingCollection / EmbeddingBagCollection in `model`."""
+    """(fqn, module) of every sharded EmbeddingCollection / EmbeddingBagCollection in `model`.
+    ValueError for TorchRec's own PEC collection (its sharder is a default from TorchRec 1.9 on):
+    its inner collection is driven by TorchRec's TrainPipelinePEC, not by this pipeline."""
+    try:
+        from torchrec.distributed.pec_embedding import ShardedPECEmbeddingCollection
+    except ImportError:  # TorchRec without its PEC module
+        ShardedPECEmbeddingCollection = ()
     ec, ebc = _sharded_types()
-    return [(name, m) for name, m in model.named_modules() if isinstance(m, (ec, ebc))]
+    found = []
+    for name, m in model.named_modules():
+        if ShardedPECEmbeddingCollection and isinstance(m, ShardedPECEmbeddingCollection):
+            raise ValueError(f"{name!r} is TorchRec's PECEmbeddingCollection: fc.TrainPipelinePEC prioritizes plain "
+                             "EmbeddingCollection / EmbeddingBagCollection modules; use an EmbeddingCollection there")
+        if isinstance(m, (ec, ebc)):
+            found.append((name, m))
+    return found
 
 
 def _owner(placement: object) -> int:
@@ -143,7 +156,8 @@ def _local_shards(module: nn.Module) -> dict[tuple[str, int, int], tuple]:
     in this rank's lookups."""
     found = {}
     for lookup in module._lookups:
-        lookup = getattr(lookup, "module", lookup)  # DistributedDataParallel-wrapped lookups
+        while isinstance(lookup, nn.parallel.DistributedDataParallel):  # wrapped lookups (maybe more than once)
+            lookup = lookup.module
         for emb in getattr(lookup, "_emb_modules", []):
             tbe = getattr(emb, "_emb_module", None)
             if tbe is None or not hasattr(tbe, "split_embedding_weights"):

@@ -1,0 +1,83 @@
+"""Key-centric micro-batch clustering (NestPipe's frozen-window micro-batches): a deterministic
+partition whose micro-batches send few distinct ids, with balanced costs. Pure NumPy: no ranks."""
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from freescale_comm.microbatch import cluster_microbatches, distinct_ids, expected_random_distinct_ids
+
+
+@st.composite
+def batches(draw):
+    """(ids, lengths, costs or None, micro_batches): up to 40 samples of up to 12 ids from a pool
+    small enough that samples share ids."""
+    samples = draw(st.integers(0, 40))
+    pool = draw(st.integers(1, 60))
+    lengths = np.array(draw(st.lists(st.integers(0, 12), min_size=samples, max_size=samples)), dtype=np.int64)
+    ids = np.array(draw(st.lists(st.integers(0, pool - 1), min_size=int(lengths.sum()), max_size=int(lengths.sum()))),
+                   dtype=np.int64)
+    costs = draw(st.none() | st.lists(st.floats(0, 100, allow_nan=False), min_size=samples, max_size=samples))
+    return ids, lengths, None if costs is None else np.array(costs), draw(st.integers(1, 8))
+
+
+@settings(max_examples=200, deadline=None)
+@given(batches())
+def test_a_deterministic_partition_whose_ids_and_loads_are_as_reported(batch):
+    ids, lengths, costs, m = batch
+    plan = cluster_microbatches(ids, lengths, m, costs)
+    again = cluster_microbatches(ids.copy(), lengths.copy(), m, None if costs is None else costs.copy())
+    assert np.array_equal(plan.micro_batch, again.micro_batch)  # every rank computes the same split
+    assert plan.micro_batch.shape == lengths.shape and ((plan.micro_batch >= 0) & (plan.micro_batch < m)).all()
+    cost = lengths.astype(float) if costs is None else costs
+    assert np.allclose(plan.loads, np.bincount(plan.micro_batch, weights=cost, minlength=m))
+    assert plan.distinct_ids == distinct_ids(ids, lengths, plan.micro_batch)
+    if lengths.size:  # balanced: no micro-batch above 1.1 x the mean, or the mean + one sample's cost
+        mean = cost.sum() / m
+        assert plan.loads.max() <= max(1.1 * mean, mean + cost.max() * (1 - 1 / m)) * (1 + 1e-9) + 1e-9
+
+
+@settings(max_examples=300, deadline=None)
+@given(batches())
+def test_never_more_distinct_ids_than_a_random_split_sends_on_average(batch):
+    """While the cost cap never binds (plan.cap_bound False: the usual case), the derandomized
+    split sends at most the mean distinct ids of uniformly random splits; and, always, never more
+    than splitting the batch into contiguous chunks would where every chunk holds every id (M x
+    the whole batch's ids is the worst case of any split)."""
+    ids, lengths, costs, m = batch
+    plan = cluster_microbatches(ids, lengths, m, costs)
+    whole = np.unique(ids).size
+    assert whole <= plan.distinct_ids <= m * whole
+    if not plan.cap_bound:
+        assert plan.distinct_ids <= expected_random_distinct_ids(ids, lengths, m) + 1e-9
+
+
+def test_samples_sharing_ids_end_in_one_micro_batch():
+    """Four groups of five samples, each group reading its own 30 ids (each sample 10 of them),
+    shuffled: four micro-batches send each id once (a random split sends ~1.6x as many)."""
+    gen = np.random.default_rng(0)
+    samples = [(g, gen.choice(30, size=10, replace=False) + 100 * g) for g in range(4) for _ in range(5)]
+    order = gen.permutation(len(samples))
+    lengths = np.full(len(samples), 10, dtype=np.int64)
+    ids = np.concatenate([samples[i][1] for i in order])
+    plan = cluster_microbatches(ids, lengths, 4)
+    groups = np.array([samples[i][0] for i in order])
+    for g in range(4):  # one micro-batch per group, and the loads equal
+        assert np.unique(plan.micro_batch[groups == g]).size == 1
+    assert plan.distinct_ids == np.unique(ids).size
+    assert expected_random_distinct_ids(ids, lengths, 4) > 1.5 * plan.distinct_ids
+    assert np.array_equal(plan.loads, np.full(4, 50.0))
+
+
+@pytest.mark.parametrize("args,message", [
+    ((np.array([1, 2]), np.array([2]), 0), "micro_batches must be an int >= 1"),
+    ((np.array([1, 2]), np.array([3]), 2), "lengths sum to 3, but there are 2 ids"),
+    ((np.array([1.5]), np.array([1]), 2), "ids must be a 1-D integer array"),
+    ((np.array([1]), np.array([-1, 2]), 2), "lengths must be a 1-D array of ints >= 0"),
+])
+def test_bad_input_is_refused_naming_the_argument(args, message):
+    with pytest.raises(ValueError, match=message):
+        cluster_microbatches(*args)
+    with pytest.raises(ValueError, match="costs must be finite"):
+        cluster_microbatches(np.array([1, 2]), np.array([1, 1]), 2, costs=np.array([1.0, -1.0]))
