@@ -6,7 +6,12 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import freescale_comm as fc
 from freescale_comm.microbatch import cluster_microbatches, distinct_ids, expected_random_distinct_ids
+
+
+def test_the_public_name():
+    assert fc.microbatch.cluster_microbatches is cluster_microbatches
 
 
 @st.composite

@@ -12,7 +12,7 @@ from freescale_comm._core import (
     InvalidUsageError,
     UnsupportedError,
 )
-from freescale_comm import planner
+from freescale_comm import microbatch, planner
 from freescale_comm.backend import Options, ProcessGroupFreescale, priority, register_backend
 from freescale_comm.balancer import BalancedBatch, BalancedBundle, LoadBalancer, balance
 from freescale_comm.build import build_info
@@ -52,6 +52,7 @@ __all__ = [
     "build_info",
     "combine",
     "dispatch",
+    "microbatch",
     "planner",
     "priority",
     "register_backend",
