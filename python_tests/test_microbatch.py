@@ -86,3 +86,23 @@ def test_bad_input_is_refused_naming_the_argument(args, message):
         cluster_microbatches(*args)
     with pytest.raises(ValueError, match="costs must be finite"):
         cluster_microbatches(np.array([1, 2]), np.array([1, 1]), 2, costs=np.array([1.0, -1.0]))
+
+
+def test_the_microbatch_benchmark_writes_a_row_per_workload_count_and_split(tmp_path):
+    """freescale-bench microbatch runs and reports (plan times are never asserted)."""
+    import json
+
+    from freescale_comm.bench.cli import main
+
+    out = tmp_path / "rows.json"
+    assert main(["microbatch", "--samples", "64", "--repeats", "1", "--micro-batches", "2", "4", "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["workload"], r["micro_batches"], r["split"]) for r in rows] == [
+        (w, m, s) for w in ("interests", "zipf") for m in (2, 4) for s in ("clustered", "random", "contiguous")]
+    for r in rows:
+        assert r["distinct_ids"] >= r["whole_batch_ids"] > 0, r
+    by = {(r["workload"], r["micro_batches"], r["split"]): r for r in rows}
+    for m in (2, 4):  # the workload with locality: clustering sends fewer ids than either baseline
+        assert by[("interests", m, "clustered")]["distinct_ids"] < by[("interests", m, "random")]["distinct_ids"]
+        assert by[("interests", m, "clustered")]["distinct_ids"] < by[("interests", m, "contiguous")]["distinct_ids"]
+    assert main(["microbatch", "--micro-batches", "0"]) == 2

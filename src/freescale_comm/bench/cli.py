@@ -69,6 +69,15 @@ def _parser() -> argparse.ArgumentParser:
     pl.add_argument("--repeats", type=int, default=20, help="plans timed per method; the median is reported")
     pl.add_argument("--bytes-per-item", type=int, default=512, help="bytes of one embedded item (default 128 float32)")
     _outputs(pl)
+    mb = sub.add_parser("microbatch", help="distinct ids one rank's micro-batches send: key-centric clustering vs a "
+                        "random split and contiguous chunks (NestPipe's micro-batches; CPU, NumPy)")
+    mb.add_argument("--samples", type=int, default=512, help="samples of the batch (default 512)")
+    mb.add_argument("--micro-batches", type=int, nargs="+", default=[2, 4, 8], help="micro-batch counts (default 2 4 8)")
+    mb.add_argument("--workload", nargs="+", default=["interests", "zipf"], help="interests and/or zipf (default both)")
+    mb.add_argument("--scale", type=float, default=1 / 64, help="kuairand lengths scaled by this (default 1/64)")
+    mb.add_argument("--seed", type=int, default=0, help="workload seed")
+    mb.add_argument("--repeats", type=int, default=5, help="plans timed; the median is reported (default 5)")
+    _outputs(mb, progress=False)
     e = sub.add_parser("e2e", help="HSTU-like training step on N local ranks: vanilla vs balance, overlap, PEC and their mixes")
     _e2e_args(e)
     ps = sub.add_parser("pec-sweep", help="exposed embedding comm vs collision rate: vanilla vs PEC (e2e step)")
@@ -444,6 +453,21 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return run_overlap(args)
     elif args.bench == "layout":
         return run_layout(args)
+    elif args.bench == "microbatch":
+        from freescale_comm.bench import microbatch
+        from freescale_comm.bench.report import write_json
+
+        if (args.samples < 1 or args.repeats < 1 or min(args.micro_batches) < 1 or not 0 < args.scale <= 1
+                or not set(args.workload) <= set(microbatch.WORKLOADS)):
+            print(f"freescale-bench microbatch: need --samples, --repeats, --micro-batches >= 1, --scale in (0, 1] and "
+                  f"--workload in {microbatch.WORKLOADS}", file=sys.stderr)
+            return 2
+        rows = microbatch.run(args.workload, args.samples, args.micro_batches, args.seed, args.repeats, args.scale)
+        print(microbatch.table(rows, f"micro-batches of one rank's batch: {args.samples} samples, kuairand x "
+                                     f"{args.scale:.3g}, seed {args.seed}, {platform.node()}"))
+        if args.json:
+            write_json(args.json, "microbatch", rows)
+        return 0
     elif args.bench == "planner":
         from freescale_comm.bench import planner, workloads
         from freescale_comm.bench.report import write_json
