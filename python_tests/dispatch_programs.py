@@ -203,30 +203,22 @@ def layout_work_per_call(info) -> dict:
 
     from freescale_comm import _device_dispatch, _layout_kernels
     from freescale_comm.dispatch import dispatch_like
+    from kernel_launches import intercept
 
     launches: collections.Counter = collections.Counter()
     ops: collections.Counter = collections.Counter()
     state = {"in_launch": False, "counting": False, "reads": 0}
 
-    class Launch:
-        def __init__(self, kernel, name):
-            self.kernel, self.name = kernel, name
+    def launch(name, kernel, args, kwargs, run):
+        if state["counting"]:
+            launches[name] += 1
+        state["in_launch"] = True  # the interpreter's own copies of the arguments are no device op
+        try:
+            return run()
+        finally:
+            state["in_launch"] = False
 
-        def __getitem__(self, grid):
-            run = self.kernel[grid]
-
-            def call(*args, **kwargs):
-                if state["counting"]:
-                    launches[self.name] += 1
-                state["in_launch"] = True  # the interpreter's own copies of the arguments are no device op
-                try:
-                    return run(*args, **kwargs)
-                finally:
-                    state["in_launch"] = False
-            return call
-
-    for name in ("count_kernel", "scan_chunks_kernel", "scan_totals_kernel", "place_kernel", "copy_kernel"):
-        setattr(_layout_kernels, name, Launch(getattr(_layout_kernels, name), name))
+    intercept(_layout_kernels, launch)
     read_host = _device_dispatch.read_host
 
     def counted_read(t):

@@ -17,6 +17,7 @@ if os.environ.get("TRITON_INTERPRET") != "1":  # conftest.py sets it where there
 from freescale_comm import _device_dispatch  # noqa: E402
 from freescale_comm.testing import spawn  # noqa: E402
 from dispatch_programs import PATTERNS, ROW_CASES, layout_work_per_call, roundtrip_through_the_layout_kernels  # noqa: E402
+from kernel_launches import intercept  # noqa: E402
 from program_order import ORDERS, permute_programs  # noqa: E402
 
 
@@ -194,13 +195,10 @@ def test_every_launch_of_a_plan_and_its_copies_runs_under_the_tensors_device(mon
     stream for tensors of another GPU): every launch must run inside launch_device(their device)."""
     if program_order != "identity":
         pytest.skip("the order of programs does not change where they launch")
-    k = _device_dispatch.kernels()
-    entered: list = []
     inside = {"device": None}
 
     @contextlib.contextmanager
     def recording(device):
-        entered.append(device)
         saved, inside["device"] = inside["device"], device
         try:
             yield
@@ -209,17 +207,12 @@ def test_every_launch_of_a_plan_and_its_copies_runs_under_the_tensors_device(mon
 
     launched: list = []
 
-    class Launch:
-        def __init__(self, kernel, name):
-            self.kernel, self.name = kernel, name
-
-        def __getitem__(self, grid):
-            launched.append((self.name, inside["device"]))
-            return self.kernel[grid]
+    def launch(name, kernel, args, kwargs, run):
+        launched.append((name, inside["device"]))
+        return run()
 
     monkeypatch.setattr(_device_dispatch, "launch_device", recording)
-    for name in ("count_kernel", "scan_chunks_kernel", "scan_totals_kernel", "place_kernel", "copy_kernel"):
-        monkeypatch.setattr(k, name, Launch(getattr(k, name), name))
+    intercept(_device_dispatch.kernels(), launch, monkeypatch.setattr)
     lengths, dest = random_batch(9, 40, 3)
     plan = check_plan(lengths, dest, 3)
     values = torch.randn(int(lengths.sum()), 4)
@@ -252,18 +245,16 @@ def _variant(kernel, args: tuple, kwargs: dict) -> tuple:
     """What Triton compiles a launch for: each constexpr's value, and each other argument's
     specialization (its type; an int's being 1 or a multiple of 16, a pointer's 16-byte alignment,
     unless the kernel says do_not_specialize), by Triton's own rule (native_specialize_impl)."""
-    import inspect
-
     from triton.backends.compiler import BaseBackend
     from triton.runtime.jit import native_specialize_impl
 
-    kwargs = dict(kwargs)
-    warps = kwargs.pop("num_warps", 4)  # a launch option, part of what compiles
-    bound = inspect.signature(kernel.fn).bind(*args, **kwargs)
+    from freescale_comm.bench.layout import bound_launch
+
+    arguments, constexprs, warps = bound_launch(kernel, args, kwargs)
     loose = set(kernel.kwargs.get("do_not_specialize") or ())  # InterpretedFunction keeps jit's arguments
     key = []
-    for name, value in bound.arguments.items():
-        if "constexpr" in str(kernel.fn.__annotations__.get(name, "")):
+    for name, value in arguments.items():
+        if name in constexprs:
             key.append((name, value))
         else:
             key.append((name,) + native_specialize_impl(BaseBackend, value, False, name not in loose, True))
@@ -282,22 +273,14 @@ def test_twenty_balanced_steps_of_e2e_shapes_compile_each_kernel_once(monkeypatc
     from freescale_comm.bench import workloads
     from freescale_comm.planner import CostModel, plan_rebalance
 
-    k = _device_dispatch.kernels()
     variants: dict[str, set] = {}
 
-    class Launch:
-        def __init__(self, kernel, name):
-            self.kernel, self.name = kernel, name
+    def launch(name, kernel, args, kwargs, run):
+        variants.setdefault(name, set()).add(_variant(kernel, args, kwargs))
+        if name != "copy_kernel":  # (no copy result is read here: other tests check them)
+            return run()
 
-        def __getitem__(self, grid):
-            def call(*args, **kwargs):
-                variants.setdefault(self.name, set()).add(_variant(self.kernel, args, kwargs))
-                if self.name != "copy_kernel":  # (no copy result is read here: other tests check them)
-                    return self.kernel[grid](*args, **kwargs)
-            return call
-
-    for name in ("count_kernel", "scan_chunks_kernel", "scan_totals_kernel", "place_kernel", "copy_kernel"):
-        monkeypatch.setattr(k, name, Launch(getattr(k, name), name))
+    intercept(_device_dispatch.kernels(), launch, monkeypatch.setattr)
     world, samples = 4, 8
     cost = CostModel(quadratic=1.0, linear=8.0, constant=16.0)
     for step in range(20):
@@ -342,21 +325,13 @@ def test_every_kernel_compiles_for_sm_90_without_spilling_registers(monkeypatch,
     pytest.importorskip("triton.backends.nvidia.compiler")
     from freescale_comm.bench.layout import compile_offline, launch_spec
 
-    k = _device_dispatch.kernels()
     launches = []
 
-    class Launch:
-        def __init__(self, kernel):
-            self.kernel = kernel
+    def launch(name, kernel, args, kwargs, run):
+        launches.append(launch_spec(kernel, args, kwargs))
+        return run()
 
-        def __getitem__(self, grid):
-            def call(*args, **kwargs):
-                launches.append(launch_spec(self.kernel, args, kwargs))
-                return self.kernel[grid](*args, **kwargs)
-            return call
-
-    for name in ("count_kernel", "scan_chunks_kernel", "scan_totals_kernel", "place_kernel", "copy_kernel"):
-        monkeypatch.setattr(k, name, Launch(getattr(k, name)))
+    intercept(_device_dispatch.kernels(), launch, monkeypatch.setattr)
     lengths, dest = random_batch(4, 40, 3)
     plan = check_plan(lengths, dest, 3)
     for row_shape, dtype in (((), torch.uint8), ((8,), torch.float32), ((64,), torch.float32), ((4096,), torch.uint8)):

@@ -39,11 +39,15 @@ class MicroBatchPlan:
     cap_bound: bool  # the cost cap changed a choice (then the random-split bound is not guaranteed)
 
 
-def _sample_keys(ids: np.ndarray, lengths: np.ndarray) -> tuple[list[np.ndarray], int]:
-    """Per sample: its distinct ids as dense key indices; and the number of distinct keys."""
+def _sample_keys(ids: np.ndarray, lengths: np.ndarray) -> tuple[list[np.ndarray], np.ndarray]:
+    """Per sample: its distinct ids as dense key indices; and per key, how many samples hold it."""
     keys, dense = np.unique(ids, return_inverse=True)
     bounds = np.concatenate([[0], np.cumsum(lengths)])
-    return [np.unique(dense[bounds[i]:bounds[i + 1]]) for i in range(lengths.size)], keys.size
+    per_sample = [np.unique(dense[bounds[i]:bounds[i + 1]]) for i in range(lengths.size)]
+    holders = np.zeros(keys.size, dtype=np.int64)
+    for k in per_sample:
+        holders[k] += 1
+    return per_sample, holders
 
 
 def _check(ids: object, lengths: object, micro_batches: object, costs: object) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -78,11 +82,8 @@ def cluster_microbatches(ids: np.ndarray, lengths: np.ndarray, micro_batches: in
         raise ValueError(f"balance_tolerance must be a finite number >= 0, got {balance_tolerance!r}")
     m = int(micro_batches)
     samples = lengths.size
-    per_sample, n_keys = _sample_keys(ids, lengths)
-    holders = np.zeros(n_keys, dtype=np.int64)  # unassigned samples holding each key
-    for k in per_sample:
-        holders[k] += 1
-    held = np.zeros((n_keys, m), dtype=bool)  # key -> micro-batches holding it
+    per_sample, holders = _sample_keys(ids, lengths)  # holders: unassigned samples holding each key
+    held = np.zeros((holders.size, m), dtype=bool)  # key -> micro-batches holding it
     loads = np.zeros(m, dtype=np.float64)
     where = np.empty(samples, dtype=np.int64)
     mean = cost.sum() / m if samples else 0.0
@@ -116,9 +117,6 @@ def expected_random_distinct_ids(ids: np.ndarray, lengths: np.ndarray, micro_bat
     """The mean of distinct_ids over uniformly random splits (each sample to any of the
     micro-batches alike): Σ over ids x of M (1 - (1 - 1/M)^(samples holding x))."""
     ids, lengths, _ = _check(ids, lengths, micro_batches, None)
-    per_sample, n_keys = _sample_keys(ids, lengths)
-    holders = np.zeros(n_keys, dtype=np.int64)
-    for k in per_sample:
-        holders[k] += 1
+    _, holders = _sample_keys(ids, lengths)
     m = int(micro_batches)
     return float(np.sum(m * (1.0 - (1.0 - 1.0 / m) ** holders)))

@@ -142,24 +142,32 @@ _POINTEE = {torch.int64: "i64", torch.int32: "i32", torch.int16: "i16", torch.ui
             torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16", torch.float64: "fp64"}
 
 
-def launch_spec(kernel: Any, args: tuple, kwargs: dict) -> dict[str, Any]:
-    """What Triton compiles for one launch of a layout kernel (a triton.jit function or the
-    interpreter's stand-in): its name, argument types (pointers by dtype, ints as i32 or i64),
-    constants and warps."""
+def bound_launch(kernel: Any, args: tuple, kwargs: dict) -> tuple[dict[str, Any], set[str], int]:
+    """One launch of a layout kernel (a triton.jit function or the interpreter's stand-in), as
+    Triton sees it: its arguments by name, which of them are constexprs, and its warps."""
     import inspect
 
     fn = kernel.fn
     kwargs = dict(kwargs)
-    warps = kwargs.pop("num_warps", 4)
+    warps = kwargs.pop("num_warps", 4)  # a launch option, part of what compiles
+    arguments = inspect.signature(fn).bind(*args, **kwargs).arguments
+    constexprs = {name for name in arguments if "constexpr" in str(fn.__annotations__.get(name, ""))}
+    return dict(arguments), constexprs, warps
+
+
+def launch_spec(kernel: Any, args: tuple, kwargs: dict) -> dict[str, Any]:
+    """What Triton compiles for one launch of a layout kernel: its name, argument types (pointers
+    by dtype, ints as i32 or i64), constants and warps."""
+    arguments, constexprs, warps = bound_launch(kernel, args, kwargs)
     signature, constants = {}, {}
-    for name, value in inspect.signature(fn).bind(*args, **kwargs).arguments.items():
-        if "constexpr" in str(fn.__annotations__.get(name, "")):
+    for name, value in arguments.items():
+        if name in constexprs:
             signature[name], constants[name] = "constexpr", value
         elif isinstance(value, torch.Tensor):
             signature[name] = "*" + _POINTEE[value.dtype]
         else:
             signature[name] = "i32" if -(1 << 31) <= int(value) < (1 << 31) else "i64"
-    return {"kernel": fn.__name__, "signature": signature, "constants": constants, "warps": warps}
+    return {"kernel": kernel.fn.__name__, "signature": signature, "constants": constants, "warps": warps}
 
 
 def compile_offline(specs: Sequence[dict[str, Any]], arch: int = 90) -> list[dict[str, Any]]:
