@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 from freescale_comm.pipelines._catalog import Catalog, ModuleInfo
-from freescale_comm.pipelines._exchange import Asks
+from freescale_comm.pipelines._exchange import Asks, MicroAsk
 
 
 def route(catalog: Catalog, features: dict[str, Any], step: int) -> Asks:
@@ -43,6 +43,38 @@ def route(catalog: Catalog, features: dict[str, Any], step: int) -> Asks:
                     for slot in slots:
                         rows[slot.index] = ids
     return Asks(rows=rows, positions=positions, step=step)
+
+
+def route_micro(catalog: Catalog, micro_features: list[dict[str, Any]], step: int) -> Asks:
+    """Asks for one batch cut into micro-batches (`micro_features`: per micro-batch, module fqn ->
+    its KeyedJaggedTensor): per slot, each micro-batch's distinct rows, micro-batch after
+    micro-batch (a row two micro-batches read is asked twice: the values are frozen within the
+    batch, and each micro-batch's AllToAll is its own)."""
+    parts = [route(catalog, features, step) for features in micro_features]
+    micro = [MicroAsk([], [], [], p.positions) for p in parts]
+    rows = []
+    for s in range(len(catalog.slots)):
+        start = 0
+        distinct = []
+        for part, m in zip(parts, micro):
+            unique, inverse = torch.unique(part.rows[s], return_inverse=True)
+            m.start.append(start)
+            m.count.append(unique.numel())
+            m.inverse.append(inverse)
+            distinct.append(unique)
+            start += unique.numel()
+        rows.append(torch.cat(distinct))
+    return Asks(rows=rows, positions=[None] * len(catalog.slots), step=step, micro=micro)
+
+
+def micro_leaves(asks: Asks, m: int, requires_grad: bool) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Micro-batch m's rows per slot as autograd leaves ([count, cols], a view of the received
+    rows: their .grad is what the micro-batch adds to each row's gradient), and per slot the rows
+    each of its ids reads ([ids, cols]: the leaves indexed, for module_output)."""
+    micro = asks.micro[m]
+    leaves = [asks.pieces[s][a:a + n].detach().requires_grad_(requires_grad)
+              for s, (a, n) in enumerate(zip(micro.start, micro.count))]
+    return leaves, [leaf.index_select(0, inverse) for leaf, inverse in zip(leaves, micro.inverse)]
 
 
 def module_output(info: ModuleInfo, kjt: Any, leaves: list[torch.Tensor], positions: list) -> Any:

@@ -48,6 +48,27 @@ class Asks:
     fetch_ol: list[torch.Tensor] = field(default_factory=list)  # per slot: bool [n_s], row waits for N
     grad_ol: list[Optional[torch.Tensor]] = field(default_factory=list)  # per slot: bool [n_s] or None (all)
     step: int = 0
+    micro: Optional[list["MicroAsk"]] = None  # frozen-window micro-batches (rows micro-batch-major), or None
+
+    def micro_counts(self, slot: int) -> list[int]:
+        """Rows per micro-batch of one slot (micro-batch m's are rows[start_m : start_m + count_m])."""
+        return [m.count[slot] for m in self.micro]
+
+    def micro_index(self, slot: int) -> torch.Tensor:
+        """int64 [n_s]: the micro-batch of each row of one slot."""
+        counts = torch.tensor(self.micro_counts(slot), dtype=torch.int64)
+        return torch.repeat_interleave(torch.arange(len(self.micro)), counts).to(self.rows[slot].device)
+
+
+@dataclass
+class MicroAsk:
+    """One micro-batch's share of a batch's Asks: per slot, its distinct rows (a range of the
+    batch's) and where each of its ids reads them."""
+
+    start: list[int]  # per slot: first row of this micro-batch in Asks.rows[s]
+    count: list[int]  # per slot: its distinct rows
+    inverse: list[torch.Tensor]  # per slot: int64 [ids in the micro-batch's feature] -> its row
+    positions: list[Optional[torch.Tensor]]  # per slot: positions in the feature (None: 0..n-1)
 
 
 @dataclass
@@ -58,6 +79,7 @@ class Served:
     touched: dict[tuple, torch.Tensor]  # table shard -> unique rows read by anyone
     fetch_ol: dict[int, list[torch.Tensor]] = field(default_factory=dict)  # slot -> [world] bool
     grad_ol: Optional[dict[int, list[torch.Tensor]]] = None  # slot -> [world] bool; None: all OL
+    micro: Optional[dict[int, list[torch.Tensor]]] = None  # slot -> [world] int64 micro-batch per row (FWP)
 
 
 @dataclass
@@ -73,13 +95,32 @@ class _InFlight:
     divisor: int  # TorchRec divides embedding gradients by the world size (comm_ops.GRADIENT_DIVISION)
 
 
+PREFETCH = ("pec", "dual_buffer", "ids")
+
+
 class PecExchange:
-    """Both sides of PEC for one pipeline. Two mutations, for tests that must catch them (stale
+    """Both sides of PEC for one pipeline. Three mutations, for tests that must catch them (stale
     reads): `early_overlap_reads` sends OL rows with the NOL rows, before the update they wait for;
-    `late_deferred_updates` applies deferred gradients after the NOL lookup they must precede."""
+    `late_deferred_updates` applies deferred gradients after the NOL lookup they must precede;
+    `skip_refresh` (dual_buffer) keeps the early copies of OL rows instead of refreshing them.
+
+    prefetch: what of batch N+1 moves while batch N computes: "pec" its NOL rows (OL rows after
+    N's update); "dual_buffer" (NestPipe's DBP) every row, into N+1's own buffer, then the OL rows
+    refreshed after N's update, by the same OL round PEC fetches them with (an owner's own rows
+    never cross the network: its block of the AllToAll is a local copy); "ids" nothing but the
+    ids: every row after N's update, every gradient applied first (no deferred ones).
+    micro_batches: Asks carry frozen-window micro-batches (Asks.micro): the ids message also
+    carries each slot's rows per micro-batch, and the rows after N's update move in one round per
+    micro-batch: the first in gradients(), the rest in fetch_micro()."""
 
     def __init__(self, comm: Communicator, catalog: Catalog, high: int, low: int, deferred: int,
-                 device: torch.device, early_overlap_reads: bool = False) -> None:
+                 device: torch.device, early_overlap_reads: bool = False, prefetch: str = "pec",
+                 micro_batches: Optional[int] = None, micro: Optional[int] = None) -> None:
+        if prefetch not in PREFETCH:
+            raise ValueError(f"prefetch must be one of {PREFETCH}, got {prefetch!r}")
+        self.prefetch, self.micro_batches = prefetch, micro_batches
+        self.micro_priority = micro if micro is not None else high
+        self.skip_refresh = False
         self.comm, self.catalog = comm, catalog
         self.device = device  # of ids, flags, rows and gradients (the tables'); counts stay on the host
         self.rank, self.world = comm.rank, comm.world_size
@@ -150,25 +191,34 @@ class PecExchange:
         if counts is None:
             raise RuntimeError("ask() without announced counts")
         tail = self._counts_of(following, failed)
+        per_micro = self.micro_batches or 0  # FWP: each owned slot's rows per micro-batch follow the ids
         send, send_splits = [], []
         for o in range(self.world):
             ids = [asks.rows[s] for s in self.owned_by[o]]
-            send += ids + [torch.tensor(tail[o], dtype=torch.int64, device=self.device)]
-            send_splits.append(sum(i.numel() for i in ids) + len(tail[o]))
+            sizes = [c for s in self.owned_by[o] for c in asks.micro_counts(s)] if per_micro else []
+            send += ids + [torch.tensor(sizes + tail[o], dtype=torch.int64, device=self.device)]
+            send_splits.append(sum(i.numel() for i in ids) + len(sizes) + len(tail[o]))
         ids_from = counts.sum(1).tolist()
-        recv_splits = [n + len(self.owned) + 1 for n in ids_from]
+        extra = len(self.owned) * per_micro
+        recv_splits = [n + extra + len(self.owned) + 1 for n in ids_from]
         out = torch.empty(sum(recv_splits), dtype=torch.int64, device=self.device)
         self._a2a(out, torch.cat(send), recv_splits, send_splits, self.low).wait()
         asked: dict[int, list[torch.Tensor]] = {s: [] for s in self.owned}
+        micro: Optional[dict[int, list[torch.Tensor]]] = {s: [] for s in self.owned} if per_micro else None
         tails = []
         for r, block in enumerate(out.split(recv_splits)):
             for s, rows in zip(self.owned, block[:ids_from[r]].split(counts[r].tolist())):
                 asked[s].append(rows)
-            tails.append(block[ids_from[r]:])
+            if per_micro:
+                sizes = block[ids_from[r]:ids_from[r] + extra].view(len(self.owned), per_micro).cpu()
+                for s, row_counts in zip(self.owned, sizes):
+                    micro[s].append(torch.repeat_interleave(torch.arange(per_micro), row_counts).to(self.device))
+            tails.append(block[ids_from[r] + extra:])
         touched: dict[tuple, list[torch.Tensor]] = {}
         for s in self.owned:
             touched.setdefault(self._slot(s).key, []).extend(asked[s])
-        self.asked.append((asks, Served(asked, {k: torch.unique(torch.cat(v)) for k, v in touched.items()})))
+        self.asked.append((asks, Served(asked, {k: torch.unique(torch.cat(v)) for k, v in touched.items()},
+                                        micro=micro)))
         return self._take_counts(torch.stack(tails).cpu())
 
     def prepare(self) -> None:
@@ -178,9 +228,44 @@ class PecExchange:
         if not self.asked:
             return
         asks, served = self.asked.popleft()
-        asked = served.asked
-        # flags: which of N's gradients go first, which of N+1's rows wait
         prev = self.current
+        if self.prefetch == "ids":
+            nol_anywhere = self._all_after_update(asks, served, prev)
+        else:
+            nol_anywhere = self._flags(asks, served, prev)
+        # NOL rows, after every deferred update
+        if not self.late_deferred_updates:
+            self.apply_deferred()
+        asks.pieces = [torch.empty(asks.rows[s].numel(), self.cols[s], device=self.device)
+                       for s in range(len(self.catalog.slots))]
+        if self.prefetch == "dual_buffer":  # every row now; the OL ones are refreshed after N's update
+            self._rows(asks, served, "all")
+        elif nol_anywhere:  # at collision 1 no rank has any: one round less
+            self._rows(asks, served, "nol")
+        self.apply_deferred()  # (a no-op unless mutated)
+        if prev is None:  # the first batch: nothing to wait for
+            self.current = (asks, served)
+        else:
+            self.next = (asks, served)
+
+    def _all_after_update(self, asks: Asks, served: Served, prev: Optional[tuple[Asks, Served]]) -> bool:
+        """prefetch="ids": every row of N+1 waits for N's update, every gradient of N goes first;
+        no flags cross (every rank knows). Returns whether NOL rows move now (the first batch)."""
+        for s in self.owned:
+            served.fetch_ol[s] = [torch.full((rows.numel(),), prev is not None, dtype=torch.bool, device=self.device)
+                                  for rows in served.asked[s]]
+        asks.fetch_ol = [torch.full((rows.numel(),), prev is not None, dtype=torch.bool, device=self.device)
+                         for rows in asks.rows]
+        if prev is not None:
+            prev[0].grad_ol = [None] * len(self.catalog.slots)
+            prev[1].grad_ol = None
+        self.any_overlap = prev is not None
+        return prev is None
+
+    def _flags(self, asks: Asks, served: Served, prev: Optional[tuple[Asks, Served]]) -> bool:
+        """The flags round: which of N's gradients go first, which of N+1's rows wait (both sides
+        learn both). Sets any_overlap; returns whether any rank has NOL rows to send now."""
+        asked = served.asked
         for s in self.owned:
             key = self._slot(s).key
             before = prev[1].touched.get(key) if prev is not None else None
@@ -225,45 +310,41 @@ class PecExchange:
             nol_anywhere |= bool(flags_in[offset + 1])
             offset += 2
         self.any_overlap = any_anywhere  # OL gradients of N or OL rows of N+1 somewhere
-        # NOL rows, after every deferred update
-        if not self.late_deferred_updates:
-            self.apply_deferred()
-        asks.pieces = [torch.empty(asks.rows[s].numel(), self.cols[s], device=self.device)
-                       for s in range(len(self.catalog.slots))]
-        if nol_anywhere:  # at collision 1 no rank has any: one round less
-            self._rows(asks, served, ol=False)
-        self.apply_deferred()  # (a no-op unless mutated)
-        if prev is None:  # the first batch: nothing to wait for
-            self.current = (asks, served)
-        else:
-            self.next = (asks, served)
+        return nol_anywhere
 
-    def _rows(self, asks: Asks, served: Served, ol: bool) -> None:
-        """Looks up and exchanges N+1's OL (or NOL) rows; places them in asks.pieces."""
+    def _rows(self, asks: Asks, served: Served, which: str, micro: Optional[int] = None) -> None:
+        """Looks up and exchanges N+1's rows: "ol", "nol" or "all" of them (of micro-batch `micro`
+        only, if given); places them in asks.pieces."""
+        def chosen(fetch_ol: torch.Tensor, micro_of: Optional[torch.Tensor]) -> torch.Tensor:
+            mask = fetch_ol if which == "ol" else ~fetch_ol if which == "nol" else torch.ones_like(fetch_ol)
+            return mask if micro is None else mask & (micro_of == micro)
+
         send, send_splits = [], []
         for r in range(self.world):
             n = 0
             for s in self.owned:
-                mask = served.fetch_ol[s][r] if ol else ~served.fetch_ol[s][r]
+                mask = chosen(served.fetch_ol[s][r], served.micro[s][r] if micro is not None else None)
                 rows = served.asked[s][r][mask]
                 block = self.catalog.local[self._slot(s).key].weight.index_select(0, rows)
                 send.append(block.reshape(-1))
                 n += block.numel()
             send_splits.append(n)
+        masks = [chosen(asks.fetch_ol[s], asks.micro_index(s) if micro is not None else None)
+                 for s in range(len(self.catalog.slots))]
         recv_splits = []
         for o in range(self.world):
             n = 0
             for s in self.owned_by[o]:
-                mask = asks.fetch_ol[s] if ol else ~asks.fetch_ol[s]
-                n += int(mask.sum()) * self.cols[s]
+                n += int(masks[s].sum()) * self.cols[s]
             recv_splits.append(n)
         recv = torch.empty(sum(recv_splits), device=self.device)
         inp = torch.cat(send) if send else torch.empty(0, device=self.device)
-        self._a2a(recv, inp, recv_splits, send_splits, self.high if ol else self.low).wait()
+        priority = self.low if which != "ol" else self.high if not micro else self.micro_priority
+        self._a2a(recv, inp, recv_splits, send_splits, priority).wait()
         offset = 0
         for o in range(self.world):
             for s in self.owned_by[o]:
-                mask = asks.fetch_ol[s] if ol else ~asks.fetch_ol[s]
+                mask = masks[s]
                 n = int(mask.sum())
                 block = recv[offset:offset + n * self.cols[s]].view(n, self.cols[s])
                 offset += n * self.cols[s]
@@ -283,17 +364,22 @@ class PecExchange:
                 served.grad_ol = None
             if not has_next or self.any_overlap:
                 self._apply(self._send_grads(asks, served, grads, lrs, first=True))
-            if has_next:
+            if has_next and served.grad_ol is not None:  # (prefetch="ids": every gradient went first)
                 self.unsent = (asks, served, grads, lrs)
         if has_next:
-            nxt_asks, nxt_served = self.next
-            if self.any_overlap:
-                self._rows(nxt_asks, nxt_served, ol=True)
             self.current, self.next = self.next, None
+            self.fetch_micro(0 if self.micro_batches else None)
         else:
             self.apply_deferred()
             self.current = None
         self._pin_iterations(asks.step + 1)
+
+    def fetch_micro(self, micro: Optional[int]) -> None:
+        """The current batch's rows that waited for the last update (its OL rows; with
+        dual_buffer, their refresh): those of micro-batch `micro`, or all (None). Nothing when no
+        rank has any (every rank knows from the flags)."""
+        if self.any_overlap and not self.skip_refresh:
+            self._rows(*self.current, "ol", micro)
 
     def reset(self) -> None:
         """After the data ran out (every rank alike): applies what is deferred and forgets the

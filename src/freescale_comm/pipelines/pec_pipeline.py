@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
+import contextlib
 import time
 from typing import Any, Callable, Generic, Iterator, Mapping, Optional, TypeVar
 
@@ -32,8 +33,9 @@ from torch import nn
 from freescale_comm.balancer import balance as fc_balance
 from freescale_comm.communicator import Communicator, check_priority
 from freescale_comm.pipelines._catalog import build_catalog, sharded_modules
-from freescale_comm.pipelines._embeddings import module_output, route
-from freescale_comm.pipelines._exchange import Asks, PecExchange
+from freescale_comm.pipelines._embeddings import micro_leaves, module_output, route, route_micro
+from freescale_comm.pipelines._exchange import PREFETCH, Asks, PecExchange
+from freescale_comm.pipelines._micro_batches import MicroBatches, SplitBatch, cut, merge_outputs
 from freescale_comm.pipelines._sparse_inputs import find_sparse_inputs, reader
 from freescale_comm.planner import CostModel
 
@@ -56,20 +58,58 @@ class TrainPipelinePEC(Generic[In, Out]):
         communication: each named module (one consuming the embeddings, e.g. an HSTU tower taking
         the EmbeddingCollection's output first) runs on samples fc.balance moved so every rank gets
         about the same cost, and its outputs go home (gradients follow). Removed by close().
+    prefetch: what of batch N+1 moves while N computes. "pec" (FreeScale): the rows N does not
+        read, the rest right after N's update, at high_priority. "dual_buffer" (NestPipe's DBP):
+        every row, into N+1's own buffer; after N's update the rows N also read are refreshed
+        (PEC's high-priority round: the same code). "ids": only the ids; every row after N's
+        update (no overlap across batches; with micro_batches, NestPipe's FWP alone).
+    micro_batches: NestPipe's frozen-window pipelining: each batch is cut into this many
+        micro-batches (fc.microbatch's key-centric clustering of each rank's samples; every rank
+        runs the same number, empty ones included); each micro-batch's forward and backward run
+        on its own distinct rows, and the rows that wait for the last update move one round per
+        micro-batch, micro-batch m+1's (at next_micro_priority) while m computes. Embedding
+        gradients accumulate over the micro-batches and apply once per batch, through the fused
+        optimizer; dense gradients accumulate too (DDP syncs once, on the last micro-batch).
+        progress() returns the micro-batches' outputs merged by merge_output. None: whole
+        batches, every id sent as TorchRec sends it (results bit-identical to
+        TrainPipelineSparseDist).
+    split_batch: (batch, int64 sample indices) -> that micro-batch, for batches the built-in
+        cut cannot handle (it cuts KeyedJaggedTensors, tensors of batch-size rows, dataclasses,
+        dicts, lists and tuples).
+    merge_output: (the micro-batches' outputs, per micro-batch its int64 sample indices) -> the
+        batch's output. Default: tensors whose first dimension is each micro-batch's sample count
+        are put back in the batch's sample order, tuples / lists / dicts item by item, anything
+        else as the list of the micro-batches' values (pass merge_output for jagged outputs).
     """
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, device: torch.device,
                  execute_all_batches: bool = True, *, group: Optional[dist.ProcessGroup] = None,
                  high_priority: int = 100, low_priority: int = 0, deferred_priority: int = -10,
                  sparse_inputs: Optional[Callable[[Any], dict[str, Any]]] = None,
-                 balance: Optional[Mapping[str, CostModel]] = None) -> None:
+                 balance: Optional[Mapping[str, CostModel]] = None, prefetch: str = "pec",
+                 micro_batches: Optional[int] = None, next_micro_priority: int = 50,
+                 split_batch: Optional[SplitBatch] = None,
+                 merge_output: Optional[Callable[[list[Any], list[torch.Tensor]], Any]] = None) -> None:
         if not hasattr(model, "plan") or not hasattr(model, "module"):
             raise TypeError(f"model must be a torchrec DistributedModelParallel, got {type(model).__name__}")
-        for p in (high_priority, low_priority, deferred_priority):
+        for p in (high_priority, next_micro_priority, low_priority, deferred_priority):
             check_priority(p)
         if not high_priority > low_priority > deferred_priority:
             raise ValueError("priorities must satisfy high_priority > low_priority > deferred_priority, got "
                              f"{high_priority}, {low_priority}, {deferred_priority}")
+        if micro_batches is not None and not high_priority >= next_micro_priority > low_priority:
+            raise ValueError("next_micro_priority must lie in (low_priority, high_priority], got "
+                             f"{next_micro_priority} with {low_priority}, {high_priority}")
+        if prefetch not in PREFETCH:
+            raise ValueError(f"prefetch must be one of {', '.join(map(repr, PREFETCH))}, got {prefetch!r}")
+        if micro_batches is not None and (isinstance(micro_batches, bool) or not isinstance(micro_batches, int)
+                                          or micro_batches < 1):
+            raise ValueError(f"micro_batches must be an int >= 1 (or None: whole batches), got {micro_batches!r}")
+        if split_batch is not None and not callable(split_batch):
+            raise TypeError(f"split_batch must be callable (batch, samples) -> micro-batch, got {type(split_batch).__name__}")
+        if merge_output is not None and not callable(merge_output):
+            raise TypeError(f"merge_output must be callable (outputs, samples) -> output, got {type(merge_output).__name__}")
+        self._micro_batches, self._split_batch, self._merge_output = micro_batches, split_batch, merge_output
         self._model, self._optimizer, self._device = model, optimizer, _with_index(torch.device(device))
         self._execute_all_batches = execute_all_batches
         if group is None:
@@ -93,14 +133,23 @@ class TrainPipelinePEC(Generic[In, Out]):
         self._comm = Communicator(group)
         tables = {s.weight.device for s in self._catalog.local.values()}
         self._exchange = PecExchange(self._comm, self._catalog, high_priority, low_priority, deferred_priority,
-                                     tables.pop() if len(tables) == 1 else self._device)
+                                     tables.pop() if len(tables) == 1 else self._device, prefetch=prefetch,
+                                     micro_batches=micro_batches, micro=next_micro_priority)
+        # DDP wrappers of the dense part that micro-batches before the last may skip syncing in. Not
+        # static_graph ones (TorchRec's default): no_sync() there asserts or silently stops all-reducing
+        # (pytorch/pytorch#143580, #187732), so each micro-batch's backward syncs its own gradients
+        self._ddp = [m for m in model.modules()
+                     if isinstance(m, nn.parallel.DistributedDataParallel) and not getattr(m, "static_graph", False)]
         data_device = self._exchange.device
         self._worker = concurrent.futures.ThreadPoolExecutor(  # the CUDA device is per thread
             1, thread_name_prefix="freescale-pec",
             initializer=(lambda: torch.cuda.set_device(data_device)) if data_device.type == "cuda" else None)
-        self._batch: Optional[Any] = None  # batch N, its rows fetched
-        self._inputs: dict[str, Any] = {}  # batch N's sharded-module inputs
+        self._batch: Optional[Any] = None  # batch N (MicroBatches with micro_batches), its rows fetched
+        self._inputs: dict[str, Any] = {}  # the sharded-module inputs of what forward runs on now
+        self._reads: tuple[list, list] = ([], [])  # per slot: rows each id reads, positions (module_output)
         self._asks: Optional[Asks] = None  # batch N's rows (leaves) per slot
+        self._micro_rows: list[Optional[concurrent.futures.Future]] = []  # per micro-batch: its rows' round
+        self._blocking = False  # tests' synchronous reference: every message waited for when posted
         self._step = 0
         self._deferred_sent: Optional[concurrent.futures.Future] = None
         self._asked_next: Optional[concurrent.futures.Future] = None  # the next batch's ids, in flight
@@ -129,7 +178,7 @@ class TrainPipelinePEC(Generic[In, Out]):
             if expected is None or kjt is not expected:
                 raise RuntimeError(f"sharded module {info.fqn!r} was called outside TrainPipelinePEC.progress or with "
                                    "an input that is not the one the pipeline read from the batch")
-            return module_output(info, kjt, self._asks.pieces, self._asks.positions)
+            return module_output(info, kjt, *self._reads)
         return forward
 
     # -- helpers -----------------------------------------------------------------------------------
@@ -144,21 +193,35 @@ class TrainPipelinePEC(Generic[In, Out]):
         except Exception as e:  # noqa: BLE001 - re-raised by _route
             return _DataError(e)
 
-    def _route(self, batch: Optional[In], step: int) -> tuple[dict[str, Any], Any]:
+    def _route(self, batch: Optional[In], step: int) -> tuple[Any, dict[str, Any], Any]:
+        """(the batch, or its MicroBatches; its inputs; its Asks), or Nones at the end of data."""
         if isinstance(batch, _DataError):
             raise batch.error
-        inputs = self._read_inputs(batch) if batch is not None else {}
-        return inputs, (route(self._catalog, inputs, step) if batch is not None else None)
+        if batch is None:
+            return None, {}, None
+        inputs = self._read_inputs(batch)
+        if self._micro_batches is None:
+            return batch, inputs, route(self._catalog, inputs, step)
+        split = cut(batch, inputs, self._catalog, self._micro_batches, self._read_inputs, self._split_batch)
+        return split, {}, route_micro(self._catalog, split.inputs, step)
+
+    def _post(self, fn: Callable[..., Any], *args: Any) -> concurrent.futures.Future:
+        """Runs fn on the worker (FIFO: program order); the reference mode waits for it here."""
+        future = self._worker.submit(fn, *args)
+        if self._blocking:
+            concurrent.futures.wait([future])
+        return future
 
     def _announce(self, batch: Optional[In]) -> bool:
         """Worker: the first batch's counts. Whether it exists on every rank."""
         try:
-            inputs, asks = self._route(batch, self._step)
+            routed = self._route(batch, self._step)
         except Exception:
             _tell_peers(lambda: self._exchange.announce(None, failed=True))
             raise
+        asks = routed[2]
         if batch is not None:
-            self._routed.append((batch, inputs, asks))
+            self._routed.append(routed)
         return self._exchange.announce(asks)
 
     def _ask(self, following: Optional[In], step: int) -> tuple[In, dict[str, Any], bool]:
@@ -166,13 +229,13 @@ class TrainPipelinePEC(Generic[In, Out]):
         `step`; None: out of data). Returns that batch, its inputs and whether `following` exists."""
         batch, inputs, asks = self._routed.popleft()
         try:
-            following_inputs, following_asks = self._route(following, step)
+            routed = self._route(following, step)
         except Exception:
             _tell_peers(lambda: self._exchange.ask(asks, None, failed=True))
             raise
         if following is not None:
-            self._routed.append((following, following_inputs, following_asks))
-        return batch, inputs, self._exchange.ask(asks, following_asks)
+            self._routed.append(routed)
+        return batch, inputs, self._exchange.ask(asks, routed[2])
 
     def _wait(self, future: concurrent.futures.Future, phase: str) -> Any:
         start = time.perf_counter()
@@ -196,13 +259,14 @@ class TrainPipelinePEC(Generic[In, Out]):
         self._exposed = {"ids": 0.0, "embeddings": 0.0, "gradients": 0.0}
         try:
             if self._batch is None:  # fill: batch 0's counts, its ids (with batch 1's counts), its rows
-                if not self._wait(self._worker.submit(self._announce, self._next_batch(dataloader_iter)), "ids"):
+                if not self._wait(self._post(self._announce, self._next_batch(dataloader_iter)), "ids"):
                     raise StopIteration
                 first, inputs, self._has_next = self._wait(
-                    self._worker.submit(self._ask, self._next_batch(dataloader_iter), self._step + 1), "ids")
-                self._wait(self._worker.submit(self._exchange.prepare), "embeddings")
+                    self._post(self._ask, self._next_batch(dataloader_iter), self._step + 1), "ids")
+                self._wait(self._post(self._exchange.prepare), "embeddings")
                 self._batch, self._inputs, self._asks = first, inputs, self._exchange.current[0]
-                self._asked_next = self._worker.submit(self._ask, self._next_batch(dataloader_iter), self._step + 2) \
+                self._micro_rows = []  # the first batch's rows all came in prepare()
+                self._asked_next = self._post(self._ask, self._next_batch(dataloader_iter), self._step + 2) \
                     if self._has_next else None  # batch 1's ids, batch 2's counts
             training = self._model.training
             lrs = {}
@@ -215,14 +279,18 @@ class TrainPipelinePEC(Generic[In, Out]):
                 self._drain()
                 raise StopIteration
             # after batch N+1's ids (one worker, FIFO)
-            prepared = self._worker.submit(self._exchange.prepare) if has_next else None
-            for piece in self._asks.pieces:
-                piece.requires_grad_(training)
-            losses, output = self._model(self._batch)
-            grads = None
-            if training:
-                torch.sum(losses, dim=0).backward()
-                grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self._asks.pieces]
+            prepared = self._post(self._exchange.prepare) if has_next else None
+            if isinstance(self._batch, MicroBatches):
+                output, grads = self._micro_steps(training)
+            else:
+                for piece in self._asks.pieces:
+                    piece.requires_grad_(training)
+                self._reads = (self._asks.pieces, self._asks.positions)
+                losses, output = self._model(self._batch)
+                grads = None
+                if training:
+                    torch.sum(losses, dim=0).backward()
+                    grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self._asks.pieces]
             nxt, nxt_inputs, has_after = None, {}, False
             if self._asked_next is not None:  # N+1's ids, N+2's counts: sent during the previous step
                 nxt, nxt_inputs, has_after = self._wait(self._asked_next, "ids")
@@ -233,12 +301,16 @@ class TrainPipelinePEC(Generic[In, Out]):
             # the worker is idle here (everything submitted was waited for): the gradient round trip
             # runs on this thread, no handoff; program order across ranks is unchanged
             start = time.perf_counter()
-            self._exchange.gradients(grads, lrs, has_next)
+            self._exchange.gradients(grads, lrs, has_next)  # with micro-batches: N+1's first one's rows
             self._exposed["gradients"] += (time.perf_counter() - start) * 1e3
+            # the next micro-batches' rows, in order, before anything of lower priority
+            self._micro_rows = [None] + [self._post(self._exchange.fetch_micro, m)
+                                         for m in range(1, self._micro_batches)] \
+                if has_next and self._micro_batches is not None else []
             # not waited: posted under the optimizer step and the next forward; errors surface at the next wait
-            self._deferred_sent = self._worker.submit(self._exchange.send_deferred)
+            self._deferred_sent = self._post(self._exchange.send_deferred)
             # N+2's ids with N+3's counts, under the optimizer step and the next forward
-            self._asked_next = self._worker.submit(self._ask, self._next_batch(dataloader_iter), self._step + 3) \
+            self._asked_next = self._post(self._ask, self._next_batch(dataloader_iter), self._step + 3) \
                 if has_after else None
             if training:
                 self._optimizer.step()
@@ -257,11 +329,42 @@ class TrainPipelinePEC(Generic[In, Out]):
             self._drain()
         return output
 
+    def _micro_steps(self, training: bool) -> tuple[Any, Optional[list[torch.Tensor]]]:
+        """Batch N's micro-batches, forward and backward one after another, each once its rows are
+        in; returns the merged output and, training, per slot the gradient of each asked row."""
+        split: MicroBatches = self._batch
+        last = len(split.batches) - 1
+        outputs, leaves = [], []
+        for m, batch in enumerate(split.batches):
+            rows = self._micro_rows[m] if m < len(self._micro_rows) else None
+            if rows is not None:
+                self._wait(rows, "embeddings")
+            mine, reads = micro_leaves(self._asks, m, training)
+            leaves.append(mine)
+            self._inputs, self._reads = split.inputs[m], (reads, self._asks.micro[m].positions)
+            with contextlib.ExitStack() as stack:
+                if training and m < last:  # dense gradients accumulate; DDP syncs on the last (see _ddp)
+                    for ddp in self._ddp:
+                        stack.enter_context(ddp.no_sync())
+                losses, out = self._model(batch)
+                if training:
+                    torch.sum(losses, dim=0).backward()
+            outputs.append(out)
+        self._inputs = {}
+        grads = None
+        if training:
+            grads = [torch.cat([mine[s].grad if mine[s].grad is not None else torch.zeros_like(mine[s])
+                                for mine in leaves]) for s in range(len(self._asks.rows))]
+        if self._merge_output is not None:
+            return self._merge_output(outputs, split.samples), grads
+        return merge_outputs(outputs, split.samples, split.size), grads
+
     def _drain(self) -> None:
         """The data ran out: every update applied, the exchange forgets the batches; progress()
         raises StopIteration once, then fills again from the iterator it is given (a new epoch)."""
-        self._wait(self._worker.submit(self._exchange.reset), "gradients")
+        self._wait(self._post(self._exchange.reset), "gradients")
         self._batch, self._asks, self._inputs, self._asked_next = None, None, {}, None
+        self._micro_rows = []
         self._has_next, self._drained = False, True
         self._routed.clear()
 
@@ -274,7 +377,7 @@ class TrainPipelinePEC(Generic[In, Out]):
             return
         if self._deferred_sent is not None:
             self._deferred_sent.result()
-        self._worker.submit(self._exchange.apply_deferred).result()
+        self._post(self._exchange.apply_deferred).result()
 
     def close(self) -> None:
         """Applies deferred gradients (flush), stops the worker and the communicator and gives the

@@ -1,0 +1,151 @@
+"""Frozen-window pipelining's batch side: a batch cut into micro-batches by key-centric clustering
+(fc.microbatch), each micro-batch a batch of the user's own type, and the micro-batches' outputs
+put back in the batch's sample order.
+
+A batch is cut along its samples: every KeyedJaggedTensor keeps its keys and takes the chosen
+samples' lists; every tensor whose first dimension is the batch size takes the chosen rows;
+dataclasses, dicts, lists and tuples are cut field by field; numbers, strings and None are kept.
+Anything else: pass `split_batch` to the pipeline."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+import numpy as np
+import torch
+
+from freescale_comm.microbatch import cluster_microbatches
+from freescale_comm.pipelines._catalog import Catalog
+
+SplitBatch = Callable[[Any, torch.Tensor], Any]  # (batch, int64 sample indices) -> micro-batch
+
+
+@dataclass
+class MicroBatches:
+    """One batch cut into micro-batches (every rank has the same number; some may be empty)."""
+
+    batches: list[Any]  # the user's batch type, one per micro-batch
+    inputs: list[dict[str, Any]]  # per micro-batch: sharded module fqn -> its KeyedJaggedTensor
+    samples: list[torch.Tensor]  # per micro-batch: int64 indices of its samples in the batch
+    size: int  # samples in the batch
+
+
+def batch_size(inputs: dict[str, Any]) -> int:
+    """The samples in a batch, from its sparse inputs (all must agree)."""
+    sizes = {fqn: int(kjt.stride()) for fqn, kjt in inputs.items()}
+    if len(set(sizes.values())) > 1:
+        raise ValueError(f"the sharded modules' inputs hold different numbers of samples {sizes}: micro-batches "
+                         "cut every input along the same samples")
+    return next(iter(sizes.values()), 0)
+
+
+def sample_keys(catalog: Catalog, inputs: dict[str, Any]) -> tuple[np.ndarray, np.ndarray]:
+    """Each sample's ids over every sharded feature, as keys distinct across tables (id + the
+    rows of the tables before): int64 [Σ lengths] back to back by sample, and int64 [samples]."""
+    size = batch_size(inputs)
+    samples, keys = [], []
+    base = 0
+    for info in catalog.modules:
+        kjt = inputs[info.fqn]
+        for table in info.tables:
+            for feature in table.features:
+                jagged = kjt[feature]
+                lengths = jagged.lengths().to(torch.int64).cpu()
+                samples.append(torch.repeat_interleave(torch.arange(size), lengths))
+                keys.append(jagged.values().to(torch.int64).cpu() + base)
+            base += table.num_embeddings
+    sample = torch.cat(samples) if samples else torch.empty(0, dtype=torch.int64)
+    key = torch.cat(keys) if keys else torch.empty(0, dtype=torch.int64)
+    order = torch.argsort(sample, stable=True)
+    return key[order].numpy(), torch.bincount(sample, minlength=size).numpy()
+
+
+def cluster(catalog: Catalog, inputs: dict[str, Any], micro_batches: int) -> list[torch.Tensor]:
+    """Per micro-batch, the int64 indices of its samples (ascending): fc.microbatch's key-centric
+    clustering of this rank's batch, deterministic."""
+    keys, lengths = sample_keys(catalog, inputs)
+    plan = cluster_microbatches(keys, lengths, micro_batches)
+    return [torch.from_numpy(np.flatnonzero(plan.micro_batch == m)).to(torch.int64) for m in range(micro_batches)]
+
+
+def select_samples(kjt: Any, samples: torch.Tensor) -> Any:
+    """The KeyedJaggedTensor of `kjt`'s samples `samples` (int64 [b]), every key kept."""
+    from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+    keys = kjt.keys()
+    size = int(kjt.stride())
+    lengths = kjt.lengths().to(torch.int64)
+    samples = samples.to(lengths.device)
+    starts = torch.cat([lengths.new_zeros(1), lengths.cumsum(0)[:-1]]) if lengths.numel() else lengths
+    chosen = (torch.arange(len(keys), device=lengths.device).unsqueeze(1) * size + samples.unsqueeze(0)).reshape(-1)
+    new_lengths = lengths[chosen]
+    new_starts = torch.cat([new_lengths.new_zeros(1), new_lengths.cumsum(0)[:-1]]) if new_lengths.numel() else new_lengths
+    # position of each kept value in kjt.values(): its list's start there, plus its rank in the list
+    shift = torch.repeat_interleave(starts[chosen] - new_starts, new_lengths)
+    where = shift + torch.arange(int(new_lengths.sum()), device=lengths.device)
+    weights = kjt.weights_or_none()
+    return KeyedJaggedTensor(keys=keys, values=kjt.values()[where], lengths=new_lengths.to(kjt.lengths().dtype),
+                             weights=weights[where] if weights is not None else None, stride=int(samples.numel()))
+
+
+def split_batch(batch: Any, samples: torch.Tensor, size: int, where: str = "batch") -> Any:
+    """`batch`'s samples `samples` (see the module docstring); ValueError naming what cannot be cut."""
+    from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+    if isinstance(batch, KeyedJaggedTensor):
+        return select_samples(batch, samples)
+    if isinstance(batch, torch.Tensor):
+        if batch.dim() == 0:
+            return batch
+        if batch.shape[0] != size:
+            raise ValueError(f"{where} has first dimension {batch.shape[0]}, not the batch size {size}: cannot cut it "
+                             "into micro-batches; pass split_batch=lambda batch, samples: ...")
+        return batch.index_select(0, samples.to(batch.device))
+    if dataclasses.is_dataclass(batch) and not isinstance(batch, type):
+        return dataclasses.replace(batch, **{f.name: split_batch(getattr(batch, f.name), samples, size, f"{where}.{f.name}")
+                                             for f in dataclasses.fields(batch) if f.init})
+    if isinstance(batch, dict):
+        return type(batch)((k, split_batch(v, samples, size, f"{where}[{k!r}]")) for k, v in batch.items())
+    if isinstance(batch, (list, tuple)):
+        parts = [split_batch(v, samples, size, f"{where}[{i}]") for i, v in enumerate(batch)]
+        return type(batch)._make(parts) if hasattr(batch, "_fields") else type(batch)(parts)
+    if batch is None or isinstance(batch, (bool, int, float, str)):
+        return batch
+    raise ValueError(f"{where} is a {type(batch).__name__}: cannot cut it into micro-batches; pass "
+                     "split_batch=lambda batch, samples: ... (samples: int64 indices of the micro-batch's samples)")
+
+
+def merge_outputs(outputs: list[Any], samples: list[torch.Tensor], size: int) -> Any:
+    """The micro-batches' outputs as one batch's, in the batch's sample order: tensors whose first
+    dimension is each micro-batch's size are put back by sample; tuples, lists and dicts merge
+    item by item; anything else comes back as the list of the micro-batches' values."""
+    first = outputs[0]
+    if isinstance(first, torch.Tensor) and all(
+            isinstance(o, torch.Tensor) and o.dim() > 0 and o.shape[0] == s.numel() and o.shape[1:] == first.shape[1:]
+            and o.dtype == first.dtype for o, s in zip(outputs, samples)):
+        out = first.new_empty((size, *first.shape[1:]))
+        for o, s in zip(outputs, samples):
+            out[s.to(out.device)] = o
+        return out
+    if isinstance(first, dict) and all(isinstance(o, dict) and o.keys() == first.keys() for o in outputs):
+        return type(first)((k, merge_outputs([o[k] for o in outputs], samples, size)) for k in first)
+    if isinstance(first, (list, tuple)) and all(type(o) is type(first) and len(o) == len(first) for o in outputs):
+        parts = [merge_outputs([o[i] for o in outputs], samples, size) for i in range(len(first))]
+        return type(first)._make(parts) if hasattr(first, "_fields") else type(first)(parts)
+    return list(outputs)
+
+
+def cut(batch: Any, inputs: dict[str, Any], catalog: Catalog, micro_batches: int,
+        read_inputs: Callable[[Any], dict[str, Any]], split: Optional[SplitBatch]) -> MicroBatches:
+    """`batch` (whose sparse inputs are `inputs`) as `micro_batches` clustered micro-batches."""
+    size = batch_size(inputs)
+    samples = cluster(catalog, inputs, micro_batches)
+    batches = [split(batch, s) if split is not None else split_batch(batch, s, size) for s in samples]
+    micro_inputs = [read_inputs(b) for b in batches]
+    for m, (b_inputs, s) in enumerate(zip(micro_inputs, samples)):
+        got = batch_size(b_inputs)
+        if got != s.numel():
+            raise ValueError(f"split_batch gave micro-batch {m} {got} samples, not the {s.numel()} asked")
+    return MicroBatches(batches, micro_inputs, samples, size)
