@@ -23,6 +23,7 @@ from torchrec.optim.optimizers import in_backward_optimizer_filter
 from fbgemm_gpu.split_embedding_configs import EmbOptimType
 
 import freescale_comm as fc
+from freescale_comm.pipelines._micro_batches import select_samples
 from dmp_programs import Batch  # pooled + sequence KJTs and labels, as TorchRec's pipelines move them
 
 DIM = 8
@@ -166,10 +167,12 @@ def train(pg: dist.ProcessGroup, pipeline: str, optimizer: str, batches: list[li
     stops after `stop_after` steps and reads the state mid-run (the PEC pipeline still open)."""
     rank = dist.get_rank(pg)
     dmp, opt = build(pg, optimizer)
+    blocking = kwargs.pop("blocking", False)  # the synchronous reference: every message waited when posted
     if pipeline == "sparse_dist":
         pipe = TrainPipelineSparseDist(dmp, opt, torch.device("cpu"))
     else:
         pipe = fc.TrainPipelinePEC(dmp, opt, torch.device("cpu"), group=pg, **kwargs)
+        pipe._blocking = blocking
     exchanges: list[tuple[int, str]] = []  # PEC: (priority, dtype) of every exchange, in program order
     if hasattr(pipe, "_exchange"):
         post = pipe._exchange._a2a
@@ -179,6 +182,7 @@ def train(pg: dist.ProcessGroup, pipeline: str, optimizer: str, batches: list[li
             return post(out, inp, out_splits, in_splits, priority)
         pipe._exchange._a2a = counted
     outputs = []
+    micro_sizes = []  # with micro-batches: the samples of each micro-batch of each batch trained (but the first)
     for _ in range(epochs):
         feed = iter([b[rank] for b in batches])
         while stop_after is None or len(outputs) < stop_after:
@@ -186,12 +190,15 @@ def train(pg: dist.ProcessGroup, pipeline: str, optimizer: str, batches: list[li
                 outputs.append(pipe.progress(feed).clone())
             except StopIteration:
                 break
+            split = getattr(pipe, "_batch", None)
+            if hasattr(split, "samples"):
+                micro_sizes.append([s.numel() for s in split.samples])
             for group in opt.param_groups:  # a learning-rate schedule: deferred updates must use their batch's
                 group["lr"] *= 0.8
     state = _state(dmp, opt)  # mid-run for stop_after: the model's state_dict() flushes PEC first
     if hasattr(pipe, "close"):
         pipe.close()
-    return {"outputs": outputs, "state": state, "exchanges": exchanges}
+    return {"outputs": outputs, "state": state, "exchanges": exchanges, "micro_sizes": micro_sizes}
 
 
 def pec_matches_sparse_dist(info, steps: int, collisions: list[float], optimizers: list[str]) -> dict:
@@ -251,12 +258,29 @@ class OracleModel(nn.Module):
         return loss, (pooled.values().detach(), [v.detach() for v in seq_values])
 
 
-def staleness_oracle(info, steps: int, cases: list[tuple[float, str]]) -> dict:
+def staleness_oracle(info, steps: int, cases: list[tuple[float, str]], pipeline_kwargs: Optional[dict] = None) -> dict:
     """Per (collision, mutation): {"checked": reads checked, "stale": stale ones}, see _oracle_run."""
-    return {f"{c} {m}": _oracle_run(steps, c, m) for c, m in cases}
+    return {f"{c} {m}": _oracle_run(steps, c, m, **(pipeline_kwargs or {})) for c, m in cases}
 
 
-def _oracle_run(steps: int, collision: float, mutate: str) -> dict:
+def _check_reads(pooled: torch.Tensor, sequences: list, mine: Batch, reads: dict, world: int) -> tuple[int, int]:
+    """(reads checked, stale ones) of one batch (or micro-batch) `mine`'s OracleModel output."""
+    checked = stale = 0
+    for i, f in enumerate(POOLED):
+        jt = mine.pooled[f]
+        bags = torch.repeat_interleave(torch.arange(jt.lengths().numel()), jt.lengths())
+        expected = torch.zeros(jt.lengths().numel(), dtype=torch.float64).index_add_(0, bags, reads[f][jt.values()]) / world
+        got = pooled[:, i * DIM:(i + 1) * DIM].double()
+        checked += got.shape[0]
+        stale += int((got != expected.unsqueeze(1)).any(1).sum())
+    for f, got in zip(SEQUENCE, sequences):
+        expected = reads[f][mine.sequence[f].values()] / world
+        checked += got.shape[0]
+        stale += int((got.double() != expected.unsqueeze(1)).any(1).sum())
+    return checked, stale
+
+
+def _oracle_run(steps: int, collision: float, mutate: str, **pipeline_kwargs) -> dict:
     """Trains OracleModel with the PEC pipeline (fused SGD, lr 1, zeroed tables; a rank without
     samples at step 2) and checks every row every batch reads against the number of earlier reads
     of that row (all ranks). `mutate`: "" (none); "early_overlap_reads": OL rows are sent before the
@@ -269,26 +293,23 @@ def _oracle_run(steps: int, collision: float, mutate: str) -> dict:
     for value in dmp.state_dict().values():
         for shard in getattr(value, "local_shards", lambda: [])():
             shard.tensor.zero_()
-    pipe = fc.TrainPipelinePEC(dmp, opt, torch.device("cpu"), group=pg)
+    micro = pipeline_kwargs.get("micro_batches") is not None
+    if micro:  # each micro-batch's output and samples, checked one by one
+        pipeline_kwargs["merge_output"] = lambda outputs, samples: list(zip(outputs, samples))
+    pipe = fc.TrainPipelinePEC(dmp, opt, torch.device("cpu"), group=pg, **pipeline_kwargs)
     if mutate:
         setattr(pipe._exchange, mutate, True)
     reads = {f: torch.zeros(ROWS, dtype=torch.float64) for f in list(POOLED) + list(SEQUENCE)}  # reads so far
     feed = iter([b[rank] for b in batches])
     checked = stale = 0
     for step in range(steps):
-        pooled, sequences = pipe.progress(feed)
+        out = pipe.progress(feed)
         mine = batches[step][rank]
-        for i, f in enumerate(POOLED):
-            jt = mine.pooled[f]
-            bags = torch.repeat_interleave(torch.arange(jt.lengths().numel()), jt.lengths())
-            expected = torch.zeros(jt.lengths().numel(), dtype=torch.float64).index_add_(0, bags, reads[f][jt.values()]) / world
-            got = pooled[:, i * DIM:(i + 1) * DIM].double()
-            checked += got.shape[0]
-            stale += int((got != expected.unsqueeze(1)).any(1).sum())
-        for f, got in zip(SEQUENCE, sequences):
-            expected = reads[f][mine.sequence[f].values()] / world
-            checked += got.shape[0]
-            stale += int((got.double() != expected.unsqueeze(1)).any(1).sum())
+        parts = [(o, Batch(select_samples(mine.pooled, s), select_samples(mine.sequence, s), mine.label[s]))
+                 for o, s in out] if micro else [(out, mine)]
+        for (pooled, sequences), batch in parts:
+            c, n = _check_reads(pooled, sequences, batch, reads, world)
+            checked, stale = checked + c, stale + n
         for f in reads:  # every rank's reads of this step
             for b in batches[step]:
                 kjt = b.pooled if f in POOLED else b.sequence

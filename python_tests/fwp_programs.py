@@ -1,0 +1,47 @@
+"""Rank functions for NestPipe's pipelining in fc.TrainPipelinePEC (micro_batches=, prefetch=): the
+overlapped pipeline against a synchronous run of the same micro-batches (every message waited for
+when posted, every row fetched after the update), and against TorchRec's TrainPipelineSparseDist
+on whole batches."""
+
+from __future__ import annotations
+
+import torch.distributed as dist
+
+from pec_pipeline_programs import _rel, make_batches, train
+
+MICRO = 4
+MODES = ("pec", "dual_buffer", "ids")
+
+
+def _diff(ref: dict, got: dict) -> dict:
+    assert len(ref["outputs"]) == len(got["outputs"]), (len(ref["outputs"]), len(got["outputs"]))
+    assert ref["state"].keys() == got["state"].keys(), (sorted(ref["state"]), sorted(got["state"]))
+    return {"outputs": max((_rel(a, b) for a, b in zip(ref["outputs"], got["outputs"])), default=0.0),
+            "state": max(_rel(ref["state"][k], got["state"][k]) for k in ref["state"])}
+
+
+def fwp_matches_synchronous(info, steps: int, collisions: list[float], optimizer: str) -> dict:
+    """Per collision: the worst differences of each prefetch mode with MICRO micro-batches against the
+    synchronous reference (prefetch="ids", blocking), the micro-batch sizes seen (empty ones must
+    occur: the last batches are smaller than MICRO; a rank has no samples at step 2), and per mode
+    the (priority, dtype) of every exchange in program order."""
+    pg = dist.group.WORLD
+    world = dist.get_world_size()
+    report = {}
+    for collision in collisions:
+        batches = make_batches(steps, world, collision, seed=int(collision * 100) + 5, empty="samples")
+        ref = train(pg, "pec", optimizer, batches, prefetch="ids", micro_batches=MICRO, blocking=True)
+        for mode in MODES:
+            got = train(pg, "pec", optimizer, batches, prefetch=mode, micro_batches=MICRO)
+            report[f"collision={collision} prefetch={mode}"] = {
+                **_diff(ref, got), "exchanges": got["exchanges"], "micro_sizes": got["micro_sizes"]}
+    return report
+
+
+def fwp_near_sparse_dist(info, steps: int, collision: float, optimizer: str, micro: list) -> dict:
+    """TrainPipelineSparseDist on whole batches against the pipeline with each micro-batch count
+    (None: whole batches, every id sent)."""
+    pg = dist.group.WORLD
+    batches = make_batches(steps, dist.get_world_size(), collision, seed=31)
+    ref = train(pg, "sparse_dist", optimizer, batches)
+    return {str(m): _diff(ref, train(pg, "pec", optimizer, batches, micro_batches=m)) for m in micro}
