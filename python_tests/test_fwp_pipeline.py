@@ -69,7 +69,7 @@ def test_every_micro_batch_read_is_fresh_and_skipping_the_dual_buffer_refresh_is
     """The staleness oracle (every row a batch reads equals the number of its earlier reads) holds
     for 4 micro-batches with PEC and with dual-buffer prefetch, at every collision rate; keeping
     dual-buffer's early copies without the refresh after the update is caught at every collision
-    rate above 0 (and harmless at 0, where no row waits), and so is PEC's OL rows sent early.""" 
+    rate above 0 (and harmless at 0, where no row waits), and so is PEC's OL rows sent early."""
     from pec_pipeline_programs import staleness_oracle
 
     for prefetch in ("pec", "dual_buffer"):

@@ -92,8 +92,11 @@ def _parser() -> argparse.ArgumentParser:
     tp.add_argument("--warmup", type=int, default=3, help="steps before measuring (default 3)")
     tp.add_argument("--rounds", type=int, default=3, help="trainings per pipeline and rate, in rotated order (default 3)")
     tp.add_argument("--samples", type=int, default=64, help="samples per rank and step (default 64)")
-    tp.add_argument("--pipelines", nargs="+", default=None, help="which pipelines (default all: sparse_dist "
-                    "semi_sync torchrec_pec pec)")
+    tp.add_argument("--pipelines", nargs="+", default=None, help="which pipelines (default: sparse_dist "
+                    "semi_sync torchrec_pec pec pec_balance); NestPipe's: dbp fwp1 fwp2 fwp4 fwp8 fwp2_random "
+                    "fwp4_random fwp8_random nestpipe")
+    tp.add_argument("--nestpipe", action="store_true", help="NestPipe's modes with sparse_dist and pec (the "
+                    "pipelines above from dbp on)")
     tp.add_argument("--plot", metavar="PNG", default="torchrec-pec.png", help="where to draw (default torchrec-pec.png)")
     _outputs(tp, progress=False)
     si = sub.add_parser("simulate", help="the e2e step at scale (up to 4096 ranks) on a cost + network model")
@@ -511,7 +514,9 @@ def run_torchrec_pec(args: argparse.Namespace) -> int:
     from freescale_comm.bench.report import write_json
 
     cfg = tp.PipelineBenchConfig(ranks=args.ranks, rates=tuple(args.rates), steps=args.steps, warmup=args.warmup,
-                                 rounds=args.rounds, samples=args.samples, pipelines=tuple(args.pipelines or tp.PIPELINES))
+                                 rounds=args.rounds, samples=args.samples,
+                                 pipelines=tuple(args.pipelines or (("sparse_dist", "pec") + tp.NESTPIPE if args.nestpipe
+                                                                    else tp.PIPELINES)))
     try:
         cfg.check()
     except ValueError as err:

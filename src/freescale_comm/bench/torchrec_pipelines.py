@@ -14,13 +14,17 @@ noise, against which a difference between pipelines is read); cpu_ms = CPU time 
 TorchRec's pipelines: Python-level c10d Work.wait() calls (the id, embedding and gradient
 AllToAlls; DDP's dense all-reduce waits in C++ and is not counted), split by phase: ids (outside
 forward and backward), embeddings (in forward), gradients (in backward). fc.TrainPipelinePEC: its
-waits on the worker that posts every message: the prefetch (ids, flags, NOL rows: "embeddings")
-and the gradient round trip (OL gradients, OL update, OL rows: "gradients"). bubble_ms = step_ms
+waits on the worker that posts every message: the prefetch (ids, flags, NOL rows) and the rows that
+waited for the last update (OL rows; with micro-batches, each micro-batch's as it starts):
+"embeddings"; the OL gradients and their update: "gradients". ids_sent: embedding rows a rank asks
+for per step (ours only): every id of the batch, or with micro-batches each one's distinct ids.
+bubble_ms = step_ms
 minus the mean rank's time not blocked on embedding communication (idle ranks and exposed comm).
 CPU ranks share cores: timings on a busy machine say little, and none come from a GPU."""
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import statistics
 import threading
@@ -36,6 +40,13 @@ from torchrec.modules.embedding_configs import EmbeddingBagConfig, EmbeddingConf
 from torchrec.streamable import Pipelineable
 
 PIPELINES = ("sparse_dist", "semi_sync", "torchrec_pec", "pec", "pec_balance")
+# NestPipe's modes (all fc.TrainPipelinePEC): dbp = prefetch="dual_buffer"; fwpM = M frozen-window
+# micro-batches, clustered, rows after each update (prefetch="ids"; fwp1: the whole batch the same
+# way, the baseline of the micro-batched ones); fwpM_random = the same on uniformly random
+# micro-batches; nestpipe = 4 clustered micro-batches, PEC's split of the dual buffer (prefetch="pec":
+# the rows DBP would fetch early and then refresh are fetched once, after the update) and fc.balance
+NESTPIPE = ("dbp", "fwp1", "fwp2", "fwp4", "fwp8", "fwp2_random", "fwp4_random", "fwp8_random", "nestpipe")
+ALL_PIPELINES = PIPELINES + NESTPIPE
 
 
 @dataclass(frozen=True)
@@ -58,9 +69,9 @@ class PipelineBenchConfig:
             raise ValueError("need ranks >= 2, steps >= 1, warmup >= 0, samples >= 1, rounds >= 1")
         if not self.rates or any(not 0 <= r <= 1 for r in self.rates):
             raise ValueError(f"rates must be collision rates in [0, 1], got {list(self.rates)}")
-        unknown = set(self.pipelines) - set(PIPELINES)
+        unknown = set(self.pipelines) - set(ALL_PIPELINES)
         if unknown:
-            raise ValueError(f"unknown pipelines {sorted(unknown)}; choose from {PIPELINES}")
+            raise ValueError(f"unknown pipelines {sorted(unknown)}; choose from {ALL_PIPELINES}")
 
 
 # -- where the main thread blocks ------------------------------------------------------------------
@@ -150,14 +161,16 @@ class Tower(nn.Module):
         items, cats = sequences["items"], sequences["cats"]
         x = self.proj(items.values() + cats.values())  # both features share each history's length
         outs = []
+        # empty histories and empty (micro-)batches still reach proj, with zero gradients: DDP's static
+        # graph needs every rank to use the same parameters in every backward
         for rows in torch.split(x, items.lengths().tolist()):
             if rows.shape[0] == 0:
-                outs.append(x.new_zeros(x.shape[1]))
+                outs.append(rows.sum(0))
                 continue
             scores = rows @ rows.T / rows.shape[1] ** 0.5
             mask = torch.ones_like(scores, dtype=torch.bool).triu(1)
             outs.append((scores.masked_fill(mask, float("-inf")).softmax(-1) @ rows).mean(0))
-        return torch.stack(outs) if outs else x.new_zeros(0, x.shape[1])
+        return torch.stack(outs) if outs else x[:0]
 
 
 class Model(nn.Module):
@@ -274,10 +287,37 @@ def _pipeline(name: str, dmp: Any, opt: Any, pg: Any) -> Optional[Any]:
     import freescale_comm as fc
     from freescale_comm.planner import CostModel
 
-    if name == "pec_balance":  # the tower's cost: attention ~ L², plus per-row work
-        cost = CostModel(quadratic=1.0, linear=8.0, constant=16.0)
+    cost = CostModel(quadratic=1.0, linear=8.0, constant=16.0)  # the tower's: attention ~ L², plus per-row work
+    if name == "pec_balance":
         return fc.TrainPipelinePEC(dmp, opt, device, group=pg, balance={"tower": cost})
+    if name == "dbp":
+        return fc.TrainPipelinePEC(dmp, opt, device, group=pg, prefetch="dual_buffer")
+    if name == "nestpipe":
+        return fc.TrainPipelinePEC(dmp, opt, device, group=pg, micro_batches=4, balance={"tower": cost})
+    if name.startswith("fwp"):
+        return fc.TrainPipelinePEC(dmp, opt, device, group=pg, prefetch="ids",
+                                   micro_batches=int(name[3:].split("_")[0]))
     return fc.TrainPipelinePEC(dmp, opt, device, group=pg)
+
+
+@contextmanager
+def _random_micro_batches(seed: int) -> Iterator[None]:
+    """The fwpM_random baselines: every sample to a uniformly random micro-batch (seeded, so every
+    pipeline of a round sees the same split), in place of the key-centric clustering."""
+    from freescale_comm.pipelines import _micro_batches
+
+    gen = torch.Generator().manual_seed(seed)
+    clustered = _micro_batches.cluster
+
+    def random_split(catalog: Any, inputs: dict, micro_batches: int) -> list[torch.Tensor]:
+        where = torch.randint(0, micro_batches, (_micro_batches.batch_size(inputs),), generator=gen)
+        return [torch.nonzero(where == m).squeeze(1) for m in range(micro_batches)]
+
+    _micro_batches.cluster = random_split
+    try:
+        yield
+    finally:
+        _micro_batches.cluster = clustered
 
 
 def _train(cfg: PipelineBenchConfig, name: str, rate: float, pg: Any, rank: int, world: int) -> dict[str, Any]:
@@ -295,8 +335,9 @@ def _train(cfg: PipelineBenchConfig, name: str, rate: float, pg: Any, rank: int,
         _phased(pipe, blocked)
     feed = iter(batches)
     steps, cpu, exposed = [], [], []
+    split = _random_micro_batches(cfg.seed + rank) if name.endswith("_random") else contextlib.nullcontext()
     try:
-        with _counting_waits(blocked):
+        with _counting_waits(blocked), split:
             last, last_cpu = time.perf_counter(), time.process_time()
             for i in range(cfg.warmup + cfg.steps):
                 before = dict(blocked.ms)
@@ -315,7 +356,9 @@ def _train(cfg: PipelineBenchConfig, name: str, rate: float, pg: Any, rank: int,
     finally:
         if hasattr(pipe, "close"):
             pipe.close()
-    return {"steps": steps, "cpu": cpu, "exposed": exposed}
+    # rows asked per measured step (ours: each micro-batch's distinct rows; whole batches: every id)
+    rows_asked = pipe.rows_asked[cfg.warmup:] if ours else []
+    return {"steps": steps, "cpu": cpu, "exposed": exposed, "rows_asked": rows_asked}
 
 
 def rank_program(info: Any, cfg: PipelineBenchConfig) -> list[dict[str, Any]]:
@@ -370,6 +413,9 @@ def run(cfg: PipelineBenchConfig, timeout_s: float = 1800.0) -> list[dict[str, A
             own = statistics.fmean(t for runs in rounds for r in runs for t in r["steps"])  # a rank's own step
             step = statistics.median(per_round)
             cpu = statistics.fmean(t for runs in rounds for r in runs for t in r["cpu"])
+            asked = [n for runs in rounds for r in runs for n in r["rows_asked"]]
+            if asked:
+                row["ids_sent"] = statistics.fmean(asked)  # per rank and step
             row.update(step_ms=step, round_spread=(max(per_round) - min(per_round)) / step, cpu_ms=cpu,
                        exposed_comm_ms=exposed, **{f"exposed_{p}_ms": v for p, v in phases.items()},
                        bubble_ms=statistics.fmean(per_round) - (own - exposed), rounds=len(rounds))
@@ -379,7 +425,7 @@ def run(cfg: PipelineBenchConfig, timeout_s: float = 1800.0) -> list[dict[str, A
 
 def table(rows: list[dict[str, Any]], title: str) -> str:
     head = (f"{'pipeline':<13}{'collision':>10}{'step_ms':>10}{'spread':>8}{'cpu_ms':>8}{'exposed':>10}{'ids':>8}{'emb':>8}{'grads':>8}"
-            f"{'bubble':>9}")
+            f"{'bubble':>9}{'ids_sent':>10}")
     lines = [f"# {title}", head]
     for r in rows:
         if "note" in r:
@@ -388,7 +434,7 @@ def table(rows: list[dict[str, Any]], title: str) -> str:
         lines.append(f"{r['pipeline']:<13}{r['collision_rate']:>10.2f}{r['step_ms']:>10.2f}{r['round_spread']:>8.1%}{r['cpu_ms']:>8.2f}"
                      f"{r['exposed_comm_ms']:>10.2f}"
                      f"{r['exposed_ids_ms']:>8.2f}{r['exposed_embeddings_ms']:>8.2f}{r['exposed_gradients_ms']:>8.2f}"
-                     f"{r['bubble_ms']:>9.2f}")
+                     f"{r['bubble_ms']:>9.2f}" + (f"{r['ids_sent']:>10.0f}" if "ids_sent" in r else f"{'-':>10}"))
     return "\n".join(lines)
 
 
@@ -405,7 +451,44 @@ def summary(rows: list[dict[str, Any]]) -> str:
         goal = f"{'met' if share <= 0.30 else 'NOT met'} (<= 30 %)" if rate == 0 else ""
         lines.append(f"collision {rate:.2f}: PEC exposes {share:.0%} of TrainPipelineSparseDist's embedding comm {goal}; "
                      f"step {ours['step_ms']:.2f} vs {base['step_ms']:.2f} ms: {step_verdict(ours, base)}")
-    return "\n".join(lines)
+    return "\n".join(lines + nestpipe_summary(rows))
+
+
+def nestpipe_summary(rows: list[dict[str, Any]]) -> list[str]:
+    """NestPipe's goals on these rows: 4 frozen-window micro-batches expose at most 40 % of the
+    whole batch's embedding communication (fwp4 vs fwp1) and send at most 1.2x its distinct ids;
+    at collision 0.5 the full mix (nestpipe) has the lowest step of every mode run."""
+    by = {(r["pipeline"], r["collision_rate"]): r for r in rows if "note" not in r}
+    lines = []
+    for rate in sorted({r["collision_rate"] for r in rows}):
+        whole, fwp4 = by.get(("fwp1", rate)), by.get(("fwp4", rate))
+        if whole is not None and fwp4 is not None and whole["exposed_comm_ms"] > 0:
+            share = fwp4["exposed_comm_ms"] / whole["exposed_comm_ms"]
+            lines.append(f"collision {rate:.2f}: 4 micro-batches expose {share:.0%} of the whole batch's embedding comm "
+                         f"({fwp4['exposed_comm_ms']:.2f} vs {whole['exposed_comm_ms']:.2f} ms): "
+                         f"{'met' if share <= 0.40 else 'NOT met'} (<= 40 %)")
+        if whole is not None and whole.get("ids_sent"):
+            for m in (2, 4, 8):
+                parts = []
+                for kind in ("", "_random"):
+                    r = by.get((f"fwp{m}{kind}", rate))
+                    if r is not None and "ids_sent" in r:
+                        parts.append(f"{'random' if kind else 'clustered'} {r['ids_sent'] / whole['ids_sent']:.2f}x")
+                if parts:
+                    goal = ""
+                    if by.get((f"fwp{m}", rate)) is not None and m == 4:
+                        ratio = by[("fwp4", rate)]["ids_sent"] / whole["ids_sent"]
+                        goal = f": {'met' if ratio <= 1.2 else 'NOT met'} (clustered <= 1.2x)"
+                    lines.append(f"collision {rate:.2f}: {m} micro-batches send {', '.join(parts)} the whole batch's "
+                                 f"distinct ids{goal}")
+        mine = [r for (name, r_rate), r in by.items() if r_rate == rate]
+        if rate == 0.5 and by.get(("nestpipe", rate)) is not None and len(mine) > 1:
+            best = min(mine, key=lambda r: r["step_ms"])
+            nest = by[("nestpipe", rate)]
+            verdict = "met" if best is nest else f"NOT met ({best['pipeline']}: {best['step_ms']:.2f} ms)"
+            lines.append(f"collision 0.50: nestpipe (DBP/PEC + FWP 4 + balance) steps in {nest['step_ms']:.2f} ms, "
+                         f"lowest of {len(mine)} modes: {verdict}")
+    return lines
 
 
 def step_verdict(ours: dict[str, Any], base: dict[str, Any]) -> str:
@@ -427,7 +510,7 @@ def plot(rows: list[dict[str, Any]], path: str, title: str) -> str:
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
-    for name in PIPELINES:
+    for name in ALL_PIPELINES:
         mine = [r for r in rows if r["pipeline"] == name and "note" not in r]
         if not mine:
             continue

@@ -366,9 +366,8 @@ class PecExchange:
                 self._apply(self._send_grads(asks, served, grads, lrs, first=True))
             if has_next and served.grad_ol is not None:  # (prefetch="ids": every gradient went first)
                 self.unsent = (asks, served, grads, lrs)
-        if has_next:
+        if has_next:  # its rows that waited for this update: fetch_micro() next
             self.current, self.next = self.next, None
-            self.fetch_micro(0 if self.micro_batches else None)
         else:
             self.apply_deferred()
             self.current = None

@@ -4,11 +4,13 @@ put back in the batch's sample order.
 
 A batch is cut along its samples: every KeyedJaggedTensor keeps its keys and takes the chosen
 samples' lists; every tensor whose first dimension is the batch size takes the chosen rows;
-dataclasses, dicts, lists and tuples are cut field by field; numbers, strings and None are kept.
+dataclasses, dicts, lists, tuples and other objects are cut field by field (attribute by
+attribute, on a shallow copy); numbers, strings and None are kept.
 Anything else: pass `split_batch` to the pipeline."""
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
@@ -113,6 +115,11 @@ def split_batch(batch: Any, samples: torch.Tensor, size: int, where: str = "batc
         return type(batch)._make(parts) if hasattr(batch, "_fields") else type(batch)(parts)
     if batch is None or isinstance(batch, (bool, int, float, str)):
         return batch
+    if hasattr(batch, "__dict__") and not callable(batch):  # a plain batch class: a copy, attribute by attribute
+        part = copy.copy(batch)
+        for name, value in vars(batch).items():
+            setattr(part, name, split_batch(value, samples, size, f"{where}.{name}"))
+        return part
     raise ValueError(f"{where} is a {type(batch).__name__}: cannot cut it into micro-batches; pass "
                      "split_batch=lambda batch, samples: ... (samples: int64 indices of the micro-batch's samples)")
 

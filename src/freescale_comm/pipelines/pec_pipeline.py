@@ -69,13 +69,15 @@ class TrainPipelinePEC(Generic[In, Out]):
         on its own distinct rows, and the rows that wait for the last update move one round per
         micro-batch, micro-batch m+1's (at next_micro_priority) while m computes. Embedding
         gradients accumulate over the micro-batches and apply once per batch, through the fused
-        optimizer; dense gradients accumulate too (DDP syncs once, on the last micro-batch).
+        optimizer; dense gradients accumulate too (DDP syncs each micro-batch's, see _ddp). The
+        model must use the same dense parameters on an empty micro-batch as on any other (as
+        DDP's static graph requires of every backward: a rank whose graph skips one waits forever).
         progress() returns the micro-batches' outputs merged by merge_output. None: whole
         batches, every id sent as TorchRec sends it (results bit-identical to
         TrainPipelineSparseDist).
     split_batch: (batch, int64 sample indices) -> that micro-batch, for batches the built-in
-        cut cannot handle (it cuts KeyedJaggedTensors, tensors of batch-size rows, dataclasses,
-        dicts, lists and tuples).
+        cut cannot handle (it cuts KeyedJaggedTensors, tensors of batch-size rows, and dataclasses,
+        dicts, lists, tuples and plain objects field by field).
     merge_output: (the micro-batches' outputs, per micro-batch its int64 sample indices) -> the
         batch's output. Default: tensors whose first dimension is each micro-batch's sample count
         are put back in the batch's sample order, tuples / lists / dicts item by item, anything
@@ -159,9 +161,10 @@ class TrainPipelinePEC(Generic[In, Out]):
         self._failure: Optional[BaseException] = None  # what broke the pipeline: raised again
         self._closed = False
         # per step, ms the main thread waited on embedding communication: in all, and by phase
-        # ("ids": counts, ids; "embeddings": flags, NOL rows; "gradients": OL gradients, OL update,
-        # OL rows)
+        # ("ids": counts, ids; "embeddings": flags, NOL rows, the rows that waited for the last update
+        # (OL rows; with micro-batches each one's, as it starts); "gradients": OL gradients, OL update)
         self.exposed_ms: list[float] = []
+        self.rows_asked: list[int] = []  # per step: embedding rows this rank asked its owners for (ids sent)
         self.exposed_by_phase: list[dict[str, float]] = []
         self._balanced = [fc_balance(target, cost_model, group=group) for target, cost_model in to_balance]
         self._hooks = []
@@ -275,6 +278,7 @@ class TrainPipelinePEC(Generic[In, Out]):
                 # read now, while no update runs on the worker (those pin an earlier batch's rate)
                 lrs = {id(t): t.get_learning_rate() for t in self._exchange.tbes}
             has_next = self._has_next  # batch N+1 exists (agreed when its counts went out)
+            trained_rows = sum(rows.numel() for rows in self._asks.rows)
             if not has_next and not self._execute_all_batches:  # the data ran out: stop before training
                 self._drain()
                 raise StopIteration
@@ -301,8 +305,12 @@ class TrainPipelinePEC(Generic[In, Out]):
             # the worker is idle here (everything submitted was waited for): the gradient round trip
             # runs on this thread, no handoff; program order across ranks is unchanged
             start = time.perf_counter()
-            self._exchange.gradients(grads, lrs, has_next)  # with micro-batches: N+1's first one's rows
+            self._exchange.gradients(grads, lrs, has_next)
             self._exposed["gradients"] += (time.perf_counter() - start) * 1e3
+            if has_next:  # N+1's rows that waited for this update (with micro-batches: its first one's)
+                start = time.perf_counter()
+                self._exchange.fetch_micro(0 if self._micro_batches is not None else None)
+                self._exposed["embeddings"] += (time.perf_counter() - start) * 1e3
             # the next micro-batches' rows, in order, before anything of lower priority
             self._micro_rows = [None] + [self._post(self._exchange.fetch_micro, m)
                                          for m in range(1, self._micro_batches)] \
@@ -320,6 +328,7 @@ class TrainPipelinePEC(Generic[In, Out]):
             self._failure = e
             raise
         self.exposed_ms.append(sum(self._exposed.values()))
+        self.rows_asked.append(trained_rows)
         self.exposed_by_phase.append(dict(self._exposed))
         self._step += 1
         if has_next:
