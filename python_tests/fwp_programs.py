@@ -5,6 +5,7 @@ on whole batches."""
 
 from __future__ import annotations
 
+import torch
 import torch.distributed as dist
 
 from pec_pipeline_programs import _rel, make_batches, train
@@ -40,8 +41,17 @@ def fwp_matches_synchronous(info, steps: int, collisions: list[float], optimizer
 
 def fwp_near_sparse_dist(info, steps: int, collision: float, optimizer: str, micro: list) -> dict:
     """TrainPipelineSparseDist on whole batches against the pipeline with each micro-batch count
-    (None: whole batches, every id sent)."""
+    (None: whole batches, every id sent); "M no_sync": the dense part's DDP built with
+    static_graph=False, where micro-batches before the last skip the all-reduce. "dense spread":
+    the largest difference of a dense weight between this rank and rank 0 (DDP keeps them equal)."""
     pg = dist.group.WORLD
     batches = make_batches(steps, dist.get_world_size(), collision, seed=31)
     ref = train(pg, "sparse_dist", optimizer, batches)
-    return {str(m): _diff(ref, train(pg, "pec", optimizer, batches, micro_batches=m)) for m in micro}
+    report = {str(m): _diff(ref, train(pg, "pec", optimizer, batches, micro_batches=m)) for m in micro}
+    got = train(pg, "pec", optimizer, batches, micro_batches=micro[-1], static_graph=False)
+    report[f"{micro[-1]} no_sync"] = _diff(ref, got)
+    dense = torch.cat([v.flatten() for k, v in sorted(got["state"].items()) if k.startswith("weight:") and "head" in k])
+    first = dense.clone()
+    dist.broadcast(first, 0)
+    report["dense spread"] = float((dense - first).abs().max())
+    return report

@@ -12,6 +12,7 @@ import torch.fx
 from torch import nn
 from torchrec import EmbeddingBagCollection, EmbeddingCollection, KeyedJaggedTensor
 from torchrec.distributed import DistributedModelParallel
+from torchrec.distributed.model_parallel import DefaultDataParallelWrapper
 from torchrec.distributed.embedding import EmbeddingCollectionSharder
 from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
 from torchrec.distributed.sharding_plan import column_wise, construct_module_sharding_plan, row_wise, table_wise
@@ -131,6 +132,7 @@ def build(pg: dist.ProcessGroup, optimizer: str, model_cls: type = Model, **mode
     world = dist.get_world_size(pg)
     torch.manual_seed(0)
     fused = {"optimizer": OPTIMIZERS[optimizer], "learning_rate": 0.1 if optimizer == "sgd" else 0.05}
+    static_graph = model_kwargs.pop("static_graph", True)  # the dense part's DDP (TorchRec's default: True)
     if "fused_params" in model_kwargs:
         fused = model_kwargs.pop("fused_params")
     sharders = (EmbeddingBagCollectionSharder(fused_params=fused), EmbeddingCollectionSharder(fused_params=fused))
@@ -140,7 +142,8 @@ def build(pg: dist.ProcessGroup, optimizer: str, model_cls: type = Model, **mode
     ec = construct_module_sharding_plan(model.ec, {f"t_{f}": _spec(k, world, i + 1) for i, (f, k) in enumerate(SEQUENCE.items())},
                                         sharders[1], local_size=world, world_size=world, device_type="cpu")
     dmp = DistributedModelParallel(model, env=ShardingEnv.from_process_group(pg), device=torch.device("cpu"),
-                                   plan=ShardingPlan({"ebc": ebc, "ec": ec}), sharders=list(sharders))
+                                   plan=ShardingPlan({"ebc": ebc, "ec": ec}), sharders=list(sharders),
+                                   data_parallel_wrapper=DefaultDataParallelWrapper(static_graph=static_graph))
     dense = KeyedOptimizerWrapper(dict(in_backward_optimizer_filter(dmp.named_parameters())),
                                   lambda params: torch.optim.SGD(params, lr=0.1))
     return dmp, CombinedOptimizer([dmp.fused_optimizer, dense])
@@ -166,7 +169,7 @@ def train(pg: dist.ProcessGroup, pipeline: str, optimizer: str, batches: list[li
     """Trains on `batches` (each epoch a new iterator over them, as a dataloader loop does), or
     stops after `stop_after` steps and reads the state mid-run (the PEC pipeline still open)."""
     rank = dist.get_rank(pg)
-    dmp, opt = build(pg, optimizer)
+    dmp, opt = build(pg, optimizer, static_graph=kwargs.pop("static_graph", True))
     blocking = kwargs.pop("blocking", False)  # the synchronous reference: every message waited when posted
     if pipeline == "sparse_dist":
         pipe = TrainPipelineSparseDist(dmp, opt, torch.device("cpu"))

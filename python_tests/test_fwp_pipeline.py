@@ -55,14 +55,17 @@ def test_micro_batches_match_sparse_dist_within_float_rounding():
     batches (micro_batches=None) are bit-identical. Where the sums differ: each micro-batch sends a
     row once and sums its ids' gradients for it (autograd of the gather) before the owner's fused
     update sums those, where TorchRec's TBE sums every id's gradient at once; dense gradients are
-    sums over micro-batches (DDP all-reduces each micro-batch's); outputs differ only downstream of
-    these (the dense head's weights)."""
+    sums over micro-batches (DDP all-reduces each micro-batch's, or with static_graph=False the sum
+    once, on the last: "4 no_sync"); outputs differ only downstream of these (the dense head's
+    weights). A DDP that skipped an all-reduce would fail both (an experiment that bypassed DDP's
+    forward on all but the last micro-batch did: 0.3 off, silently)."""
     from fwp_programs import fwp_near_sparse_dist
 
     for report in spawn(fwp_near_sparse_dist, 2, 8, 0.5, "sgd", [None, 1, 2, 4], timeout_s=300):
         assert report["None"] == {"outputs": 0.0, "state": 0.0}, report
-        for m in ("1", "2", "4"):
+        for m in ("1", "2", "4", "4 no_sync"):
             assert report[m]["outputs"] <= 1e-6 and report[m]["state"] <= 1e-6, (m, report[m])
+        assert report["dense spread"] == 0.0, report
 
 
 def test_every_micro_batch_read_is_fresh_and_skipping_the_dual_buffer_refresh_is_caught():
@@ -81,3 +84,26 @@ def test_every_micro_batch_read_is_fresh_and_skipping_the_dual_buffer_refresh_is
                 assert report[f"{c} "]["checked"] > 100 and report[f"{c} "]["stale"] == 0, (prefetch, report)
                 caught = report[f"{c} {mutations[1]}"]["stale"]  # rows read before the update they wait for
                 assert (caught > 0) == (c > 0), (prefetch, c, report)
+
+
+def test_the_benchmark_runs_nestpipes_modes_and_checks_their_goals(tmp_path, capsys):
+    """freescale-bench torchrec-pec with NestPipe's modes runs, counts the rows each asks for and
+    prints the goals' lines (its figures are for benchmarks, never asserted here): a random split
+    cannot send fewer rows than the whole batch, nor can clustered micro-batches."""
+    import json
+
+    from freescale_comm.bench.cli import main
+
+    out, png = tmp_path / "rows.json", tmp_path / "plot.png"
+    assert main(["torchrec-pec", "--ranks", "2", "--rates", "0.5", "--steps", "2", "--warmup", "1", "--rounds", "1",
+                 "--samples", "8", "--pipelines", "pec", "fwp1", "fwp4", "fwp4_random", "nestpipe",
+                 "--json", str(out), "--plot", str(png)]) == 0
+    rows = {r["pipeline"]: r for r in json.loads(out.read_text())["rows"]}
+    assert sorted(rows) == ["fwp1", "fwp4", "fwp4_random", "nestpipe", "pec"], rows
+    for r in rows.values():
+        assert "note" not in r and r["step_ms"] > 0 and r["ids_sent"] > 0, r
+    assert rows["fwp4"]["ids_sent"] >= rows["fwp1"]["ids_sent"] <= rows["fwp4_random"]["ids_sent"], rows
+    assert rows["pec"]["ids_sent"] >= rows["fwp1"]["ids_sent"], rows  # every id vs each distinct id once
+    printed = capsys.readouterr().out
+    assert "4 micro-batches expose" in printed and "4 micro-batches send clustered" in printed, printed
+    assert "collision 0.50: nestpipe" in printed, printed

@@ -246,6 +246,7 @@ def _build(cfg: PipelineBenchConfig, pg: Any) -> tuple[Any, Any]:
     from torchrec.distributed import DistributedModelParallel
     from torchrec.distributed.embedding import EmbeddingCollectionSharder
     from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
+    from torchrec.distributed.model_parallel import DefaultDataParallelWrapper
     from torchrec.distributed.sharding_plan import (column_wise, construct_module_sharding_plan, row_wise,
                                                     table_wise)
     from torchrec.distributed.types import ShardingEnv, ShardingPlan
@@ -265,8 +266,11 @@ def _build(cfg: PipelineBenchConfig, pg: Any) -> tuple[Any, Any]:
                                          sharders[0], local_size=world, world_size=world, device_type="cpu")
     ec = construct_module_sharding_plan(model.ec, {f"t_{f}": spec[k](i + 1) for i, (f, k) in enumerate(sequence.items())},
                                         sharders[1], local_size=world, world_size=world, device_type="cpu")
+    # the dense part's DDP without static_graph (TorchRec's default is True), for every pipeline alike:
+    # micro-batches before the last may then skip its all-reduce (no_sync is broken with static_graph)
     dmp = DistributedModelParallel(model, env=ShardingEnv.from_process_group(pg), device=torch.device("cpu"),
-                                   plan=ShardingPlan({"ebc": ebc, "ec": ec}), sharders=list(sharders))
+                                   plan=ShardingPlan({"ebc": ebc, "ec": ec}), sharders=list(sharders),
+                                   data_parallel_wrapper=DefaultDataParallelWrapper(static_graph=False))
     dense = KeyedOptimizerWrapper(dict(in_backward_optimizer_filter(dmp.named_parameters())),
                                   lambda params: torch.optim.SGD(params, lr=0.01))
     return dmp, CombinedOptimizer([dmp.fused_optimizer, dense])

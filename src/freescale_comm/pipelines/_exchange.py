@@ -13,11 +13,21 @@ Program order, identical on every rank (so the Communicator's sequence numbers m
     NOL rows f32    owner -> requester: N+1's rows N does not read, looked up now after every
                     earlier update (N-1's deferred gradients are applied first); skipped
                     when the flags say no rank has any                                      (low)
-  gradients(N), after N's backward (both skipped when the flags say no rank has any):
+  gradients(N), after N's backward (skipped, as the rounds below, when the flags say no rank has any):
     OL grads  f32   requester -> owner: gradients of rows N+1 reads                        (high)
+  fetch_micro(N+1, None), right after (the main thread):
     OL rows   f32   owner -> requester: N+1's rows N read, looked up after N's OL update   (high)
+    with M micro-batches, fetch_micro(N+1, 0) there sends micro-batch 0's only, and then
+    fetch_micro(N+1, m), m = 1..M-1, on the worker while N+1's micro-batch m-1 computes, sends
+    micro-batch m's                                                         (next_micro_priority)
   send_deferred(N):
     NOL grads f32   the rest, applied by the owner before it next looks a row up     (deferred)
+
+With micro-batches, each slot's rows are its micro-batches' distinct rows one after another, and
+the ids message carries how many each micro-batch has, so both sides cut every round the same way.
+prefetch="dual_buffer" sends every row of N+1 in the NOL round and refreshes the OL ones in the OL
+rounds; prefetch="ids" sends no flags (every row of N+1 waits, every gradient of N goes first) and
+no deferred gradients.
 
 A row of N+1 is OL if any rank read it (through any feature of its table) in N; both sides see
 the same flags, so sizes are known before every exchange. Updates go through the TBE's fused
@@ -49,6 +59,7 @@ class Asks:
     grad_ol: list[Optional[torch.Tensor]] = field(default_factory=list)  # per slot: bool [n_s] or None (all)
     step: int = 0
     micro: Optional[list["MicroAsk"]] = None  # frozen-window micro-batches (rows micro-batch-major), or None
+    _micro_index: dict[int, torch.Tensor] = field(default_factory=dict)  # slot -> micro_index(slot), cached
 
     def micro_counts(self, slot: int) -> list[int]:
         """Rows per micro-batch of one slot (micro-batch m's are rows[start_m : start_m + count_m])."""
@@ -56,8 +67,10 @@ class Asks:
 
     def micro_index(self, slot: int) -> torch.Tensor:
         """int64 [n_s]: the micro-batch of each row of one slot."""
-        counts = torch.tensor(self.micro_counts(slot), dtype=torch.int64)
-        return torch.repeat_interleave(torch.arange(len(self.micro)), counts).to(self.rows[slot].device)
+        if slot not in self._micro_index:
+            counts = torch.tensor(self.micro_counts(slot), dtype=torch.int64)
+            self._micro_index[slot] = torch.repeat_interleave(torch.arange(len(self.micro)), counts).to(self.rows[slot].device)
+        return self._micro_index[slot]
 
 
 @dataclass
