@@ -47,6 +47,12 @@ def test_micro_batches_overlapped_equal_a_synchronous_run_bit_for_bit_on_four_ra
                 assert rows.count(50) == (MICRO - 1) * steady, (case, rows)
             if case.startswith("collision=0.0") and not case.endswith("prefetch=ids"):
                 assert rows.count(50) == 0, (case, rows)
+                # no gradient goes first but the last batch's (nothing reads after it): streamed then
+                assert rows.count(25) == MICRO - 1, (case, rows)
+            # every micro-batch's gradients but the last's go out under the next one's compute, at
+            # micro_gradient_priority (25), whenever some rank has gradients that go first
+            if case.endswith("prefetch=ids"):
+                assert rows.count(25) == (MICRO - 1) * 8, (case, rows)
 
 
 def test_micro_batches_match_sparse_dist_within_float_rounding():

@@ -65,6 +65,10 @@ class Asks:
         """Rows per micro-batch of one slot (micro-batch m's are rows[start_m : start_m + count_m])."""
         return [m.count[slot] for m in self.micro]
 
+    def micro_slices(self, per_slot: list[torch.Tensor], m: int) -> list[torch.Tensor]:
+        """Micro-batch m's rows of per-slot tensors aligned with `rows`."""
+        return [t[a:a + n] for t, a, n in zip(per_slot, self.micro[m].start, self.micro[m].count)]
+
     def micro_index(self, slot: int) -> torch.Tensor:
         """int64 [n_s]: the micro-batch of each row of one slot."""
         if slot not in self._micro_index:
@@ -106,6 +110,7 @@ class _InFlight:
     step: int
     lrs: dict[int, float]
     divisor: int  # TorchRec divides embedding gradients by the world size (comm_ops.GRADIENT_DIVISION)
+    micro_of: Optional[dict[int, list[torch.Tensor]]] = None  # owned slot -> [world] micro-batch of each row
 
 
 PREFETCH = ("pec", "dual_buffer", "ids")
@@ -128,11 +133,13 @@ class PecExchange:
 
     def __init__(self, comm: Communicator, catalog: Catalog, high: int, low: int, deferred: int,
                  device: torch.device, early_overlap_reads: bool = False, prefetch: str = "pec",
-                 micro_batches: Optional[int] = None, micro: Optional[int] = None) -> None:
+                 micro_batches: Optional[int] = None, micro: Optional[int] = None,
+                 micro_gradients: Optional[int] = None) -> None:
         if prefetch not in PREFETCH:
             raise ValueError(f"prefetch must be one of {PREFETCH}, got {prefetch!r}")
         self.prefetch, self.micro_batches = prefetch, micro_batches
         self.micro_priority = micro if micro is not None else high
+        self.micro_gradient_priority = micro_gradients if micro_gradients is not None else high
         self.skip_refresh = False
         self.comm, self.catalog = comm, catalog
         self.device = device  # of ids, flags, rows and gradients (the tables'); counts stay on the host
@@ -365,10 +372,26 @@ class PecExchange:
                     asks.pieces[s][mask] = block
 
     # -- gradients ---------------------------------------------------------------------------------
-    def gradients(self, grads: Optional[list[torch.Tensor]], lrs: dict[int, float], has_next: bool) -> None:
-        """Batch N's gradients (per slot [n_s, cols], None in eval): the OL ones are sent and applied,
-        then N+1's OL rows sent (`has_next`), both skipped when no rank has any; batch N+1 becomes
-        current. The NOL gradients wait for send_deferred()."""
+    def stream_gradients(self, micro: int, grads: list[torch.Tensor], lrs: dict[int, float],
+                         has_next: bool) -> Optional[_InFlight]:
+        """Worker, after prepare(N+1), while N's next micro-batch computes: micro-batch `micro`'s
+        gradients that go first (OL; all when nothing follows or with prefetch="ids"), posted at
+        micro_gradient_priority, not waited for: gradients() applies them with the rest, once.
+        grads: per slot [its rows of that micro-batch, cols]. None when no rank has any."""
+        asks, served = self.current
+        if not has_next:  # nothing reads next: every gradient is needed now
+            asks.grad_ol = [None] * len(asks.rows)
+            served.grad_ol = None
+        if has_next and not self.any_overlap:
+            return None
+        return self._send_grads(asks, served, grads, lrs, first=True, micro=micro)
+
+    def gradients(self, grads: Optional[list[torch.Tensor]], lrs: dict[int, float], has_next: bool,
+                  streamed: tuple = ()) -> None:
+        """Batch N's gradients (per slot [n_s, cols], None in eval): the OL ones are sent and applied
+        (with micro-batches: the last one's sent now, `streamed` the earlier ones' in flight, all
+        applied in one update), skipped when no rank has any; batch N+1 becomes current. The NOL
+        gradients wait for send_deferred()."""
         asks, served = self.current
         self.unsent = None
         if grads is not None:
@@ -376,7 +399,12 @@ class PecExchange:
                 asks.grad_ol = [None] * len(asks.rows)
                 served.grad_ol = None
             if not has_next or self.any_overlap:
-                self._apply(self._send_grads(asks, served, grads, lrs, first=True))
+                if streamed:  # the last micro-batch's rows only
+                    last = len(asks.micro) - 1
+                    final = self._send_grads(asks, served, asks.micro_slices(grads, last), lrs, first=True, micro=last)
+                    self._apply(*streamed, final)
+                else:
+                    self._apply(self._send_grads(asks, served, grads, lrs, first=True))
             if has_next and served.grad_ol is not None:  # (prefetch="ids": every gradient went first)
                 self.unsent = (asks, served, grads, lrs)
         if has_next:  # its rows that waited for this update: fetch_micro() next
@@ -410,32 +438,47 @@ class PecExchange:
             self.deferred_grads = self._send_grads(asks, served, grads, lrs, first=False)
 
     def _send_grads(self, asks: Asks, served: Served, grads: list[torch.Tensor], lrs: dict[int, float],
-                    first: bool) -> _InFlight:
+                    first: bool, micro: Optional[int] = None) -> _InFlight:
+        """Posts the OL (`first`) or NOL gradients, of micro-batch `micro` only if given (then
+        grads[s] holds that micro-batch's rows of slot s); returns them in flight to the owners."""
         send, send_splits = [], []
         for o in range(self.world):
             n = 0
             for s in self.owned_by[o]:
-                g = grads[s]
-                if asks.grad_ol[s] is not None:
-                    g = g[asks.grad_ol[s] if first else ~asks.grad_ol[s]]
+                g, ol = grads[s], asks.grad_ol[s]
+                if ol is not None and micro is not None:
+                    start = asks.micro[micro].start[s]
+                    ol = ol[start:start + asks.micro[micro].count[s]]
+                if ol is not None:
+                    g = g[ol if first else ~ol]
                 send.append(g.reshape(-1))
                 n += g.numel()
             send_splits.append(n)
         rows_of: dict[int, list[torch.Tensor]] = {}
+        micro_of: Optional[dict[int, list[torch.Tensor]]] = {} if served.micro is not None else None
         recv_splits = []
         for r in range(self.world):
             n = 0
             for s in self.owned:
-                rows = served.asked[s][r]
+                mask = None
                 if served.grad_ol is not None:
-                    rows = rows[served.grad_ol[s][r] if first else ~served.grad_ol[s][r]]
+                    mask = served.grad_ol[s][r] if first else ~served.grad_ol[s][r]
+                if micro is not None:
+                    mine = served.micro[s][r] == micro
+                    mask = mine if mask is None else mask & mine
+                rows = served.asked[s][r] if mask is None else served.asked[s][r][mask]
                 rows_of.setdefault(s, []).append(rows)
+                if micro_of is not None:
+                    micro_of.setdefault(s, []).append(served.micro[s][r] if mask is None else served.micro[s][r][mask])
                 n += rows.numel() * self.cols[s]
             recv_splits.append(n)
         buffer = torch.empty(sum(recv_splits), device=self.device)
         inp = torch.cat(send) if send else torch.empty(0, device=self.device)
-        work = self._a2a(buffer, inp, recv_splits, send_splits, self.high if first else self.deferred)
-        return _InFlight(work, buffer, recv_splits, rows_of, asks.step, lrs, self.world if _gradient_division() else 1)
+        priority = self.deferred if not first else self.high if micro is None or micro == len(asks.micro) - 1 \
+            else self.micro_gradient_priority
+        work = self._a2a(buffer, inp, recv_splits, send_splits, priority)
+        return _InFlight(work, buffer, recv_splits, rows_of, asks.step, lrs, self.world if _gradient_division() else 1,
+                         micro_of)
 
     def apply_deferred(self) -> None:
         """Applies the deferred gradients in flight, if any (every rank sent them already)."""
@@ -443,31 +486,40 @@ class PecExchange:
             pending, self.deferred_grads = self.deferred_grads, None
             self._apply(pending)
 
-    def _apply(self, flight: _InFlight) -> None:
-        """Waits for `flight`'s gradients and applies them through each TBE's fused backward."""
-        flight.work.wait()
-        if flight.divisor != 1:
-            flight.buffer.div_(flight.divisor)  # as TorchRec's AllToAll backward does, after the exchange
+    def _apply(self, *flights: _InFlight) -> None:
+        """Waits for the gradients of `flights` (one batch's) and applies them through each TBE's
+        fused backward, one update. With micro-batches, each row's gradients are ordered by
+        micro-batch, then requester, however they travelled (so every prefetch mode sums alike)."""
         rows_of: dict[int, list[torch.Tensor]] = {s: [] for s in self.owned}
         grads_of: dict[int, list[torch.Tensor]] = {s: [] for s in self.owned}
-        for r, block in enumerate(flight.buffer.split(flight.splits)):
-            offset = 0
-            for s in self.owned:
-                rows = flight.rows_of[s][r]
-                n = rows.numel() * self.cols[s]
-                rows_of[s].append(rows)
-                grads_of[s].append(block[offset:offset + n].view(rows.numel(), self.cols[s]))
-                offset += n
+        micro_of: dict[int, list[torch.Tensor]] = {s: [] for s in self.owned}
+        for flight in flights:
+            flight.work.wait()
+            if flight.divisor != 1:
+                flight.buffer.div_(flight.divisor)  # as TorchRec's AllToAll backward does, after the exchange
+            for r, block in enumerate(flight.buffer.split(flight.splits)):
+                offset = 0
+                for s in self.owned:
+                    rows = flight.rows_of[s][r]
+                    n = rows.numel() * self.cols[s]
+                    rows_of[s].append(rows)
+                    grads_of[s].append(block[offset:offset + n].view(rows.numel(), self.cols[s]))
+                    if flight.micro_of is not None:
+                        micro_of[s].append(flight.micro_of[s][r])
+                    offset += n
         per_tbe: dict[int, dict[int, tuple[torch.Tensor, torch.Tensor]]] = {}
         for s in self.owned:
             slot = self._slot(s)
             shard = self.catalog.local[slot.key]
-            per_tbe.setdefault(id(shard.tbe), {})[shard.tbe_features[slot.feature]] = \
-                (torch.cat(rows_of[s]), torch.cat(grads_of[s]))
+            rows, grads = torch.cat(rows_of[s]), torch.cat(grads_of[s])
+            if micro_of[s]:
+                order = torch.argsort(torch.cat(micro_of[s]), stable=True)
+                rows, grads = rows[order], grads[order]
+            per_tbe.setdefault(id(shard.tbe), {})[shard.tbe_features[slot.feature]] = (rows, grads)
         for tbe in self.tbes:
             work = per_tbe.get(id(tbe))
             if work and any(rows.numel() for rows, _ in work.values()):
-                tbe_update(tbe, work, self.iter_base[id(tbe)] + flight.step, flight.lrs[id(tbe)])
+                tbe_update(tbe, work, self.iter_base[id(tbe)] + flights[0].step, flights[0].lrs[id(tbe)])
 
     def _pin_iterations(self, steps_done: int) -> None:
         for t in self.tbes:

@@ -90,18 +90,20 @@ class TrainPipelinePEC(Generic[In, Out]):
                  sparse_inputs: Optional[Callable[[Any], dict[str, Any]]] = None,
                  balance: Optional[Mapping[str, CostModel]] = None, prefetch: str = "pec",
                  micro_batches: Optional[int] = None, next_micro_priority: int = 50,
+                 micro_gradient_priority: int = 25,
                  split_batch: Optional[SplitBatch] = None,
                  merge_output: Optional[Callable[[list[Any], list[torch.Tensor]], Any]] = None) -> None:
         if not hasattr(model, "plan") or not hasattr(model, "module"):
             raise TypeError(f"model must be a torchrec DistributedModelParallel, got {type(model).__name__}")
-        for p in (high_priority, next_micro_priority, low_priority, deferred_priority):
+        for p in (high_priority, next_micro_priority, micro_gradient_priority, low_priority, deferred_priority):
             check_priority(p)
         if not high_priority > low_priority > deferred_priority:
             raise ValueError("priorities must satisfy high_priority > low_priority > deferred_priority, got "
                              f"{high_priority}, {low_priority}, {deferred_priority}")
-        if micro_batches is not None and not high_priority >= next_micro_priority > low_priority:
-            raise ValueError("next_micro_priority must lie in (low_priority, high_priority], got "
-                             f"{next_micro_priority} with {low_priority}, {high_priority}")
+        if micro_batches is not None and not high_priority >= next_micro_priority > micro_gradient_priority > low_priority:
+            raise ValueError("priorities must satisfy high_priority >= next_micro_priority > micro_gradient_priority > "
+                             f"low_priority, got {high_priority}, {next_micro_priority}, {micro_gradient_priority}, "
+                             f"{low_priority}")
         if prefetch not in PREFETCH:
             raise ValueError(f"prefetch must be one of {', '.join(map(repr, PREFETCH))}, got {prefetch!r}")
         if micro_batches is not None and (isinstance(micro_batches, bool) or not isinstance(micro_batches, int)
@@ -136,7 +138,8 @@ class TrainPipelinePEC(Generic[In, Out]):
         tables = {s.weight.device for s in self._catalog.local.values()}
         self._exchange = PecExchange(self._comm, self._catalog, high_priority, low_priority, deferred_priority,
                                      tables.pop() if len(tables) == 1 else self._device, prefetch=prefetch,
-                                     micro_batches=micro_batches, micro=next_micro_priority)
+                                     micro_batches=micro_batches, micro=next_micro_priority,
+                                     micro_gradients=micro_gradient_priority)
         # DDP wrappers of the dense part that micro-batches before the last may skip syncing in. Not
         # static_graph ones (TorchRec's default): no_sync() there asserts or silently stops all-reducing
         # (pytorch/pytorch#143580, #187732), so each micro-batch's backward syncs its own gradients
@@ -284,8 +287,9 @@ class TrainPipelinePEC(Generic[In, Out]):
                 raise StopIteration
             # after batch N+1's ids (one worker, FIFO)
             prepared = self._post(self._exchange.prepare) if has_next else None
+            streamed: list[concurrent.futures.Future] = []  # earlier micro-batches' OL gradients, in flight
             if isinstance(self._batch, MicroBatches):
-                output, grads = self._micro_steps(training)
+                output, grads = self._micro_steps(training, lrs, has_next, streamed)
             else:
                 for piece in self._asks.pieces:
                     piece.requires_grad_(training)
@@ -305,7 +309,8 @@ class TrainPipelinePEC(Generic[In, Out]):
             # the worker is idle here (everything submitted was waited for): the gradient round trip
             # runs on this thread, no handoff; program order across ranks is unchanged
             start = time.perf_counter()
-            self._exchange.gradients(grads, lrs, has_next)
+            in_flight = tuple(f for f in (future.result() for future in streamed) if f is not None)
+            self._exchange.gradients(grads, lrs, has_next, in_flight)
             self._exposed["gradients"] += (time.perf_counter() - start) * 1e3
             if has_next:  # N+1's rows that waited for this update (with micro-batches: its first one's)
                 start = time.perf_counter()
@@ -338,9 +343,11 @@ class TrainPipelinePEC(Generic[In, Out]):
             self._drain()
         return output
 
-    def _micro_steps(self, training: bool) -> tuple[Any, Optional[list[torch.Tensor]]]:
+    def _micro_steps(self, training: bool, lrs: dict[int, float], has_next: bool,
+                     streamed: list[concurrent.futures.Future]) -> tuple[Any, Optional[list[torch.Tensor]]]:
         """Batch N's micro-batches, forward and backward one after another, each once its rows are
-        in; returns the merged output and, training, per slot the gradient of each asked row."""
+        in, each but the last one's OL gradients posted (`streamed`) while the next computes;
+        returns the merged output and, training, per slot the gradient of each asked row."""
         split: MicroBatches = self._batch
         last = len(split.batches) - 1
         outputs, leaves = [], []
@@ -358,12 +365,14 @@ class TrainPipelinePEC(Generic[In, Out]):
                 losses, out = self._model(batch)
                 if training:
                     torch.sum(losses, dim=0).backward()
+            if training and m < last:  # after prepare(N+1) on the worker (its flags say which go first)
+                streamed.append(self._post(self._exchange.stream_gradients, m, _grads_of(mine), lrs, has_next))
             outputs.append(out)
         self._inputs = {}
         grads = None
         if training:
-            grads = [torch.cat([mine[s].grad if mine[s].grad is not None else torch.zeros_like(mine[s])
-                                for mine in leaves]) for s in range(len(self._asks.rows))]
+            per_micro = [_grads_of(mine) for mine in leaves]
+            grads = [torch.cat([g[s] for g in per_micro]) for s in range(len(self._asks.rows))]
         if self._merge_output is not None:
             return self._merge_output(outputs, split.samples), grads
         return merge_outputs(outputs, split.samples, split.size), grads
@@ -432,6 +441,11 @@ def _balance_targets(model: nn.Module, balance: Optional[Mapping[str, CostModel]
             raise ValueError(f"balance[{fqn!r}]: the module is already balanced by fc.balance")
         targets.append((target, cost_model))
     return targets
+
+
+def _grads_of(leaves: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Each leaf's gradient (zeros where backward did not reach it)."""
+    return [leaf.grad if leaf.grad is not None else torch.zeros_like(leaf) for leaf in leaves]
 
 
 class _DataError:
