@@ -55,3 +55,35 @@ def fwp_near_sparse_dist(info, steps: int, collision: float, optimizer: str, mic
     dist.broadcast(first, 0)
     report["dense spread"] = float((dense - first).abs().max())
     return report
+
+
+def fwp_with_balance_matches_synchronous(info, steps: int, collision: float) -> dict:
+    """4 micro-batches with fc.balance on the tower (rank 0's histories long): PEC prefetch against
+    the synchronous reference, both balanced, outputs and state bit for bit; returns per rank the
+    samples the tower computed per call and each micro-batch's home samples (balancing moved some)."""
+    import freescale_comm as fc
+    from pec_pipeline_programs import (ROWS, SEQUENCE, Batch, BalancedModel, KeyedJaggedTensor, _state, build)
+    from freescale_comm.planner import CostModel
+
+    pg = dist.group.WORLD
+    rank, world = dist.get_rank(), dist.get_world_size()
+    cost = CostModel(quadratic=1.0, linear=0.0, constant=1.0)
+    batches = make_batches(steps, world, collision, seed=23, batch=8)
+    for row in batches:  # rank 0: long histories, the straggler balancing relieves
+        b = row[0]
+        lengths = torch.full_like(b.sequence.lengths(), 6)
+        values = torch.cat([torch.randint(0, ROWS, (6 * b.sequence.stride(),)) for _ in SEQUENCE])
+        row[0] = Batch(b.pooled, KeyedJaggedTensor(keys=list(SEQUENCE), values=values, lengths=lengths), b.label)
+    runs = {}
+    for name, kwargs in (("reference", {"prefetch": "ids"}), ("pec", {"prefetch": "pec"})):
+        dmp, opt = build(pg, "rowwise_adagrad", BalancedModel)
+        pipe = fc.TrainPipelinePEC(dmp, opt, torch.device("cpu"), group=pg, balance={"tower": cost},
+                                   micro_batches=MICRO, **kwargs)
+        pipe._blocking = name == "reference"
+        feed = iter([b[rank] for b in batches])
+        outputs = [pipe.progress(feed).clone() for _ in range(steps)]
+        pipe.close()
+        runs[name] = {"outputs": outputs, "state": _state(dmp, opt), "samples": list(dmp.module.tower.samples)}
+    ref, got = runs["reference"], runs["pec"]
+    return {"diff": _diff(ref, got), "samples": got["samples"], "same_samples": got["samples"] == ref["samples"],
+            "home": [len(b[rank].label) for b in batches]}

@@ -349,6 +349,19 @@ def refusals(info) -> dict:
     out["priorities"] = _expect(ValueError, fc.TrainPipelinePEC, dmp, opt, torch.device("cpu"), high_priority=0, low_priority=5)
     out["balance_name"] = _expect(ValueError, fc.TrainPipelinePEC, dmp, opt, torch.device("cpu"), balance={"nope": None})
     out["balance_cost"] = _expect(TypeError, fc.TrainPipelinePEC, dmp, opt, torch.device("cpu"), balance={"head": 1.0})
+    for bad_micro in (0, True, 2.5):
+        out[f"micro_batches={bad_micro!r}"] = _expect(ValueError, fc.TrainPipelinePEC, dmp, opt, torch.device("cpu"),
+                                                      micro_batches=bad_micro)
+    out["prefetch"] = _expect(ValueError, fc.TrainPipelinePEC, dmp, opt, torch.device("cpu"), prefetch="early")
+    out["micro_priorities"] = _expect(ValueError, fc.TrainPipelinePEC, dmp, opt, torch.device("cpu"), micro_batches=2,
+                                      next_micro_priority=10, micro_gradient_priority=20)
+    out["split_batch"] = _expect(TypeError, fc.TrainPipelinePEC, dmp, opt, torch.device("cpu"), micro_batches=2,
+                                 split_batch=5)
+    # a batch the micro-batch cut cannot handle (labels one longer than the batch): a ValueError naming it
+    uncuttable = [Batch(b.pooled, b.sequence, torch.cat([b.label, b.label[:1]])) for b in make_batches(2, world, 0.5)[0]]
+    pipe = fc.TrainPipelinePEC(dmp, opt, torch.device("cpu"), group=pg, micro_batches=2)
+    out["uncuttable"] = _expect(ValueError, pipe.progress, iter([uncuttable[dist.get_rank()]] * 2))
+    pipe.close()
     for name, spec in (("data_parallel", data_parallel()), ("dense_kernel", row_wise(compute_kernel="dense"))):
         torch.manual_seed(0)
         sharders = (EmbeddingBagCollectionSharder(fused_params={"optimizer": EmbOptimType.EXACT_SGD, "learning_rate": 0.1}),

@@ -113,3 +113,18 @@ def test_the_benchmark_runs_nestpipes_modes_and_checks_their_goals(tmp_path, cap
     printed = capsys.readouterr().out
     assert "4 micro-batches expose" in printed and "4 micro-batches send clustered" in printed, printed
     assert "collision 0.50: nestpipe" in printed, printed
+
+
+def test_micro_batches_compose_with_balance():
+    """fc.balance on the tower (rank 0's histories long) inside each of 4 micro-batches, on 2 ranks,
+    6 steps, collision 0.5: PEC prefetch equals the synchronous run of the same micro-batches bit
+    for bit, the tower computed the same samples per call in both, and balancing moved samples
+    (the tower ran on other counts than the micro-batches' own on some call)."""
+    from fwp_programs import fwp_with_balance_matches_synchronous
+
+    results = spawn(fwp_with_balance_matches_synchronous, 2, 6, 0.5, timeout_s=300)
+    for r in results:
+        assert r["diff"] == {"outputs": 0.0, "state": 0.0} and r["same_samples"], r
+        assert len(r["samples"]) >= 6 * 4, r  # every micro-batch ran the tower, empty ones too
+    assert results[0]["samples"] != results[1]["samples"], results
+    assert sum(results[0]["samples"]) < sum(results[0]["home"]), results  # rank 0 (long histories) gave samples away

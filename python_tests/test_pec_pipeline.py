@@ -86,6 +86,12 @@ def test_what_the_pipeline_cannot_prioritize_is_refused_clearly():
         assert "DistributedModelParallel" in out["not_dmp"], out
         assert "high_priority > low_priority" in out["priorities"], out
         assert "'nope'" in out["balance_name"] and "CostModel" in out["balance_cost"], out
+        for bad in ("0", "True", "2.5"):
+            assert "micro_batches must be an int >= 1" in out[f"micro_batches={bad}"], out
+        assert "prefetch must be one of 'pec', 'dual_buffer', 'ids'" in out["prefetch"], out
+        assert "next_micro_priority > micro_gradient_priority" in out["micro_priorities"], out
+        assert "split_batch must be callable" in out["split_batch"], out
+        assert "batch.label has first dimension" in out["uncuttable"] and "split_batch=" in out["uncuttable"], out
         assert "'t_ctx'" in out["data_parallel"] and "data_parallel" in out["data_parallel"], out
         assert "'t_ctx'" in out["dense_kernel"] and "'dense'" in out["dense_kernel"], out
         assert "ranks [0] ran out of data while ranks [1] still had a batch" in out["lengths"], out
