@@ -53,6 +53,8 @@ class TrainPipelinePEC(Generic[In, Out]):
         already fetched (TorchRec's TrainPipelineSparseDist, which looks two batches ahead, leaves two).
     group: the ranks to move embeddings among (default: the model's sharding process group).
     high_priority / low_priority / deferred_priority: OL traffic, prefetch traffic, NOL gradients.
+    next_micro_priority / micro_gradient_priority (with micro_batches): the next micro-batch's rows,
+        the current micro-batch's gradients; high >= next_micro > micro_gradient > low.
     sparse_inputs: batch -> {sharded module fqn: KeyedJaggedTensor}, when tracing cannot find them.
     balance: {submodule fqn: CostModel}: FreeScale's load balancing after the embedding
         communication: each named module (one consuming the embeddings, e.g. an HSTU tower taking
@@ -67,9 +69,11 @@ class TrainPipelinePEC(Generic[In, Out]):
         micro-batches (fc.microbatch's key-centric clustering of each rank's samples; every rank
         runs the same number, empty ones included); each micro-batch's forward and backward run
         on its own distinct rows, and the rows that wait for the last update move one round per
-        micro-batch, micro-batch m+1's (at next_micro_priority) while m computes. Embedding
+        micro-batch, micro-batch m+1's (at next_micro_priority) while m computes, and m's
+        gradients that go first leave while m+1 computes (at micro_gradient_priority). Embedding
         gradients accumulate over the micro-batches and apply once per batch, through the fused
-        optimizer; dense gradients accumulate too (DDP syncs each micro-batch's, see _ddp). The
+        optimizer; dense gradients accumulate too (DDP all-reduces each micro-batch's; built with
+        static_graph=False, only the last one's, with the sum: see _ddp). The
         model must use the same dense parameters on an empty micro-batch as on any other (as
         DDP's static graph requires of every backward: a rank whose graph skips one waits forever).
         progress() returns the micro-batches' outputs merged by merge_output. None: whole
