@@ -92,3 +92,31 @@ def test_cli_simulate_json_and_calibration(tmp_path, capsys):
     assert cli.main(["simulate", "--calibration", str(cal)]) == 2
     assert cli.main(["simulate", "--ranks", "5000"]) == 2
     assert "freescale-bench simulate:" in capsys.readouterr().err
+
+
+def test_nestpipe_modes_simulated_at_scale(capsys):
+    """simulate --nestpipe: every mode at each rank count, labeled simulated; the model's own
+    claims hold: micro-batches hide all rows rounds but the first (fwp4 exposes less than fwp1,
+    fwp8 less than fwp4), PEC hides the rows no update touches (at collision 0 it exposes less
+    than sync, and as much as sync at collision 1 but the ids), balancing lowers the largest
+    compute, and efficiency is the mean compute over the step."""
+    from freescale_comm.bench import simulate_nestpipe as sn
+    from freescale_comm.bench.cli import main
+    from freescale_comm.bench.simulate import SimParams
+
+    assert main(["simulate", "--nestpipe", "--nestpipe-ranks", "8", "16", "--steps", "1", "--samples", "16"]) == 0
+    printed = capsys.readouterr().out
+    assert "SIMULATED" in printed and "8 ranks: fastest" in printed and "16 ranks: fastest" in printed, printed
+    p = SimParams(ranks=16, samples=32, steps=1)
+    for collision in (0.0, 1.0):
+        rows = {r["mode"]: r for r in sn.run(p, list(sn.NESTPIPE_MODES), collision)}
+        assert rows["fwp8"]["exposed_ms"] < rows["fwp4"]["exposed_ms"] < rows["fwp1"]["exposed_ms"], rows
+        assert rows["nestpipe"]["max_compute_ms"] < rows["sync"]["max_compute_ms"], rows
+        for r in rows.values():
+            assert abs(r["scaling_efficiency"] - r["compute_ms"] / r["step_ms"]) < 1e-9, r
+    zero = {r["mode"]: r for r in sn.run(p, ["sync", "pec", "fwp1"], 0.0)}
+    assert zero["pec"]["exposed_ms"] < zero["fwp1"]["exposed_ms"] < zero["sync"]["exposed_ms"], zero
+    full = {r["mode"]: r for r in sn.run(p, ["pec", "fwp1"], 1.0)}
+    assert abs(full["pec"]["exposed_ms"] - full["fwp1"]["exposed_ms"]) < 1e-9, full
+    with pytest.raises(ValueError, match="collision"):
+        sn.run(p, ["pec"], 1.5)

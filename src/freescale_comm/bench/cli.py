@@ -115,6 +115,12 @@ def _parser() -> argparse.ArgumentParser:
                     help="use the cost model fitted by a measured run (the --json of freescale-bench e2e); "
                          "default: HSTU FLOPs (4 layers, 4 heads x 128) at 300 TFLOP/s")
     si.add_argument("--modes", nargs="+", default=list(_modes(simulated=True)), help="modes to simulate (default all)")
+    si.add_argument("--nestpipe", action="store_true", help="instead: fc.TrainPipelinePEC's modes (sync, pec, dbp, "
+                    "fwp1/2/4/8, nestpipe) at each of --nestpipe-ranks, with scaling efficiency (an analytic "
+                    "steady-state step: freescale_comm/bench/simulate_nestpipe.py)")
+    si.add_argument("--nestpipe-ranks", type=int, nargs="+", default=[256, 1536], help="ranks (default 256 1536)")
+    si.add_argument("--collision", type=float, default=0.5, help="--nestpipe: share of rows the batch before read "
+                    "(default 0.5)")
     _outputs(si, trace=True, progress=False)
     la = sub.add_parser("layout", help="CUDA: fc.dispatch's layout work (counts + gather) at training sizes: the Triton "
                         "kernels vs a vectorized PyTorch sort and a per-rank loop; the kernels' registers and spills")
@@ -383,6 +389,8 @@ def run_simulate(args: argparse.Namespace) -> int:
                            bandwidth_gbps=args.bandwidth_gbps, latency_us=args.latency_us,
                            bytes_per_item=args.bytes_per_item, dense_bytes=args.dense_bytes,
                            plan_us_per_sample=args.plan_us_per_sample)
+    if args.nestpipe:
+        return _simulate_nestpipe(args, p)
     try:
         if args.ranks > 4096:
             raise ValueError("ranks must be at most 4096")
@@ -407,6 +415,40 @@ def run_simulate(args: argparse.Namespace) -> int:
         import dataclasses
 
         write_json(args.json, "simulate", rows, params={**dataclasses.asdict(p), "cost_model": dataclasses.asdict(cm)})
+    return 0
+
+
+def _simulate_nestpipe(args: argparse.Namespace, p: Any) -> int:
+    import dataclasses
+
+    from freescale_comm.bench import simulate_nestpipe as sn
+    from freescale_comm.bench.report import write_json
+
+    rows = []
+    try:
+        if any(not 2 <= w <= 4096 for w in args.nestpipe_ranks):
+            raise ValueError(f"--nestpipe-ranks must lie in [2, 4096], got {args.nestpipe_ranks}")
+        for ranks in args.nestpipe_ranks:
+            q = dataclasses.replace(p, ranks=ranks)
+            q.check()
+            rows += sn.run(q, list(sn.NESTPIPE_MODES), args.collision)
+    except ValueError as err:
+        print(f"freescale-bench simulate: {err}", file=sys.stderr)
+        return 2
+    cm = p.cost_model
+    print(sn.table(rows, f"simulate --nestpipe (SIMULATED, an analytic model, not a measurement): {p.samples} samples "
+                         f"per rank, {p.workload}, collision {args.collision:g}; cost {cm.quadratic:.3g}·L² + "
+                         f"{cm.linear:.3g}·L + {cm.constant:.3g} s; {p.bandwidth_gbps:g} GB/s, {p.latency_us:g} µs; "
+                         f"ms per step, mean of {p.steps}"))
+    for ranks in args.nestpipe_ranks:
+        mine = {r["mode"]: r for r in rows if r["ranks"] == ranks}
+        best = min(mine.values(), key=lambda r: r["step_ms"])
+        print(f"{ranks} ranks: fastest {best['mode']} ({best['step_ms']:.2f} ms, scaling efficiency "
+              f"{best['scaling_efficiency']:.1%}); fwp4 exposes {mine['fwp4']['exposed_ms']:.2f} ms vs fwp1's "
+              f"{mine['fwp1']['exposed_ms']:.2f} (simulated)")
+    if args.json:
+        write_json(args.json, "simulate-nestpipe", rows,
+                   params={**dataclasses.asdict(p), "cost_model": dataclasses.asdict(cm), "collision": args.collision})
     return 0
 
 
