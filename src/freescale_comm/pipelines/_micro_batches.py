@@ -3,9 +3,12 @@
 put back in the batch's sample order.
 
 A batch is cut along its samples: every KeyedJaggedTensor keeps its keys and takes the chosen
-samples' lists; every tensor whose first dimension is the batch size takes the chosen rows;
+samples' lists, a JaggedTensor the chosen samples' lists, a KeyedTensor the chosen rows; every
+tensor whose first dimension is the batch size takes the chosen rows (a [B, B] tensor too: by
+its first dimension);
 dataclasses, dicts, lists, tuples and other objects are cut field by field (attribute by
-attribute, on a shallow copy); numbers, strings and None are kept.
+attribute, on a shallow copy); numbers, strings and None are kept (a batch that stores its own
+size in an int needs split_batch).
 Anything else: pass `split_batch` to the pipeline."""
 
 from __future__ import annotations
@@ -36,6 +39,10 @@ class MicroBatches:
 
 def batch_size(inputs: dict[str, Any]) -> int:
     """The samples in a batch, from its sparse inputs (all must agree)."""
+    for fqn, kjt in inputs.items():
+        if getattr(kjt, "variable_stride_per_key", lambda: False)():
+            raise ValueError(f"the input of {fqn!r} has a variable batch size per feature (VBE): micro-batches "
+                             "cannot cut it (not supported)")
     sizes = {fqn: int(kjt.stride()) for fqn, kjt in inputs.items()}
     if len(set(sizes.values())) > 1:
         raise ValueError(f"the sharded modules' inputs hold different numbers of samples {sizes}: micro-batches "
@@ -94,10 +101,20 @@ def select_samples(kjt: Any, samples: torch.Tensor) -> Any:
 
 def split_batch(batch: Any, samples: torch.Tensor, size: int, where: str = "batch") -> Any:
     """`batch`'s samples `samples` (see the module docstring); ValueError naming what cannot be cut."""
-    from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+    from torchrec.sparse.jagged_tensor import JaggedTensor, KeyedJaggedTensor, KeyedTensor
 
     if isinstance(batch, KeyedJaggedTensor):
         return select_samples(batch, samples)
+    if isinstance(batch, JaggedTensor):  # one list per sample
+        if batch.lengths().numel() != size:
+            raise ValueError(f"{where} is a JaggedTensor of {batch.lengths().numel()} lists, not the batch size {size}")
+        one = select_samples(KeyedJaggedTensor(keys=["_"], values=batch.values(), lengths=batch.lengths(),
+                                               weights=batch.weights_or_none()), samples)
+        return JaggedTensor(values=one.values(), lengths=one.lengths(), weights=one.weights_or_none())
+    if isinstance(batch, KeyedTensor):  # one row per sample
+        return KeyedTensor(keys=batch.keys(), length_per_key=batch.length_per_key(),
+                           values=split_batch(batch.values(), samples, size, f"{where}.values()"),
+                           key_dim=batch.key_dim())
     if isinstance(batch, torch.Tensor):
         if batch.dim() == 0:
             return batch

@@ -73,7 +73,10 @@ class TrainPipelinePEC(Generic[In, Out]):
         gradients that go first leave while m+1 computes (at micro_gradient_priority). Embedding
         gradients accumulate over the micro-batches and apply once per batch, through the fused
         optimizer; dense gradients accumulate too (DDP all-reduces each micro-batch's; built with
-        static_graph=False, only the last one's, with the sum: see _ddp). The
+        static_graph=False, only the last one's, with the sum: see _ddp). So the model's losses
+        must be summed over samples (reduction="sum"), as micro-batches' gradients add up: a
+        mean-reduced loss would weigh each micro-batch as a whole batch (write it as a sum, or
+        scale it by the micro-batch's share of the batch in the model). The
         model must use the same dense parameters on an empty micro-batch as on any other (as
         DDP's static graph requires of every backward: a rank whose graph skips one waits forever).
         progress() returns the micro-batches' outputs merged by merge_output. None: whole
@@ -85,7 +88,9 @@ class TrainPipelinePEC(Generic[In, Out]):
     merge_output: (the micro-batches' outputs, per micro-batch its int64 sample indices) -> the
         batch's output. Default: tensors whose first dimension is each micro-batch's sample count
         are put back in the batch's sample order, tuples / lists / dicts item by item, anything
-        else as the list of the micro-batches' values (pass merge_output for jagged outputs).
+        else as the list of the micro-batches' values. Pass merge_output for outputs that are not
+        per sample (jagged values, per-task weights: a tensor of one row per task would be taken
+        for one row per sample whenever every micro-batch holds as many samples as tasks).
     """
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, device: torch.device,

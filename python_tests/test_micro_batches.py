@@ -1,0 +1,100 @@
+"""The batch side of frozen-window micro-batches (pipelines/_micro_batches.py): cutting a batch of
+the user's type along its samples, and putting the micro-batches' outputs back in order. Local,
+no ranks."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import pytest
+import torch
+
+REQUIRED = os.environ.get("FREESCALE_REQUIRE_CLIENTS") == "1"  # CI: a missing torchrec fails, not skips
+if not REQUIRED:
+    pytest.importorskip("torchrec")
+
+from torchrec.sparse.jagged_tensor import JaggedTensor, KeyedJaggedTensor, KeyedTensor  # noqa: E402
+
+from freescale_comm.pipelines._micro_batches import batch_size, merge_outputs, select_samples, split_batch  # noqa: E402
+
+
+def _kjt(gen: torch.Generator, keys: int, samples: int, weighted: bool = True) -> KeyedJaggedTensor:
+    lengths = torch.randint(0, 4, (keys * samples,), generator=gen)
+    values = torch.randint(0, 1000, (int(lengths.sum()),), generator=gen)
+    weights = torch.rand(values.numel(), generator=gen) if weighted else None
+    return KeyedJaggedTensor(keys=[f"f{k}" for k in range(keys)], values=values, lengths=lengths, weights=weights)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_select_samples_takes_each_chosen_samples_lists_in_order(seed):
+    gen = torch.Generator().manual_seed(seed)
+    kjt = _kjt(gen, keys=3, samples=7)
+    chosen = torch.randperm(7, generator=gen)[:int(torch.randint(0, 8, (1,), generator=gen))]
+    got = select_samples(kjt, chosen)
+    assert got.keys() == kjt.keys() and got.stride() == chosen.numel()
+    for key in kjt.keys():
+        lists = kjt[key].to_dense()
+        weights = kjt[key].to_dense_weights()
+        assert [x.tolist() for x in got[key].to_dense()] == [lists[i].tolist() for i in chosen.tolist()], key
+        assert [x.tolist() for x in got[key].to_dense_weights()] == [weights[i].tolist() for i in chosen.tolist()], key
+
+
+@dataclasses.dataclass
+class _Batch:
+    sparse: KeyedJaggedTensor
+    dense: torch.Tensor  # [B, 3]
+    history: JaggedTensor  # one list per sample
+    pooled: KeyedTensor  # one row per sample
+    extra: dict
+    task: str = "ctr"
+
+
+class _Plain:  # not a dataclass: cut attribute by attribute
+    def __init__(self, labels: torch.Tensor, sizes: tuple) -> None:
+        self.labels, self.sizes = labels, sizes
+
+
+def test_split_batch_cuts_every_field_along_the_samples_and_names_what_it_cannot_cut():
+    gen = torch.Generator().manual_seed(0)
+    size = 5
+    hist_lengths = torch.tensor([2, 0, 1, 3, 1])
+    batch = _Batch(_kjt(gen, 2, size, weighted=False), torch.arange(15.0).view(5, 3),
+                   JaggedTensor(values=torch.arange(7.0), lengths=hist_lengths),
+                   KeyedTensor(keys=["a", "b"], length_per_key=[1, 2], values=torch.arange(15.0).view(5, 3)),
+                   {"labels": torch.arange(5.0), "plain": _Plain(torch.arange(5), (torch.ones(5), 7))})
+    chosen = torch.tensor([4, 1, 3])
+    part = split_batch(batch, chosen, size)
+    assert isinstance(part, _Batch) and part.task == "ctr"
+    assert part.dense.tolist() == batch.dense[chosen].tolist()
+    assert [x.tolist() for x in part.history.to_dense()] == [batch.history.to_dense()[i].tolist() for i in chosen.tolist()]
+    assert part.pooled.values().tolist() == batch.pooled.values()[chosen].tolist() and part.pooled.keys() == ["a", "b"]
+    assert part.extra["labels"].tolist() == [4.0, 1.0, 3.0]
+    plain = part.extra["plain"]
+    assert isinstance(plain, _Plain) and plain.labels.tolist() == [4, 1, 3] and plain.sizes[1] == 7
+    assert plain.sizes[0].tolist() == [1.0, 1.0, 1.0] and batch.extra["plain"].labels.numel() == 5  # a copy
+    with pytest.raises(ValueError, match=r"batch.extra\['bad'\] has first dimension 4, not the batch size 5"):
+        split_batch(dataclasses.replace(batch, extra={"bad": torch.zeros(4)}), chosen, size)
+    with pytest.raises(ValueError, match="split_batch="):
+        split_batch({"stream": iter([])}, chosen, size)
+
+
+def test_variable_batch_size_inputs_are_refused():
+    vbe = KeyedJaggedTensor(keys=["a", "b"], values=torch.arange(5), lengths=torch.tensor([1, 1, 1, 1, 1]),
+                            stride_per_key_per_rank=[[2], [3]])
+    with pytest.raises(ValueError, match="variable batch size per feature"):
+        batch_size({"ec": vbe})
+    with pytest.raises(ValueError, match="different numbers of samples"):
+        batch_size({"a": _kjt(torch.Generator(), 1, 3), "b": _kjt(torch.Generator(), 1, 4)})
+
+
+def test_merge_outputs_puts_rows_back_in_sample_order_and_keeps_the_rest_as_lists():
+    samples = [torch.tensor([0, 3]), torch.tensor([], dtype=torch.int64), torch.tensor([1, 2, 4])]
+    logits = torch.arange(5.0) * 10
+    outs = [(logits[s], {"emb": logits[s].unsqueeze(1).repeat(1, 2)}, "tag") for s in samples]
+    merged = merge_outputs(outs, samples, 5)
+    assert merged[0].tolist() == logits.tolist()
+    assert merged[1]["emb"].tolist() == logits.unsqueeze(1).repeat(1, 2).tolist()
+    assert merged[2] == ["tag"] * 3  # not a tensor: one per micro-batch
+    scalars = [torch.tensor(float(i)) for i in range(3)]  # 0-dim: not per sample
+    assert merge_outputs(scalars, samples, 5) == scalars
