@@ -16,8 +16,10 @@ AllToAlls; DDP's dense all-reduce waits in C++ and is not counted), split by pha
 forward and backward), embeddings (in forward), gradients (in backward). fc.TrainPipelinePEC: its
 waits on the worker that posts every message: the prefetch (ids, flags, NOL rows) and the rows that
 waited for the last update (OL rows; with micro-batches, each micro-batch's as it starts):
-"embeddings"; the OL gradients and their update: "gradients". ids_sent: embedding rows a rank asks
-for per step (ours only): every id of the batch, or with micro-batches each one's distinct ids.
+"embeddings"; the OL gradients' round trip: "gradients". update (ours only): the main thread's own
+fused update of the gradients that go first, on the critical path but compute, not a wait (TorchRec
+runs its update inside backward, uncounted too). ids_sent: embedding rows a rank asks for per step
+(ours only): every id of the batch, or with micro-batches each one's distinct ids.
 bubble_ms = step_ms
 minus the mean rank's time not blocked on embedding communication (idle ranks and exposed comm).
 CPU ranks share cores: timings on a busy machine say little, and none come from a GPU."""
@@ -362,7 +364,8 @@ def _train(cfg: PipelineBenchConfig, name: str, rate: float, pg: Any, rank: int,
             pipe.close()
     # rows asked per measured step (ours: each micro-batch's distinct rows; whole batches: every id)
     rows_asked = pipe.rows_asked[cfg.warmup:] if ours else []
-    return {"steps": steps, "cpu": cpu, "exposed": exposed, "rows_asked": rows_asked}
+    updates = pipe.update_ms[cfg.warmup:] if ours else []
+    return {"steps": steps, "cpu": cpu, "exposed": exposed, "rows_asked": rows_asked, "updates": updates}
 
 
 def rank_program(info: Any, cfg: PipelineBenchConfig) -> list[dict[str, Any]]:
@@ -420,6 +423,7 @@ def run(cfg: PipelineBenchConfig, timeout_s: float = 1800.0) -> list[dict[str, A
             asked = [n for runs in rounds for r in runs for n in r["rows_asked"]]
             if asked:
                 row["ids_sent"] = statistics.fmean(asked)  # per rank and step
+                row["update_ms"] = statistics.fmean(u for runs in rounds for r in runs for u in r["updates"])
             row.update(step_ms=step, round_spread=(max(per_round) - min(per_round)) / step, cpu_ms=cpu,
                        exposed_comm_ms=exposed, **{f"exposed_{p}_ms": v for p, v in phases.items()},
                        bubble_ms=statistics.fmean(per_round) - (own - exposed), rounds=len(rounds))
@@ -429,7 +433,7 @@ def run(cfg: PipelineBenchConfig, timeout_s: float = 1800.0) -> list[dict[str, A
 
 def table(rows: list[dict[str, Any]], title: str) -> str:
     head = (f"{'pipeline':<13}{'collision':>10}{'step_ms':>10}{'spread':>8}{'cpu_ms':>8}{'exposed':>10}{'ids':>8}{'emb':>8}{'grads':>8}"
-            f"{'bubble':>9}{'ids_sent':>10}")
+            f"{'bubble':>9}{'update':>8}{'ids_sent':>10}")
     lines = [f"# {title}", head]
     for r in rows:
         if "note" in r:
@@ -438,7 +442,8 @@ def table(rows: list[dict[str, Any]], title: str) -> str:
         lines.append(f"{r['pipeline']:<13}{r['collision_rate']:>10.2f}{r['step_ms']:>10.2f}{r['round_spread']:>8.1%}{r['cpu_ms']:>8.2f}"
                      f"{r['exposed_comm_ms']:>10.2f}"
                      f"{r['exposed_ids_ms']:>8.2f}{r['exposed_embeddings_ms']:>8.2f}{r['exposed_gradients_ms']:>8.2f}"
-                     f"{r['bubble_ms']:>9.2f}" + (f"{r['ids_sent']:>10.0f}" if "ids_sent" in r else f"{'-':>10}"))
+                     f"{r['bubble_ms']:>9.2f}" + (f"{r['update_ms']:>8.2f}{r['ids_sent']:>10.0f}" if "ids_sent" in r
+                                                  else f"{'-':>8}{'-':>10}"))
     return "\n".join(lines)
 
 

@@ -38,6 +38,7 @@ time: the pipeline's worker, or the caller's while the worker is idle."""
 from __future__ import annotations
 
 import collections
+import time
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -141,6 +142,7 @@ class PecExchange:
         self.micro_priority = micro if micro is not None else high
         self.micro_gradient_priority = micro_gradients if micro_gradients is not None else high
         self.skip_refresh = False
+        self.update_ms = 0.0  # ms spent in fused TBE updates so far (any thread): compute, not communication
         self.comm, self.catalog = comm, catalog
         self.device = device  # of ids, flags, rows and gradients (the tables'); counts stay on the host
         self.rank, self.world = comm.rank, comm.world_size
@@ -516,10 +518,12 @@ class PecExchange:
                 order = torch.argsort(torch.cat(micro_of[s]), stable=True)
                 rows, grads = rows[order], grads[order]
             per_tbe.setdefault(id(shard.tbe), {})[shard.tbe_features[slot.feature]] = (rows, grads)
+        start = time.perf_counter()
         for tbe in self.tbes:
             work = per_tbe.get(id(tbe))
             if work and any(rows.numel() for rows, _ in work.values()):
                 tbe_update(tbe, work, self.iter_base[id(tbe)] + flights[0].step, flights[0].lrs[id(tbe)])
+        self.update_ms += (time.perf_counter() - start) * 1e3
 
     def _pin_iterations(self, steps_done: int) -> None:
         for t in self.tbes:

@@ -174,9 +174,13 @@ class TrainPipelinePEC(Generic[In, Out]):
         self._closed = False
         # per step, ms the main thread waited on embedding communication: in all, and by phase
         # ("ids": counts, ids; "embeddings": flags, NOL rows, the rows that waited for the last update
-        # (OL rows; with micro-batches each one's, as it starts); "gradients": OL gradients, OL update)
+        # (OL rows; with micro-batches each one's, as it starts); "gradients": the OL gradients' round
+        # trip, less this rank's own update of them, which update_ms counts)
         self.exposed_ms: list[float] = []
         self.rows_asked: list[int] = []  # per step: embedding rows this rank asked its owners for (ids sent)
+        # per step, ms the main thread spent applying gradients that go first to its own shards (the
+        # TBEs' fused update: compute on the critical path, not a wait; TorchRec runs it in backward)
+        self.update_ms: list[float] = []
         self.exposed_by_phase: list[dict[str, float]] = []
         self._balanced = [fc_balance(target, cost_model, group=group) for target, cost_model in to_balance]
         self._hooks = []
@@ -317,10 +321,11 @@ class TrainPipelinePEC(Generic[In, Out]):
                 self._wait(prepared, "embeddings")
             # the worker is idle here (everything submitted was waited for): the gradient round trip
             # runs on this thread, no handoff; program order across ranks is unchanged
-            start = time.perf_counter()
+            start, updated = time.perf_counter(), self._exchange.update_ms
             in_flight = tuple(f for f in (future.result() for future in streamed) if f is not None)
             self._exchange.gradients(grads, lrs, has_next, in_flight)
-            self._exposed["gradients"] += (time.perf_counter() - start) * 1e3
+            update = self._exchange.update_ms - updated  # this rank's own fused update: compute, not a wait
+            self._exposed["gradients"] += (time.perf_counter() - start) * 1e3 - update
             if has_next:  # N+1's rows that waited for this update (with micro-batches: its first one's)
                 start = time.perf_counter()
                 self._exchange.fetch_micro(0 if self._micro_batches is not None else None)
@@ -343,6 +348,7 @@ class TrainPipelinePEC(Generic[In, Out]):
             raise
         self.exposed_ms.append(sum(self._exposed.values()))
         self.rows_asked.append(trained_rows)
+        self.update_ms.append(update)
         self.exposed_by_phase.append(dict(self._exposed))
         self._step += 1
         if has_next:
