@@ -50,6 +50,11 @@ def fwp_near_sparse_dist(info, steps: int, collision: float, optimizer: str, mic
     report = {str(m): _diff(ref, train(pg, "pec", optimizer, batches, micro_batches=m)) for m in micro}
     got = train(pg, "pec", optimizer, batches, micro_batches=micro[-1], static_graph=False)
     report[f"{micro[-1]} no_sync"] = _diff(ref, got)
+    # a loss averaged over samples: each micro-batch's weighed by its share ("mean"), or not ("sum")
+    mean_ref = train(pg, "sparse_dist", optimizer, batches, reduction="mean")
+    for reduction in ("mean", "sum"):
+        report[f"{micro[-1]} mean loss, loss_reduction={reduction}"] = _diff(mean_ref, train(
+            pg, "pec", optimizer, batches, micro_batches=micro[-1], reduction="mean", loss_reduction=reduction))
     dense = torch.cat([v.flatten() for k, v in sorted(got["state"].items()) if k.startswith("weight:") and "head" in k])
     first = dense.clone()
     dist.broadcast(first, 0)

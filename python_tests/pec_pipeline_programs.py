@@ -106,17 +106,18 @@ class Model(nn.Module):
     """EBC (pooled) and EC (mean over each history) into a linear head; forward returns
     (loss summed over samples, logits)."""
 
-    def __init__(self, device: torch.device, pooling: PoolingType = PoolingType.SUM) -> None:
+    def __init__(self, device: torch.device, pooling: PoolingType = PoolingType.SUM, reduction: str = "sum") -> None:
         super().__init__()
         self.ebc, self.ec = _collections(device, pooling)
         self.head = nn.Linear(DIM * (len(POOLED) + len(SEQUENCE)), 1)
+        self.reduction = reduction
 
     def forward(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
         pooled = self.ebc(batch.pooled)
         sequences = self.ec(batch.sequence)
         means = [_mean_rows(sequences[f].values(), sequences[f].lengths()) for f in SEQUENCE]
         logits = self.head(torch.cat([pooled.values(), *means], dim=1)).squeeze(1)
-        loss = nn.functional.binary_cross_entropy_with_logits(logits, batch.label, reduction="sum")
+        loss = nn.functional.binary_cross_entropy_with_logits(logits, batch.label, reduction=self.reduction)
         return loss, logits.detach()
 
 
@@ -169,7 +170,8 @@ def train(pg: dist.ProcessGroup, pipeline: str, optimizer: str, batches: list[li
     """Trains on `batches` (each epoch a new iterator over them, as a dataloader loop does), or
     stops after `stop_after` steps and reads the state mid-run (the PEC pipeline still open)."""
     rank = dist.get_rank(pg)
-    dmp, opt = build(pg, optimizer, static_graph=kwargs.pop("static_graph", True))
+    dmp, opt = build(pg, optimizer, static_graph=kwargs.pop("static_graph", True),
+                     **({"reduction": kwargs.pop("reduction")} if "reduction" in kwargs else {}))
     blocking = kwargs.pop("blocking", False)  # the synchronous reference: every message waited when posted
     if pipeline == "sparse_dist":
         pipe = TrainPipelineSparseDist(dmp, opt, torch.device("cpu"))
@@ -353,6 +355,8 @@ def refusals(info) -> dict:
         out[f"micro_batches={bad_micro!r}"] = _expect(ValueError, fc.TrainPipelinePEC, dmp, opt, torch.device("cpu"),
                                                       micro_batches=bad_micro)
     out["prefetch"] = _expect(ValueError, fc.TrainPipelinePEC, dmp, opt, torch.device("cpu"), prefetch="early")
+    out["loss_reduction"] = _expect(ValueError, fc.TrainPipelinePEC, dmp, opt, torch.device("cpu"), micro_batches=2,
+                                    loss_reduction="avg")
     out["micro_priorities"] = _expect(ValueError, fc.TrainPipelinePEC, dmp, opt, torch.device("cpu"), micro_batches=2,
                                       next_micro_priority=10, micro_gradient_priority=20)
     out["split_batch"] = _expect(TypeError, fc.TrainPipelinePEC, dmp, opt, torch.device("cpu"), micro_batches=2,

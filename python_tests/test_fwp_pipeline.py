@@ -72,6 +72,10 @@ def test_micro_batches_match_sparse_dist_within_float_rounding():
         for m in ("1", "2", "4", "4 no_sync"):
             assert report[m]["outputs"] <= 1e-6 and report[m]["state"] <= 1e-6, (m, report[m])
         assert report["dense spread"] == 0.0, report
+        # a mean loss: right with loss_reduction="mean", far off when left at "sum"
+        assert report["4 mean loss, loss_reduction=mean"]["state"] <= 1e-6, report
+        assert report["4 mean loss, loss_reduction=mean"]["outputs"] <= 1e-6, report
+        assert report["4 mean loss, loss_reduction=sum"]["state"] > 1e-3, report
 
 
 def test_every_micro_batch_read_is_fresh_and_skipping_the_dual_buffer_refresh_is_caught():

@@ -91,6 +91,7 @@ def test_what_the_pipeline_cannot_prioritize_is_refused_clearly():
         assert "prefetch must be one of 'pec', 'dual_buffer', 'ids'" in out["prefetch"], out
         assert "next_micro_priority > micro_gradient_priority" in out["micro_priorities"], out
         assert "split_batch must be callable" in out["split_batch"], out
+        assert "loss_reduction must be 'sum' or 'mean'" in out["loss_reduction"], out
         assert "batch.label has first dimension" in out["uncuttable"] and "split_batch=" in out["uncuttable"], out
         assert "'t_ctx'" in out["data_parallel"] and "data_parallel" in out["data_parallel"], out
         assert "'t_ctx'" in out["dense_kernel"] and "'dense'" in out["dense_kernel"], out

@@ -73,15 +73,17 @@ class TrainPipelinePEC(Generic[In, Out]):
         gradients that go first leave while m+1 computes (at micro_gradient_priority). Embedding
         gradients accumulate over the micro-batches and apply once per batch, through the fused
         optimizer; dense gradients accumulate too (DDP all-reduces each micro-batch's; built with
-        static_graph=False, only the last one's, with the sum: see _ddp). So the model's losses
-        must be summed over samples (reduction="sum"), as micro-batches' gradients add up: a
-        mean-reduced loss would weigh each micro-batch as a whole batch (write it as a sum, or
-        scale it by the micro-batch's share of the batch in the model). The
+        static_graph=False, only the last one's, with the sum: see _ddp). The micro-batches'
+        gradients add up, so say how the model reduces its loss over samples (loss_reduction). The
         model must use the same dense parameters on an empty micro-batch as on any other (as
         DDP's static graph requires of every backward: a rank whose graph skips one waits forever).
         progress() returns the micro-batches' outputs merged by merge_output. None: whole
         batches, every id sent as TorchRec sends it (results bit-identical to
         TrainPipelineSparseDist).
+    loss_reduction (with micro_batches): "sum" (default) if the model's losses are summed over
+        samples, "mean" if averaged: then each micro-batch's loss is scaled by its share of the
+        batch's samples, so the gradients are the whole batch's mean's. A mean loss left at "sum"
+        would weigh every micro-batch as a whole batch.
     split_batch: (batch, int64 sample indices) -> that micro-batch, for batches the built-in
         cut cannot handle (it cuts KeyedJaggedTensors, tensors of batch-size rows, and dataclasses,
         dicts, lists, tuples and plain objects field by field).
@@ -99,7 +101,7 @@ class TrainPipelinePEC(Generic[In, Out]):
                  sparse_inputs: Optional[Callable[[Any], dict[str, Any]]] = None,
                  balance: Optional[Mapping[str, CostModel]] = None, prefetch: str = "pec",
                  micro_batches: Optional[int] = None, next_micro_priority: int = 50,
-                 micro_gradient_priority: int = 25,
+                 micro_gradient_priority: int = 25, loss_reduction: str = "sum",
                  split_batch: Optional[SplitBatch] = None,
                  merge_output: Optional[Callable[[list[Any], list[torch.Tensor]], Any]] = None) -> None:
         if not hasattr(model, "plan") or not hasattr(model, "module"):
@@ -118,6 +120,10 @@ class TrainPipelinePEC(Generic[In, Out]):
         if micro_batches is not None and (isinstance(micro_batches, bool) or not isinstance(micro_batches, int)
                                           or micro_batches < 1):
             raise ValueError(f"micro_batches must be an int >= 1 (or None: whole batches), got {micro_batches!r}")
+        if loss_reduction not in ("sum", "mean"):
+            raise ValueError(f"loss_reduction must be 'sum' or 'mean' (how the model reduces its loss over samples), "
+                             f"got {loss_reduction!r}")
+        self._loss_scale = loss_reduction == "mean"
         if split_batch is not None and not callable(split_batch):
             raise TypeError(f"split_batch must be callable (batch, samples) -> micro-batch, got {type(split_batch).__name__}")
         if merge_output is not None and not callable(merge_output):
@@ -379,7 +385,10 @@ class TrainPipelinePEC(Generic[In, Out]):
                         stack.enter_context(ddp.no_sync())
                 losses, out = self._model(batch)
                 if training:
-                    torch.sum(losses, dim=0).backward()
+                    loss = torch.sum(losses, dim=0)
+                    if self._loss_scale:  # a mean over the micro-batch's samples: weigh it by its share
+                        loss = loss * (split.samples[m].numel() / max(split.size, 1))
+                    loss.backward()
             if training and m < last:  # after prepare(N+1) on the worker (its flags say which go first)
                 streamed.append(self._post(self._exchange.stream_gradients, m, _grads_of(mine), lrs, has_next))
             outputs.append(out)
