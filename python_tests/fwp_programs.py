@@ -67,18 +67,13 @@ def fwp_with_balance_matches_synchronous(info, steps: int, collision: float) -> 
     the synchronous reference, both balanced, outputs and state bit for bit; returns per rank the
     samples the tower computed per call and each micro-batch's home samples (balancing moved some)."""
     import freescale_comm as fc
-    from pec_pipeline_programs import (ROWS, SEQUENCE, Batch, BalancedModel, KeyedJaggedTensor, _state, build)
+    from pec_pipeline_programs import BalancedModel, _state, build, long_histories_on_rank0
     from freescale_comm.planner import CostModel
 
     pg = dist.group.WORLD
     rank, world = dist.get_rank(), dist.get_world_size()
     cost = CostModel(quadratic=1.0, linear=0.0, constant=1.0)
-    batches = make_batches(steps, world, collision, seed=23, batch=8)
-    for row in batches:  # rank 0: long histories, the straggler balancing relieves
-        b = row[0]
-        lengths = torch.full_like(b.sequence.lengths(), 6)
-        values = torch.cat([torch.randint(0, ROWS, (6 * b.sequence.stride(),)) for _ in SEQUENCE])
-        row[0] = Batch(b.pooled, KeyedJaggedTensor(keys=list(SEQUENCE), values=values, lengths=lengths), b.label)
+    batches = long_histories_on_rank0(make_batches(steps, world, collision, seed=23, batch=8))
     runs = {}
     for name, kwargs in (("reference", {"prefetch": "ids"}), ("pec", {"prefetch": "pec"})):
         dmp, opt = build(pg, "rowwise_adagrad", BalancedModel)

@@ -448,6 +448,17 @@ class BalancedModel(nn.Module):
         return nn.functional.binary_cross_entropy_with_logits(logits, batch.label, reduction="sum"), logits.detach()
 
 
+def long_histories_on_rank0(batches: list[list[Batch]], length: int = 6) -> list[list[Batch]]:
+    """`batches` with rank 0's histories all `length` long (fresh ids from the global RNG): the
+    straggler balancing relieves."""
+    for row in batches:
+        b = row[0]
+        lengths = torch.full_like(b.sequence.lengths(), length)
+        values = torch.cat([torch.randint(0, ROWS, (length * b.sequence.stride(),)) for _ in SEQUENCE])
+        row[0] = Batch(b.pooled, KeyedJaggedTensor(keys=list(SEQUENCE), values=values, lengths=lengths), b.label)
+    return batches
+
+
 def pec_and_balance_match_sparse_dist_with_balance(info, steps: int, collision: float) -> dict:
     """TrainPipelineSparseDist with fc.balance on the tower vs TrainPipelinePEC(balance={"tower":
     cost}): same data (rank 0's histories long), every output and weight equal bit for bit, and
@@ -457,13 +468,7 @@ def pec_and_balance_match_sparse_dist_with_balance(info, steps: int, collision: 
     pg = dist.group.WORLD
     rank, world = dist.get_rank(), dist.get_world_size()
     cost = CostModel(quadratic=1.0, linear=0.0, constant=1.0)
-    batches = make_batches(steps, world, collision, seed=21, batch=6)
-    for row in batches:  # rank 0: long histories, the straggler balancing relieves
-        b = row[0]
-        lengths = b.sequence.lengths().clone()
-        lengths[:] = 6
-        values = torch.cat([torch.randint(0, ROWS, (6 * b.sequence.stride(),)) for _ in SEQUENCE])
-        row[0] = Batch(b.pooled, KeyedJaggedTensor(keys=list(SEQUENCE), values=values, lengths=lengths), b.label)
+    batches = long_histories_on_rank0(make_batches(steps, world, collision, seed=21, batch=6))
     runs = {}
     for name in ("sparse_dist", "pec"):
         dmp, opt = build(pg, "rowwise_adagrad", BalancedModel)

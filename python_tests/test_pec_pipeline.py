@@ -5,21 +5,11 @@ cannot prioritize. Tiny models, few steps: these pay for their CI minutes."""
 
 from __future__ import annotations
 
-import os
-
 import pytest
 
 from freescale_comm.testing import spawn
 
-REQUIRED = os.environ.get("FREESCALE_REQUIRE_CLIENTS") == "1"  # CI: a missing torchrec fails, not skips
-
-
-@pytest.fixture(autouse=True)
-def _torchrec():
-    if REQUIRED:
-        import torchrec  # noqa: F401
-    else:
-        pytest.importorskip("torchrec")
+pytestmark = pytest.mark.usefixtures("torchrec_installed")
 
 
 COLLISIONS = [0.0, 0.5, 1.0]

@@ -136,8 +136,6 @@ class PecExchange:
                  device: torch.device, early_overlap_reads: bool = False, prefetch: str = "pec",
                  micro_batches: Optional[int] = None, micro: Optional[int] = None,
                  micro_gradients: Optional[int] = None) -> None:
-        if prefetch not in PREFETCH:
-            raise ValueError(f"prefetch must be one of {PREFETCH}, got {prefetch!r}")
         self.prefetch, self.micro_batches = prefetch, micro_batches
         self.micro_priority = micro if micro is not None else high
         self.micro_gradient_priority = micro_gradients if micro_gradients is not None else high
