@@ -16,7 +16,7 @@
 
 #include "cpp/communicator.h"
 #include "cuda/ce_transport.h"
-#include "cuda/emulated_device.h"
+#include "testing/emulated_device.h"
 #include "cuda/nvshmem_transport.h"
 #include "cpp_tests/exchange.h"
 

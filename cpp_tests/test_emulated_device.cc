@@ -13,7 +13,7 @@
 #include <vector>
 
 #include "cpp/errors.h"
-#include "cuda/emulated_device.h"
+#include "testing/emulated_device.h"
 
 namespace freescale {
 namespace {
@@ -416,6 +416,35 @@ TEST(EmulatedDevice, TeardownEndsWaitsThatCanNeverBeSatisfied) {
   device->wait_value64(s, reinterpret_cast<DevicePtr>(&never), 1, WaitCmp::kGeq);
   device.reset();  // joins the stream thread: returns instead of hanging
   SUCCEED();
+}
+
+// Issue 41 item 4: capabilities as the driver reports them, per option: the flush the nvshmem
+// transport calls (cudaDeviceFlushGPUDirectRDMAWrites) is governed by attribute 117's host
+// option, 98 is its memops option; a call the device cannot make fails as on a GPU.
+TEST(EmulatedDevice, ReportsFlushOptionsAndOrderingAndFailsCallsTheDeviceCannotMake) {
+  EmulatedDeviceOptions options;
+  options.flush_writes_options = kFlushWritesOptionMemops;
+  options.rdma_writes_ordering = kRdmaWritesOrderingOwner;
+  options.unsupported = {DeviceAttribute::kCanUse64BitStreamMemOps};
+  EmulatedDevice device(options);
+  EXPECT_EQ(device.attribute(0, DeviceAttribute::kGpuDirectRdmaFlushWritesOptions), kFlushWritesOptionMemops);
+  EXPECT_EQ(device.attribute(0, DeviceAttribute::kCanFlushRemoteWrites), 1);
+  EXPECT_EQ(device.attribute(0, DeviceAttribute::kGpuDirectRdmaWritesOrdering), kRdmaWritesOrderingOwner);
+  EXPECT_THROW(device.flush_remote_writes(), Error);
+  Stream s = device.create_stream();
+  uint64_t word = 0;
+  EXPECT_THROW(device.write_value64(s, reinterpret_cast<DevicePtr>(&word), 1), Error);
+  EXPECT_THROW(device.wait_value64(s, reinterpret_cast<DevicePtr>(&word), 0, WaitCmp::kGeq), Error);
+  device.write_value32(s, reinterpret_cast<DevicePtr>(&word), 1);  // 32-bit memops: always there
+  device.synchronize(s);
+  EXPECT_EQ(word, 1u);
+
+  EmulatedDeviceOptions host_only;
+  host_only.flush_writes_options = kFlushWritesOptionHost;
+  EmulatedDevice flushing(host_only);
+  EXPECT_EQ(flushing.attribute(0, DeviceAttribute::kCanFlushRemoteWrites), 0);
+  flushing.flush_remote_writes();
+  EXPECT_EQ(flushing.remote_write_flushes(), 1u);
 }
 
 }  // namespace

@@ -482,6 +482,59 @@ TEST(NvshmemEmulatedSetup, LimitedMpgRefusesWithUnsupportedOnEveryRankInsteadOfE
   expect_all_ok(outcomes);
 }
 
+// Issue 41 item 4: the transport flushes network peers' puts with cudaDeviceFlushGPUDirectRDMAWrites,
+// which attribute 117's host option governs, and writes its byte counts with 64-bit stream memory
+// operations; it checked neither (98, which it declared, is the memops option), so a device
+// without them failed every op mid-run. Now setup refuses on every rank (kUnsupported: the backend
+// falls back to NCCL) naming the attribute and the rank, and frees what it made; a device that
+// orders network writes natively (118 >= owner) needs no flush and takes none.
+TEST(NvshmemEmulatedSetup, ADeviceWithoutWhatTheDataPathNeedsRefusesOnEveryRankAtSetup) {
+  struct Case {
+    const char* name;
+    int flush_options;
+    int ordering;
+    bool memops64;
+    const char* attribute;  // named in the refusal; nullptr: no refusal
+  };
+  for (const Case& c : {Case{"no host flush", kFlushWritesOptionMemops, 0, true, "GPU_DIRECT_RDMA_FLUSH_WRITES_OPTIONS"},
+                        Case{"no 64-bit memops", 3, 0, false, "CAN_USE_64_BIT_STREAM_MEM_OPS"},
+                        Case{"native ordering", 0, kRdmaWritesOrderingOwner, true, nullptr}}) {
+    SCOPED_TRACE(c.name);
+    auto outcomes = run_forked_ranks(2, [c](int rank, Bootstrap& bootstrap) -> std::string {
+      EmulatedDeviceOptions d = kSmallQueue;
+      if (rank == 1) {  // only rank 1's GPU lacks it
+        d.flush_writes_options = c.flush_options;
+        d.rdma_writes_ordering = c.ordering;
+        if (!c.memops64) d.unsupported = {DeviceAttribute::kCanUse64BitStreamMemOps};
+      }
+      EmulatedDevice device(d);
+      EmulatedShmemOptions o;
+      o.network_pes = {1 - rank};
+      EmulatedShmem shmem(device, o);
+      try {
+        auto comm = nvshmem_communicator(bootstrap, small_config(), device, shmem);
+        Exchange x(uniform_counts(2, 100 * 1024), rank);
+        comm->wait(comm->all_to_all(x.send.data(), x.recv.data(), x.layout, 0, false), std::chrono::seconds(20));
+        if (std::string e = x.check(rank); !e.empty()) return e;
+        if (c.attribute != nullptr) return "setup succeeded";
+        if (rank == 1 && device.remote_write_flushes() != 0) return "flushed writes the device orders natively";
+        if (rank == 0 && device.remote_write_flushes() == 0) return "rank 0 read a network peer's puts without a flush";
+        comm->close();
+        return "";
+      } catch (const Error& e) {
+        const std::string what = e.what();
+        if (c.attribute == nullptr) return "unexpected: " + what;
+        if (e.code() != ErrorCode::kUnsupported) return "not a refusal: " + what;
+        if (what.find(c.attribute) == std::string::npos) return "the attribute is not named: " + what;
+        if (what.find("rank 1") == std::string::npos) return "the rank is not named: " + what;
+      }
+      if (device.live_streams() != 0 || device.live_allocations() != 0) return "a refused setup leaked device resources";
+      return "";
+    });
+    expect_all_ok(outcomes);
+  }
+}
+
 TEST(NvshmemEmulatedSetup, FailedInitFailsEveryRankTogether) {
   auto outcomes = run_forked_ranks(2, [](int rank, Bootstrap& bootstrap) -> std::string {
     EmulatedDevice device(kSmallQueue);

@@ -5,7 +5,7 @@
 #include <cstdint>
 
 #include "cpp/errors.h"
-#include "cuda/emulated_device.h"
+#include "testing/emulated_device.h"
 #include "cuda/submit_gate.h"
 
 namespace freescale {

@@ -1,7 +1,7 @@
 // The one seam through which the CUDA transports' host logic touches a device: CUDA runtime and
 // driver calls (streams, events, copies, stream memory operations, host-registered memory, IPC)
 // and NVSHMEM's host calls. Plain C++: the transports compile without nvcc and run in CI on the
-// emulated device (cuda/emulated_device.h); cuda/device_ops_cuda.cu and cuda/shmem_ops_nvshmem.cu
+// emulated device (testing/emulated_device.h); cuda/device_ops_cuda.cu and cuda/shmem_ops_nvshmem.cu
 // are the thin real implementations.
 //
 // Handles are opaque integers: a Stream is a cudaStream_t (0 = the legacy default stream), an
@@ -43,10 +43,23 @@ struct CopyBatch {
 enum class DeviceAttribute {
   kCanMapHostMemory = 19,          // CU_DEVICE_ATTRIBUTE_CAN_MAP_HOST_MEMORY: mapped pinned memory
   kUnifiedAddressing = 41,         // CU_DEVICE_ATTRIBUTE_UNIFIED_ADDRESSING: one address space with the host
-  kCanFlushRemoteWrites = 98,      // CU_DEVICE_ATTRIBUTE_CAN_FLUSH_REMOTE_WRITES (NVSHMEM's wait path)
+  // CU_DEVICE_ATTRIBUTE_CAN_FLUSH_REMOTE_WRITES: a stream wait's flush flag and the flush memop
+  // (NVSHMEM's own wait path); the same fact as bit kFlushWritesOptionMemops of 117.
+  kCanFlushRemoteWrites = 98,
   kHostRegisterSupported = 99,     // CU_DEVICE_ATTRIBUTE_HOST_REGISTER_SUPPORTED: cudaHostRegister
+  // CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_FLUSH_WRITES_OPTIONS: a bitmask of kFlushWritesOption*;
+  // the host option governs cudaDeviceFlushGPUDirectRDMAWrites (flush_remote_writes).
+  kGpuDirectRdmaFlushWritesOptions = 117,
+  // CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_WRITES_ORDERING: the scope within which the device orders
+  // network (GPUDirect RDMA) writes natively: 0 none, kRdmaWritesOrderingOwner, 200 all devices.
+  kGpuDirectRdmaWritesOrdering = 118,
   kCanUse64BitStreamMemOps = 122,  // CU_DEVICE_ATTRIBUTE_CAN_USE_64_BIT_STREAM_MEM_OPS: cuStreamWrite/WaitValue64
 };
+// Bits of kGpuDirectRdmaFlushWritesOptions (CUflushGPUDirectRDMAWritesOptions).
+inline constexpr int kFlushWritesOptionHost = 1 << 0;    // cudaDeviceFlushGPUDirectRDMAWrites works
+inline constexpr int kFlushWritesOptionMemops = 1 << 1;  // the flush flag / memop works (= attribute 98)
+// kGpuDirectRdmaWritesOrdering at or above this: flushing to the owner is a no-op (cuda.h).
+inline constexpr int kRdmaWritesOrderingOwner = 100;
 // "CU_DEVICE_ATTRIBUTE_..." for messages.
 const char* device_attribute_name(DeviceAttribute attr);
 

@@ -36,8 +36,15 @@ static_assert(same(DeviceAttribute::kCanMapHostMemory, CU_DEVICE_ATTRIBUTE_CAN_M
               same(DeviceAttribute::kUnifiedAddressing, CU_DEVICE_ATTRIBUTE_UNIFIED_ADDRESSING) &&
               same(DeviceAttribute::kCanFlushRemoteWrites, CU_DEVICE_ATTRIBUTE_CAN_FLUSH_REMOTE_WRITES) &&
               same(DeviceAttribute::kHostRegisterSupported, CU_DEVICE_ATTRIBUTE_HOST_REGISTER_SUPPORTED) &&
-              same(DeviceAttribute::kCanUse64BitStreamMemOps, CU_DEVICE_ATTRIBUTE_CAN_USE_64_BIT_STREAM_MEM_OPS),
+              same(DeviceAttribute::kCanUse64BitStreamMemOps, CU_DEVICE_ATTRIBUTE_CAN_USE_64_BIT_STREAM_MEM_OPS) &&
+              same(DeviceAttribute::kGpuDirectRdmaFlushWritesOptions,
+                   CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_FLUSH_WRITES_OPTIONS) &&
+              same(DeviceAttribute::kGpuDirectRdmaWritesOrdering, CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_WRITES_ORDERING),
               "DeviceAttribute values must be the driver's CUdevice_attribute numbers");
+static_assert(kFlushWritesOptionHost == CU_FLUSH_GPU_DIRECT_RDMA_WRITES_OPTION_HOST &&
+                  kFlushWritesOptionMemops == CU_FLUSH_GPU_DIRECT_RDMA_WRITES_OPTION_MEMOPS &&
+                  kRdmaWritesOrderingOwner == CU_GPU_DIRECT_RDMA_WRITES_ORDERING_OWNER,
+              "flush options and ordering scopes must be cuda.h's");
 
 class CudaDeviceOps final : public DeviceOps {
  public:

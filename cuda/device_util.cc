@@ -33,6 +33,10 @@ const char* device_attribute_name(DeviceAttribute attr) {
       return "CU_DEVICE_ATTRIBUTE_UNIFIED_ADDRESSING";
     case DeviceAttribute::kCanFlushRemoteWrites:
       return "CU_DEVICE_ATTRIBUTE_CAN_FLUSH_REMOTE_WRITES";
+    case DeviceAttribute::kGpuDirectRdmaFlushWritesOptions:
+      return "CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_FLUSH_WRITES_OPTIONS";
+    case DeviceAttribute::kGpuDirectRdmaWritesOrdering:
+      return "CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_WRITES_ORDERING";
   }
   return "CU_DEVICE_ATTRIBUTE_?";
 }

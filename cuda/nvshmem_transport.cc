@@ -137,12 +137,20 @@ class NvshmemTransport final : public Transport {
   // enqueues nothing more. False if a stream failed (its work may still hold the mirrors). Never throws.
   bool settle_streams();
   std::vector<Stream> all_streams() const;
+  // A failed setup: frees what it made but NVSHMEM and the arena (collective to free, as in the
+  // destructor). Nothing was enqueued yet. Never throws.
+  void release_setup() noexcept;
   // Queues on `s` a copy of the notices peers wrote into our arena into notice_mirror_.
   void copy_notices(Stream s);
   bool any_busy() const;
   // Which peers NVSHMEM reaches by P2P mapping (no kernels) and which through its proxy (a kernel
   // launch per put and per signal): sets data_path_ and network_peer_.
   void describe_data_path();
+  // Network peers' puts are read only after cudaDeviceFlushGPUDirectRDMAWrites, unless the device
+  // orders network writes natively (attribute 118): sets flush_network_writes_; refuses with
+  // kUnsupported where a flush is needed and the device lacks the host option of attribute 117
+  // (otherwise every op would fail mid-run).
+  void check_network_flush();
 
   DeviceOps& ops_;
   ShmemOps& shmem_;
@@ -151,7 +159,8 @@ class NvshmemTransport final : public Transport {
   NvshmemArenaLayout layout_;
   uint8_t* arena_ = nullptr;  // symmetric: the same offsets address every rank's arena
   std::vector<ProcessId> procs_;  // [world] ranks on this host (pid -1 for others)
-  bool network_peer_ = false;  // some peer is not P2P-mapped: its puts need a flush
+  bool network_peer_ = false;  // some peer is not P2P-mapped (NVSHMEM's proxy)
+  bool flush_network_writes_ = false;  // ... and its puts need a flush before they are read
   std::string data_path_;
   bool took_ = false;         // this transport holds the process's NVSHMEM
 
@@ -214,6 +223,7 @@ NvshmemTransport::NvshmemTransport(Bootstrap& bootstrap, const Config& config, D
       std::string what = all[p].substr(a + 1, b - a - 1);
       if (!what.empty()) {
         if (took_ && arena_ == nullptr) g_nvshmem_taken.store(false);  // not started: a later try may have it
+        release_setup();  // the destructor does not run for a constructor that throws
         throw Error(static_cast<ErrorCode>(std::stoi(all[p].substr(0, a))),
                     "nvshmem transport setup failed on rank " + std::to_string(p) + ": " + what);
       }
@@ -232,6 +242,15 @@ NvshmemTransport::NvshmemTransport(Bootstrap& bootstrap, const Config& config, D
                         "group); use FREESCALE_TRANSPORT=ce for this one or one NVSHMEM group per process");
     }
     guard.emplace(ops_, device_);
+    // What the data path needs, checked before NVSHMEM starts: 64-bit stream memory writes (our
+    // byte counts), mapped pinned memory (the mirrors) in one address space with the host.
+    std::string missing = missing_capability(ops_, device_, "nvshmem",
+                                             {DeviceAttribute::kCanUse64BitStreamMemOps, DeviceAttribute::kCanMapHostMemory,
+                                              DeviceAttribute::kUnifiedAddressing});
+    if (!missing.empty()) {
+      code = ErrorCode::kUnsupported;
+      throw Error(code, missing);
+    }
     signal_mirror_ = static_cast<uint64_t*>(ops_.host_alloc_mapped(layout_.signal_bytes(), &mirror_device_));
     std::fill(signal_mirror_, signal_mirror_ + layout_.signal_bytes() / sizeof(uint64_t), 0);
     notice_mirror_ = static_cast<uint64_t*>(ops_.host_alloc_mapped(sizeof(uint64_t) * world_, &notice_mirror_device_));
@@ -307,10 +326,14 @@ NvshmemTransport::NvshmemTransport(Bootstrap& bootstrap, const Config& config, D
     }
     ops_.memset_sync(arena_ + layout_.signals_offset(), layout_.signal_bytes());
     describe_data_path();
+    check_network_flush();  // may refuse (kUnsupported): the backend then falls back to NCCL
     notice_stream_ = ops_.create_stream();
     receipt_stream_ = ops_.create_stream();
     watch_stream_ = ops_.create_stream();
     health_stream_ = ops_.create_stream();
+  } catch (const Error& e) {
+    if (e.code() == ErrorCode::kUnsupported) code = e.code();
+    error = e.message();
   } catch (const std::exception& e) {
     error = e.what();
   }
@@ -337,6 +360,24 @@ NvshmemTransport::~NvshmemTransport() {
     if (notice_mirror_ != nullptr) quietly([&] { ops_.host_free(notice_mirror_); });
   } else {
     gate_.leak();  // a failed stream may still hold work that reads them
+  }
+}
+
+void NvshmemTransport::release_setup() noexcept {
+  DeviceGuard guard(ops_, device_, std::nothrow);
+  for (Stream s : all_streams()) {
+    try {
+      ops_.destroy_stream(s);
+    } catch (...) {
+    }
+  }
+  for (uint64_t** mirror : {&signal_mirror_, &notice_mirror_}) {
+    if (*mirror == nullptr) continue;
+    try {
+      ops_.host_free(*mirror);
+    } catch (...) {
+    }
+    *mirror = nullptr;
   }
 }
 
@@ -476,7 +517,7 @@ bool NvshmemTransport::watch() {
 bool NvshmemTransport::act_on_signals() {
   bool moved = false;
   // Chunks that landed: copy each out, then free its slot for the sender (stream order).
-  bool flushed = !network_peer_;
+  bool flushed = !flush_network_writes_;
   for (int src = 0; src < world_; ++src) {
     for (int lane = 0; lane < kNvshmemLanes; ++lane) {
       const auto index = static_cast<size_t>(pair(src, lane));
@@ -509,7 +550,7 @@ bool NvshmemTransport::act_on_signals() {
     if (it->seen_in == 0) {
       if (seen(layout_.audit(it->src, seq)) >= seq + 1) {
         it->seen_in = mirror_copies_;
-        flush_before_copy_ = flush_before_copy_ || network_peer_;
+        flush_before_copy_ = flush_before_copy_ || flush_network_writes_;
       }
       ++it;
       continue;
@@ -686,6 +727,22 @@ void NvshmemTransport::describe_data_path() {
                  " peers (ranks " + proxied + "): NVSHMEM posts puts and signals to peers without P2P through its "
                  "proxy, from a one-thread kernel per call; " + common;
   }
+}
+
+void NvshmemTransport::check_network_flush() {
+  if (!network_peer_) return;
+  const int ordering = ops_.attribute(device_, DeviceAttribute::kGpuDirectRdmaWritesOrdering);
+  flush_network_writes_ = ordering < kRdmaWritesOrderingOwner;
+  if (!flush_network_writes_) return;  // flushing to the owner would be a no-op (cuda.h)
+  const int options = ops_.attribute(device_, DeviceAttribute::kGpuDirectRdmaFlushWritesOptions);
+  if ((options & kFlushWritesOptionHost) != 0) return;
+  throw Error(ErrorCode::kUnsupported,
+              "the nvshmem transport reads network peers' puts only after cudaDeviceFlushGPUDirectRDMAWrites (GPU " +
+                  std::to_string(device_) + " does not order them natively: " +
+                  device_attribute_name(DeviceAttribute::kGpuDirectRdmaWritesOrdering) + " = " + std::to_string(ordering) +
+                  "), which GPU " + std::to_string(device_) + " does not support (" +
+                  device_attribute_name(DeviceAttribute::kGpuDirectRdmaFlushWritesOptions) + " = " +
+                  std::to_string(options) + ", no host option); use NCCL for this group");
 }
 
 bool NvshmemTransport::any_busy() const { return gate_.waiting() || !started_.empty(); }

@@ -1,7 +1,8 @@
 """The bindings release the GIL where a CUDA call can block on a full stream queue (issue 29 item
 3.1): recording the submission event on the caller's stream waits for room in its queue, and what
 drains that queue may be a done-callback the progress thread runs, which takes the GIL. Run on
-the emulated device (`_core._emulated`) with a ce communicator: no GPU needed."""
+the emulated device (`_core._emulated`, test equipment of FREESCALE_TEST_SUPPORT=ON builds) with a
+ce communicator: no GPU needed."""
 
 import torch
 import torch.distributed as dist
@@ -39,5 +40,5 @@ def a_full_stream_queue_drained_by_a_done_callback(info) -> list[int]:
     return b_out.tolist()
 
 
-def test_submitting_on_a_full_stream_queue_lets_done_callbacks_run():
+def test_submitting_on_a_full_stream_queue_lets_done_callbacks_run(emulated_device_built):
     assert spawn(a_full_stream_queue_drained_by_a_done_callback, 1, timeout_s=60) == [list(range(8, 16))]

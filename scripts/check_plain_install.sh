@@ -1,16 +1,23 @@
 #!/usr/bin/env bash
 # Builds the package once the way a user does: a fresh venv, `pip install .` with build isolation
 # and without the NVSHMEM wheel in the build environment (NVSHMEM_HOME unset), then imports it and
-# prints fc.build_info(). torch comes from the machine's site-packages (--no-deps keeps pip from
+# prints fc.build_info(); the module must not carry the emulated device (test equipment). torch comes from the machine's site-packages (--no-deps keeps pip from
 # resolving a CUDA torch of several GB).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 venv="$(mktemp -d)/plain-venv"
 trap 'rm -rf "$(dirname "$venv")"' EXIT
 python3 -m venv --system-site-packages "$venv"
-env -u NVSHMEM_HOME "$venv/bin/python" -m pip install -q --disable-pip-version-check --no-deps \
+env -u NVSHMEM_HOME -u FREESCALE_TEST_SUPPORT "$venv/bin/python" -m pip install -q --disable-pip-version-check --no-deps \
   -C build-dir="$(dirname "$venv")/build" . > plain-install.log 2>&1 \
   || { cat plain-install.log; rm -f plain-install.log; exit 1; }
 rm -f plain-install.log
 cd "$(dirname "$venv")"  # import the installed package, not the source tree
-"$venv/bin/python" -c 'import freescale_comm as fc; info = fc.build_info(); print("plain install:", info); assert info["transports"][0] == "host" and info["nvshmem_detail"]'
+"$venv/bin/python" -c 'import freescale_comm as fc, sys; assert fc.__file__.startswith(sys.prefix), f"imported {fc.__file__}, not the venv'"'"'s copy (an editable install shadows it)"; info = fc.build_info(); print("plain install:", info); assert info["transports"][0] == "host" and info["nvshmem_detail"]
+assert not hasattr(fc._core, "_emulated"), "a plain install carries the emulated device (test equipment)"'
+# Test equipment stays out of what users install: not a byte of the emulated device (its class
+# name, in its RTTI and its binding) in the module.
+if grep -qa EmulatedDevice "$(find "$venv" -name '_core*.so' | head -1)"; then
+  echo "plain install: _core carries the emulated device (testing/); it must be test-only" >&2
+  exit 1
+fi

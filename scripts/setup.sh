@@ -16,7 +16,9 @@ python3 -m pip install -q --disable-pip-version-check torch==2.13.0
 python3 -m pip install -q --disable-pip-version-check "nvidia-nvshmem-cu13>=3.4"
 NVSHMEM_HOME="$(python3 -c 'import nvidia.nvshmem as m; print(list(m.__path__)[0])')"
 export NVSHMEM_HOME
-python3 -m pip install -q --disable-pip-version-check ".[test,nvshmem]"
+# FREESCALE_TEST_SUPPORT: the tests' build carries the emulated device (_core._emulated); a
+# user's `pip install .` does not.
+FREESCALE_TEST_SUPPORT=ON python3 -m pip install -q --disable-pip-version-check ".[test,nvshmem]"
 # torchrec declares a dependency on the CUDA fbgemm-gpu wheel, which does not load on a CPU torch
 # and shares its import name with fbgemm-gpu-cpu: install the CPU one and torchrec without deps.
 python3 -m pip install -q --disable-pip-version-check fbgemm-gpu-cpu==1.8.0 tensordict "torchmetrics==1.0.3" tqdm pyre-extensions

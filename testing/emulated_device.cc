@@ -1,4 +1,4 @@
-#include "cuda/emulated_device.h"
+#include "testing/emulated_device.h"
 
 #include <fcntl.h>
 #include <sys/mman.h>
@@ -282,7 +282,17 @@ int EmulatedDevice::attribute(int device, DeviceAttribute attr) {
     throw Error(ErrorCode::kSystem, "emulated cuDeviceGetAttribute(" + std::to_string(device) + "): invalid device");
   }
   const auto& off = options_.unsupported;
-  return std::find(off.begin(), off.end(), attr) == off.end() ? 1 : 0;
+  if (std::find(off.begin(), off.end(), attr) != off.end()) return 0;
+  switch (attr) {
+    case DeviceAttribute::kGpuDirectRdmaFlushWritesOptions:
+      return options_.flush_writes_options;
+    case DeviceAttribute::kGpuDirectRdmaWritesOrdering:
+      return options_.rdma_writes_ordering;
+    case DeviceAttribute::kCanFlushRemoteWrites:
+      return (options_.flush_writes_options & kFlushWritesOptionMemops) != 0 ? 1 : 0;
+    default:
+      return 1;
+  }
 }
 
 std::shared_ptr<EmulatedDevice::StreamState> EmulatedDevice::new_stream_locked() {
@@ -597,7 +607,15 @@ void EmulatedDevice::write_value32(Stream stream, DevicePtr addr, uint32_t value
   enqueue(stream, [addr, value] { reinterpret_cast<std::atomic<uint32_t>*>(addr)->store(value, std::memory_order_release); });
 }
 
+void EmulatedDevice::require_64_bit_memops(const char* call) {
+  if (attribute(current_device(), DeviceAttribute::kCanUse64BitStreamMemOps) == 0) {
+    throw Error(ErrorCode::kSystem, std::string("emulated ") + call +
+                                        ": CUDA_ERROR_NOT_SUPPORTED (no CU_DEVICE_ATTRIBUTE_CAN_USE_64_BIT_STREAM_MEM_OPS)");
+  }
+}
+
 void EmulatedDevice::write_value64(Stream stream, DevicePtr addr, uint64_t value) {
+  require_64_bit_memops("cuStreamWriteValue64");
   count_call(&DriverCalls::value_writes);
   enqueue(stream, [addr, value] { reinterpret_cast<std::atomic<uint64_t>*>(addr)->store(value, std::memory_order_release); });
 }
@@ -610,6 +628,7 @@ void EmulatedDevice::wait_value32(Stream stream, DevicePtr addr, uint32_t value,
 }
 
 void EmulatedDevice::wait_value64(Stream stream, DevicePtr addr, uint64_t value, WaitCmp cmp) {
+  require_64_bit_memops("cuStreamWaitValue64");
   count_call(&DriverCalls::value_waits);
   enqueue(stream, [this, addr, value, cmp] {
     spin_until([&] { return compare(reinterpret_cast<const std::atomic<uint64_t>*>(addr), value, cmp); });
@@ -665,6 +684,10 @@ void EmulatedDevice::memset_sync(void* ptr, size_t bytes) { std::memset(ptr, 0, 
 
 void EmulatedDevice::flush_remote_writes() {
   check_no_fault("cudaDeviceFlushGPUDirectRDMAWrites");
+  if ((attribute(current_device(), DeviceAttribute::kGpuDirectRdmaFlushWritesOptions) & kFlushWritesOptionHost) == 0) {
+    throw Error(ErrorCode::kSystem, "emulated cudaDeviceFlushGPUDirectRDMAWrites: cudaErrorNotSupported (no host option in "
+                                    "CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_FLUSH_WRITES_OPTIONS)");
+  }
   flushes_.fetch_add(1);
 }
 

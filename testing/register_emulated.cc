@@ -1,6 +1,7 @@
-// _core._emulated: the emulated device (cuda/emulated_device.h) and a ce-transport communicator
+// _core._emulated: the emulated device (testing/emulated_device.h) and a ce-transport communicator
 // on it, for Python tests of the bindings' CUDA paths (GIL handling around a full stream queue)
-// on machines without a GPU. Tests only: nothing of freescale_comm uses it.
+// on machines without a GPU. Test equipment: compiled into _core only by FREESCALE_TEST_SUPPORT=ON
+// builds (scripts/setup.sh), never into a wheel users install.
 #include <pybind11/pybind11.h>
 
 #include <cstdint>
@@ -11,13 +12,13 @@
 #include "cpp/communicator.h"
 #include "cpp/config.h"
 #include "cuda/ce_transport.h"
-#include "cuda/emulated_device.h"
+#include "testing/emulated_device.h"
 
 namespace py = pybind11;
 
 namespace freescale {
 
-void register_emulated(py::module_& m) {
+void register_test_support(py::module_& m) {
   py::module_ e = m.def_submodule("_emulated", "Tests only: the emulated device and a ce communicator on it.");
   py::class_<EmulatedDevice, std::shared_ptr<EmulatedDevice>>(e, "EmulatedDevice")
       .def(py::init([](size_t queue_depth, bool creation_blocks_while_waiting) {

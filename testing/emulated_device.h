@@ -62,8 +62,15 @@ struct EmulatedDeviceOptions {
   std::chrono::microseconds op_latency{0};
   // In-order hardware queues the streams share (0: one per stream).
   int hardware_queues = kHardwareQueuesFromEnvironment;
-  // Attributes the device reports as 0 (unsupported); every other one reads 1.
+  // Attributes the device reports as 0 (unsupported); every other one reads 1, but for 117 and
+  // 118 (below) and 98 (the memops bit of 117). Calls that need a capability the device lacks
+  // fail as on a GPU: 64-bit stream memory operations (122), cudaDeviceFlushGPUDirectRDMAWrites
+  // (117's host option).
   std::vector<DeviceAttribute> unsupported;
+  // CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_FLUSH_WRITES_OPTIONS (kFlushWritesOption* bits).
+  int flush_writes_options = kFlushWritesOptionHost | kFlushWritesOptionMemops;
+  // CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_WRITES_ORDERING: 0, none (network writes need a flush).
+  int rdma_writes_ordering = 0;
   // Stream and event creation block while a stream wait is running (waiting) on the device, as
   // they may on a GPU: a transport that creates them lazily can deadlock on its own waits.
   bool creation_blocks_while_waiting = true;
@@ -141,7 +148,9 @@ class EmulatedDevice final : public DeviceOps {
   DevicePtr host_register(void* ptr, size_t bytes) override;
   void host_unregister(void* ptr) override;
   void memset_sync(void* ptr, size_t bytes) override;
-  void flush_remote_writes() override;  // counts (every write here is visible at once)
+  // Counts (every write here is visible at once); fails as cudaErrorNotSupported where
+  // flush_writes_options lacks the host option.
+  void flush_remote_writes() override;
 
   std::string ipc_handle(void* ptr) override;
   void* ipc_open(const std::string& handle) override;
@@ -199,6 +208,8 @@ class EmulatedDevice final : public DeviceOps {
   void check_no_fault(const char* call) const;
   void block_creation_while_waiting();
   void count_call(size_t DriverCalls::*kind);
+  // Throws as the driver does where the device lacks 64-bit stream memory operations.
+  void require_64_bit_memops(const char* call);
   // A queue's thread, before an SM copy: waits while a user's kernel holds every SM (true if it
   // had to). Throws Abandoned on teardown or a fault.
   bool wait_for_free_sms();
