@@ -380,6 +380,9 @@ TEST(NvshmemEmulatedOrdering, OpsCompleteIntactWhenSignalsToOneWordLandOutOfOrde
     EmulatedDevice device(kSmallQueue);
     EmulatedShmemOptions o;
     o.reorder_signals = std::chrono::milliseconds(2);
+    // NVSHMEM's signals (those it may reorder) go to network peers only: ranks 0 and 2 reach each
+    // other over the network; mapped peers' signals are our own stream writes, in stream order.
+    if (rank != 1) o.network_pes = {2 - rank};
     EmulatedShmem shmem(device, o);
     auto comm = nvshmem_communicator(bootstrap, small_config(), device, shmem);
     for (int i = 0; i < 12; ++i) {
@@ -404,6 +407,8 @@ TEST(NvshmemEmulatedFailures, AClosingRanksSignalsAllLandBeforeItsNotice) {
     EmulatedDevice device(kSmallQueue);
     EmulatedShmemOptions o;
     o.reorder_signals = std::chrono::milliseconds(100);
+    for (int p = 0; p < 3; ++p)  // every peer over the network: every signal is NVSHMEM's
+      if (p != rank) o.network_pes.push_back(p);
     EmulatedShmem shmem(device, o);
     auto comm = nvshmem_communicator(bootstrap, small_config(/*timeout_ms=*/60000), device, shmem);
     Exchange x(uniform_counts(3, 100 * 1024), rank);
@@ -416,8 +421,8 @@ TEST(NvshmemEmulatedFailures, AClosingRanksSignalsAllLandBeforeItsNotice) {
   expect_all_ok(outcomes);
 }
 
-// Issue 30 item 5: what the data path costs on this machine. P2P peers: no kernels (NVSHMEM's
-// puts are copies, its SETs stream writes; the transport waits on nothing). A peer without P2P:
+// Issue 30 item 5: what the data path costs on this machine. P2P peers: no kernels (our copies
+// into their slots and our stream writes of their signal words; the transport waits on nothing). A peer without P2P:
 // one proxy kernel per put and signal to it, and its puts are flushed before they are read.
 TEST(NvshmemEmulatedDataPath, SaysWhenItTakesKernelsAndWhyAndFlushesNetworkPeersWrites) {
   for (auto [network, driver] : {std::pair{false, 13000}, std::pair{false, 13010}, std::pair{true, 13000}}) {
@@ -458,6 +463,38 @@ TEST(NvshmemEmulatedDataPath, SaysWhenItTakesKernelsAndWhyAndFlushesNetworkPeers
     });
     expect_all_ok(outcomes);
   }
+}
+
+// Issue 41 item 5: NVSHMEM's SET to a P2P-mapped PE is cudaMemcpyAsync from a stack variable, a
+// copy from pageable memory that may synchronize with the stream: the freed, receipt and notice
+// SETs (and the put's ready signal) could block the progress thread behind every copy queued
+// before them. To mapped peers the transport now moves chunks by its own copies (copy engines:
+// another GPU's memory) and writes signal words by stream memory writes: no SET goes through
+// NVSHMEM there, and the progress thread never waits for a stream while the device is slow.
+TEST(NvshmemEmulatedDataPath, NoSignalToAMappedPeerIsACopyFromPageableMemory) {
+  auto outcomes = run_forked_ranks(3, [](int rank, Bootstrap& bootstrap) -> std::string {
+    EmulatedDeviceOptions d = kSmallQueue;
+    d.op_latency = std::chrono::microseconds(300);  // a slow device: a blocking SET would show
+    d.driver_version = 13010;
+    EmulatedDevice device(d);
+    EmulatedShmemOptions o;
+    if (rank != 1) o.network_pes = {2 - rank};  // ranks 0 and 2 over the network, 1 mapped to both
+    EmulatedShmem shmem(device, o);
+    auto comm = nvshmem_communicator(bootstrap, small_config(), device, shmem);
+    for (int i = 0; i < 3; ++i) {
+      Exchange x(random_counts(3, 200 * 1024, 90 + static_cast<uint32_t>(i)), rank, i);
+      comm->wait(comm->all_to_all(x.send.data(), x.recv.data(), x.layout, 0, false), std::chrono::seconds(30));
+      if (std::string e = x.check(rank); !e.empty()) return "op " + std::to_string(i) + ": " + e;
+    }
+    comm->close();
+    if (size_t n = shmem.signals_from_pageable_memory(); n != 0)
+      return std::to_string(n) + " SETs to mapped PEs went through NVSHMEM (copies from pageable memory)";
+    // Rank 1's peers are all mapped: on a 13.1 driver none of its copies takes an SM.
+    if (rank == 1 && device.copy_counts().sm_copies != 0)
+      return std::to_string(device.copy_counts().sm_copies) + " SM copies with only mapped peers on 13.1";
+    return "";
+  }, std::chrono::seconds(120));
+  expect_all_ok(outcomes);
 }
 
 // Review defect 2: NVSHMEM 3.8 may report a successful init in a "limited MPG" run (several PEs

@@ -169,9 +169,11 @@ class DeviceOps {
   virtual Event ipc_open_event(const std::string& handle) = 0;    // cudaIpcOpenEventHandle; destroy_event closes it
 };
 
-// NVSHMEM's host API as the transport uses it: host-initiated, on-stream puts and SET signals,
-// which to a P2P-mapped peer are copy-engine copies and stream memory writes, and to a peer
-// without P2P go through NVSHMEM's proxy, posted from a one-thread kernel per call. No waits.
+// NVSHMEM's host API as the transport uses it: host-initiated, on-stream puts and signals. To a
+// peer without P2P they go through NVSHMEM's proxy, posted from a one-thread kernel per call. To a
+// P2P-mapped peer NVSHMEM issues a SET as cudaMemcpyAsync from a stack variable (pageable memory:
+// the call may synchronize with the stream, blocking the calling thread behind earlier copies), so
+// the transport reaches mapped peers itself (peer_pointer: copy_batch, write_value64). No waits.
 enum class ShmemSignalOp { kSet, kAdd };
 
 class ShmemOps {
@@ -197,6 +199,10 @@ class ShmemOps {
   virtual void* malloc(size_t bytes) = 0;
   // True if PE `pe`'s copy of `symmetric` is mapped here (P2P: nvshmem_ptr is not null).
   virtual bool is_mapped(const void* symmetric, int pe) = 0;
+  // PE `pe`'s copy of `symmetric` as this device addresses it (nvshmem_ptr): peer-mapped device
+  // memory that copy_batch copies into on copy engines and write_value64 writes; nullptr for a
+  // PE reached over the network.
+  virtual void* peer_pointer(const void* symmetric, int pe) = 0;
 
   // On `stream`: copies `bytes` from local `src` to `dest` on PE `pe`, then applies `op` with
   // `value` to the 64-bit `signal` word on PE `pe` (after the data is visible there).

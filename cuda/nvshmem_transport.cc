@@ -18,6 +18,11 @@
 //   matched: SET recvd[me][seq] = seq + 1 at every rank; the op is confirmed once the mirror
 //   shows recvd[p][seq] >= seq + 1 for every p.
 //
+// To a P2P-mapped rank, staging and NVSHMEM's calls are skipped: input piece(s) are copied straight
+// into its recv slot (copy engines) and every SET above is our own stream memory write to its
+// mapped word (set_signal); NVSHMEM's SET there is a copy from pageable memory that may block the
+// progress thread until the stream drains. Network ranks get NVSHMEM's puts and signals.
+//
 // Cost: each slot refill takes a host round trip on both ranks (see the README). Remote writes
 // from a network peer are flushed (DeviceOps::flush_remote_writes) before the copies that read
 // them are enqueued, as NVSHMEM's own stream wait does. An op starts once its submitter's stream
@@ -114,6 +119,10 @@ class NvshmemTransport final : public Transport {
 
   int pair(int peer, int lane) const { return peer * kNvshmemLanes + lane; }
   uint64_t* word(uint64_t offset) const { return reinterpret_cast<uint64_t*>(arena_ + offset); }
+  // On `s`, after its earlier work: SET the signal word at `offset` of rank `pe`'s arena to
+  // `value`. A mapped rank's word by our own stream memory write: NVSHMEM's SET to a mapped PE is
+  // a copy from pageable memory that may block this thread until the stream drains.
+  void set_signal(uint64_t offset, uint64_t value, int pe, Stream s);
   DevicePtr device_word(uint64_t offset) const { return reinterpret_cast<DevicePtr>(arena_ + offset); }
   // A signal word of our arena as the last completed mirror copy saw it.
   uint64_t seen(uint64_t offset) const {
@@ -133,6 +142,9 @@ class NvshmemTransport final : public Transport {
   // Before a closed peer that an op still needs is blamed: runs our streams out and acts on fresh
   // signal words, then recounts `sight[p].needed`.
   void settle_for_closed_peers(std::vector<PeerSight>& sight);
+  // Whether pending `op` still needs closed rank `p`: its data to us, or its receipt (which says
+  // it received all of the op). An op that awaits only other ranks' receipts does not need it.
+  bool still_needs(const OpState& op, int p) const;
   // Waits until every stream of ours ran out (none ever waits on the device: they do), and
   // enqueues nothing more. False if a stream failed (its work may still hold the mirrors). Never throws.
   bool settle_streams();
@@ -158,6 +170,9 @@ class NvshmemTransport final : public Transport {
   uint64_t chunk_bytes_;
   NvshmemArenaLayout layout_;
   uint8_t* arena_ = nullptr;  // symmetric: the same offsets address every rank's arena
+  // [world] each rank's arena as our device addresses it (P2P: nvshmem_ptr; ours: arena_);
+  // nullptr for a rank reached over the network (NVSHMEM's proxy).
+  std::vector<uint8_t*> mapped_arena_;
   std::vector<ProcessId> procs_;  // [world] ranks on this host (pid -1 for others)
   bool network_peer_ = false;  // some peer is not P2P-mapped (NVSHMEM's proxy)
   bool flush_network_writes_ = false;  // ... and its puts need a flush before they are read
@@ -211,6 +226,7 @@ NvshmemTransport::NvshmemTransport(Bootstrap& bootstrap, const Config& config, D
       sent_chunks_(static_cast<size_t>(world_ * kNvshmemLanes), 0),
       recv_chunks_(static_cast<size_t>(world_ * kNvshmemLanes), 0),
       expected_(static_cast<size_t>(world_ * kNvshmemLanes)) {
+  mapped_arena_.assign(static_cast<size_t>(world_), nullptr);
   // Each step's outcome is announced so that every rank fails together (with the failing rank's
   // code), and nobody enters NVSHMEM's collective init while a peer cannot.
   auto announce = [&](ErrorCode code, const std::string& error, const std::string& payload) {
@@ -325,6 +341,7 @@ NvshmemTransport::NvshmemTransport(Bootstrap& bootstrap, const Config& config, D
                             " bytes failed (raise NVSHMEM_SYMMETRIC_SIZE)");
     }
     ops_.memset_sync(arena_ + layout_.signals_offset(), layout_.signal_bytes());
+    for (int p = 0; p < world_; ++p) mapped_arena_[p] = static_cast<uint8_t*>(shmem_.peer_pointer(arena_, p));
     describe_data_path();
     check_network_flush();  // may refuse (kUnsupported): the backend then falls back to NCCL
     notice_stream_ = ops_.create_stream();
@@ -455,20 +472,32 @@ void NvshmemTransport::send_chunk(const Transfer& t, const Chunk& c) {
   const auto index = static_cast<size_t>(pair(dst, lane));
   if (c.bytes > chunk_bytes_) throw Error(ErrorCode::kInternal, "chunk larger than an nvshmem slot");
   const Stream s = stream_of(send_, index);
+  uint8_t* mapped = mapped_arena_[dst];
   if (c.bytes > 0) {
     const uint64_t n = sent_chunks_[index]++;
-    uint8_t* staging = arena_ + layout_.staging_slot(dst, lane, n);
     CopyList copies;
-    copies.from_send_block(*op, dst, c.offset, c.bytes, staging);
-    ops_.copy_batch(s, copies.batch);
-    shmem_.put_signal_on_stream(arena_ + layout_.recv_slot(rank_, lane, n), staging, c.bytes,
-                                word(layout_.ready(rank_, lane, n)), n + 1, ShmemSignalOp::kSet, dst, s);
+    if (mapped != nullptr) {  // straight into dst's slot (copy engines), then its ready word
+      copies.from_send_block(*op, dst, c.offset, c.bytes, mapped + layout_.recv_slot(rank_, lane, n));
+      ops_.copy_batch(s, copies.batch);
+      set_signal(layout_.ready(rank_, lane, n), n + 1, dst, s);
+    } else {  // staged in our heap, put by NVSHMEM's proxy with its signal
+      uint8_t* staging = arena_ + layout_.staging_slot(dst, lane, n);
+      copies.from_send_block(*op, dst, c.offset, c.bytes, staging);
+      ops_.copy_batch(s, copies.batch);
+      shmem_.put_signal_on_stream(arena_ + layout_.recv_slot(rank_, lane, n), staging, c.bytes,
+                                  word(layout_.ready(rank_, lane, n)), n + 1, ShmemSignalOp::kSet, dst, s);
+    }
   }
   if (c.offset + c.bytes == t.bytes) {  // the transfer's last chunk (or its one empty chunk): our byte count
-    ops_.write_value64(s, device_word(layout_.audit_out(dst, lane)), t.bytes);
-    shmem_.put_signal_on_stream(word(layout_.audit_bytes(rank_, op->seq)), word(layout_.audit_out(dst, lane)),
-                                sizeof(uint64_t), word(layout_.audit(rank_, op->seq)), op->seq + 1, ShmemSignalOp::kSet,
-                                dst, s);
+    if (mapped != nullptr) {  // stream memory writes land in stream order: the count before its signal
+      ops_.write_value64(s, reinterpret_cast<DevicePtr>(mapped + layout_.audit_bytes(rank_, op->seq)), t.bytes);
+      set_signal(layout_.audit(rank_, op->seq), op->seq + 1, dst, s);
+    } else {
+      ops_.write_value64(s, device_word(layout_.audit_out(dst, lane)), t.bytes);
+      shmem_.put_signal_on_stream(word(layout_.audit_bytes(rank_, op->seq)), word(layout_.audit_out(dst, lane)),
+                                  sizeof(uint64_t), word(layout_.audit(rank_, op->seq)), op->seq + 1,
+                                  ShmemSignalOp::kSet, dst, s);
+    }
     send_fifo_[index].pop_front();
   }
 }
@@ -533,7 +562,7 @@ bool NvshmemTransport::act_on_signals() {
         CopyList copies;
         copies.to_recv_block(*c.op, src, c.offset, c.len, arena_ + layout_.recv_slot(src, lane, c.n));
         ops_.copy_batch(s, copies.batch);
-        shmem_.signal_op_on_stream(word(layout_.freed(rank_, lane, c.n)), c.n + 1, ShmemSignalOp::kSet, src, s);
+        set_signal(layout_.freed(rank_, lane, c.n), c.n + 1, src, s);
         if (c.last) {
           Event ev = gate_.take_event();
           ops_.record_event(ev, s);
@@ -597,7 +626,7 @@ void NvshmemTransport::part_checked(const std::shared_ptr<OpState>& op, int src)
   op->part_done();
   if (--op->recv_parts_left > 0) return;
   for (int p = 0; p < world_; ++p) {
-    shmem_.signal_op_on_stream(word(layout_.recvd(rank_, op->seq)), op->seq + 1, ShmemSignalOp::kSet, p, receipt_stream_);
+    set_signal(layout_.recvd(rank_, op->seq), op->seq + 1, p, receipt_stream_);
   }
 }
 
@@ -656,7 +685,7 @@ void NvshmemTransport::settle_for_closed_peers(std::vector<PeerSight>& sight) {
     for (int p = 0; p < world_; ++p) {
       if (!sight[p].closed) continue;
       sight[p].needed = false;
-      for (const auto& [seq, op] : started_) sight[p].needed |= !op->is_completed() && op->needs_peer(p);
+      for (const auto& [seq, op] : started_) sight[p].needed |= still_needs(*op, p);
       any |= sight[p].needed;
     }
     return any;
@@ -670,6 +699,11 @@ void NvshmemTransport::settle_for_closed_peers(std::vector<PeerSight>& sight) {
   }
 }
 
+bool NvshmemTransport::still_needs(const OpState& op, int p) const {
+  if (op.is_completed()) return false;
+  return !op.recv_finished[p] || seen(layout_.recvd(p, op.seq)) < op.seq + 1;
+}
+
 void NvshmemTransport::copy_notices(Stream s) {
   CopyBatch batch;
   batch.add(notice_mirror_, word(layout_.notice(0)), sizeof(uint64_t) * world_);
@@ -681,7 +715,7 @@ void NvshmemTransport::notify_peers(uint64_t notice, bool closing) {
   try {
     if (closing) shmem_.quiet_on_stream(notice_stream_);  // what we signalled before lands first
     for (int p = 0; p < world_; ++p) {
-      if (p != rank_) shmem_.signal_op_on_stream(word(layout_.notice(rank_)), notice, ShmemSignalOp::kSet, p, notice_stream_);
+      if (p != rank_) set_signal(layout_.notice(rank_), notice, p, notice_stream_);
     }
     // Landed at the peers, not only issued. Not on abort: a quiet to a dead network peer may never end.
     if (closing) shmem_.quiet_on_stream(notice_stream_);
@@ -708,17 +742,19 @@ void NvshmemTransport::describe_data_path() {
   const bool engines_within = copies_within_a_device_on_copy_engines(version, batch);
   const std::string driver = "nvshmem (driver " + driver_version_text(version) + "): ";
   const std::string staging =
-      engines_within ? "chunks are staged and copied out on copy engines (cudaMemcpyBatchAsync with "
-                       "cudaMemcpyFlagPreferOverlapWithCompute, honored within a device from 13.1)"
-                     : std::string("chunks are staged into and copied out of this rank's symmetric heap by SM kernels "
-                                   "(copies within a device: ") +
+      engines_within ? "chunks are copied out of this rank's heap (and staged into it for network peers) on copy "
+                       "engines (cudaMemcpyBatchAsync with cudaMemcpyFlagPreferOverlapWithCompute, honored within a "
+                       "device from 13.1)"
+                     : std::string("chunks are copied out of (and, for network peers, staged into) this rank's "
+                                   "symmetric heap by SM kernels (copies within a device: ") +
                            (batch ? "drivers before 13.1 ignore cudaMemcpyFlagPreferOverlapWithCompute for them)"
                                   : "the driver refused cudaMemcpyBatchAsync, so copies go one by one)");
   const std::string common =
       staging + "; the host drives every step from a copy of the signal words (no signal waits, so no NVSHMEM wait "
                 "kernels); Work.wait() returns to the CPU once the op completed (every rank's receipt seen)";
-  const std::string puts = "every peer is P2P-mapped, so NVSHMEM's puts are copy-engine copies and its signals "
-                           "stream memory writes; ";
+  const std::string puts = "every peer is P2P-mapped: chunks go straight into its receive slots by copy-engine "
+                           "copies and signal words by stream memory writes (ours: NVSHMEM's SET to a mapped peer is a "
+                           "copy from pageable memory that may block the thread); ";
   if (count == 0) {
     data_path_ = driver + (engines_within ? "no SM kernels: " : "SM kernels for copies within this GPU only: ") + puts +
                  common;
@@ -726,6 +762,14 @@ void NvshmemTransport::describe_data_path() {
     data_path_ = driver + "SM kernels for " + std::to_string(count) + " of " + std::to_string(world_ - 1) +
                  " peers (ranks " + proxied + "): NVSHMEM posts puts and signals to peers without P2P through its "
                  "proxy, from a one-thread kernel per call; " + common;
+  }
+}
+
+void NvshmemTransport::set_signal(uint64_t offset, uint64_t value, int pe, Stream s) {
+  if (uint8_t* mapped = mapped_arena_[pe]; mapped != nullptr) {
+    ops_.write_value64(s, reinterpret_cast<DevicePtr>(mapped + offset), value);
+  } else {
+    shmem_.signal_op_on_stream(word(offset), value, ShmemSignalOp::kSet, pe, s);
   }
 }
 

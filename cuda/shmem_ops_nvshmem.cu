@@ -59,6 +59,7 @@ class NvshmemOps final : public ShmemOps {
 
   void* malloc(size_t bytes) override { return api_.malloc(bytes); }
   bool is_mapped(const void* symmetric, int pe) override { return api_.ptr(symmetric, pe) != nullptr; }
+  void* peer_pointer(const void* symmetric, int pe) override { return api_.ptr(symmetric, pe); }
   void put_signal_on_stream(void* dest, const void* src, size_t bytes, uint64_t* signal, uint64_t value, ShmemSignalOp op,
                             int pe, Stream stream) override {
     api_.putmem_signal_on_stream(dest, src, bytes, signal, value, signal_op(op), pe, as_stream(stream));

@@ -538,11 +538,22 @@ CopyExecutor EmulatedDevice::executor(const void* dst, const void* src) const {
   auto elsewhere = [this](const void* p) {  // another device's memory (an IPC mapping), or the host's
     auto n = [](size_t bytes) { return bytes; };
     const Mapping* m = block_holding(allocations_, p, [](const Mapping& x) { return x.bytes; });
-    return (m != nullptr && m->fd < 0) || block_holding(host_blocks_, p, n) || block_holding(registered_, p, n);
+    return (m != nullptr && m->fd < 0) || block_holding(host_blocks_, p, n) || block_holding(registered_, p, n) ||
+           block_holding(peer_mapped_, p, n);
   };
   if (elsewhere(dst) || elsewhere(src)) return CopyExecutor::kCopyEngine;
   return copies_within_a_device_on_copy_engines(options_.driver_version, options_.batch_api) ? CopyExecutor::kCopyEngine
                                                                                               : CopyExecutor::kSm;
+}
+
+void EmulatedDevice::add_peer_mapping(const void* ptr, size_t bytes) {
+  std::lock_guard<std::mutex> lock(mu_);
+  peer_mapped_[const_cast<void*>(ptr)] = bytes;
+}
+
+void EmulatedDevice::remove_peer_mapping(const void* ptr) {
+  std::lock_guard<std::mutex> lock(mu_);
+  peer_mapped_.erase(const_cast<void*>(ptr));
 }
 
 CopyCounts EmulatedDevice::copy_counts() const {
@@ -769,7 +780,9 @@ EmulatedShmem::~EmulatedShmem() {
     holder_.join();  // it lands what it still holds first
   }
   for (size_t p = 0; p < heaps_.size(); ++p) {
-    if (heaps_[p] != nullptr) munmap(heaps_[p], heap_bytes_);
+    if (heaps_[p] == nullptr) continue;
+    device_.remove_peer_mapping(heaps_[p]);
+    munmap(heaps_[p], heap_bytes_);
   }
   if (heap_fd_ >= 0) close(heap_fd_);
   if (rendezvous_ != nullptr) munmap(rendezvous_, sizeof(Rendezvous));
@@ -823,6 +836,7 @@ int EmulatedShmem::init(const std::string& unique_id, int rank, int world) {
     int fd = open_peer_fd(meet->handles[p], &bytes);
     heaps_[p] = static_cast<uint8_t*>(map_fd_or_close(fd, bytes));
     close(fd);
+    if (is_mapped(nullptr, p)) device_.add_peer_mapping(heaps_[p], heap_bytes_);
   }
   return 0;
 }
@@ -853,6 +867,7 @@ void EmulatedShmem::put_signal_on_stream(void* dest, const void* src, size_t byt
   auto* word = reinterpret_cast<std::atomic<uint64_t>*>(remote(signal, pe));
   if (options_.limited_mpg) std::_Exit(86);  // what NVSHMEM 3.8 may do (ShmemOps::fully_initialized)
   if (op == ShmemSignalOp::kAdd || !is_mapped(dest, pe)) kernels_.fetch_add(1);  // NVSHMEM's kernels
+  if (op == ShmemSignalOp::kSet && is_mapped(signal, pe)) set_from_pageable_memory(stream);
   device_.enqueue(stream, [this, to, src, bytes, word, value, op] {
     dma_copy(to, src, bytes);
     deliver(word, value, op);
@@ -863,7 +878,17 @@ void EmulatedShmem::signal_op_on_stream(uint64_t* signal, uint64_t value, ShmemS
   auto* word = reinterpret_cast<std::atomic<uint64_t>*>(remote(signal, pe));
   if (options_.limited_mpg) std::_Exit(86);
   if (op == ShmemSignalOp::kAdd || !is_mapped(signal, pe)) kernels_.fetch_add(1);
+  if (op == ShmemSignalOp::kSet && is_mapped(signal, pe)) set_from_pageable_memory(stream);
   device_.enqueue(stream, [this, word, value, op] { deliver(word, value, op); });
+}
+
+void EmulatedShmem::set_from_pageable_memory(Stream stream) {
+  pageable_signals_.fetch_add(1);
+  device_.synchronize(stream);  // a pageable copy may wait for the stream's earlier work
+}
+
+void* EmulatedShmem::peer_pointer(const void* symmetric, int pe) {
+  return is_mapped(symmetric, pe) ? remote(symmetric, pe) : nullptr;
 }
 
 size_t EmulatedShmem::signals_held() {

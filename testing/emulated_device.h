@@ -198,6 +198,10 @@ class EmulatedDevice final : public DeviceOps {
   void occupy_every_sm(bool occupied) { sms_occupied_.store(occupied); }
   // The context's fault ("" while healthy).
   std::string fault() const;
+  // Another device's memory mapped here by peer access (EmulatedShmem: P2P-mapped PEs' heaps):
+  // copies to or from it run on copy engines (executor()).
+  void add_peer_mapping(const void* ptr, size_t bytes);
+  void remove_peer_mapping(const void* ptr);
 
  private:
   struct EventState;
@@ -244,6 +248,7 @@ class EmulatedDevice final : public DeviceOps {
   std::map<void*, Mapping> allocations_;  // device allocations (fd >= 0) and IPC mappings (fd < 0)
   std::map<void*, size_t> host_blocks_;   // host_alloc_mapped
   std::map<void*, size_t> registered_;    // host_register
+  std::map<void*, size_t> peer_mapped_;   // add_peer_mapping
 };
 
 struct EmulatedShmemOptions {
@@ -281,6 +286,13 @@ class EmulatedShmem final : public ShmemOps {
   // Lands every signal the reordering hold still keeps once the stream gets there.
   void quiet_on_stream(Stream stream) override;
   bool is_mapped(const void* symmetric, int pe) override;
+  void* peer_pointer(const void* symmetric, int pe) override;
+
+  // SETs to a P2P-mapped PE (itself included) through NVSHMEM's calls: NVSHMEM issues them as
+  // cudaMemcpyAsync from a stack variable, a copy from pageable memory that may synchronize with
+  // the stream; the emulation does (the calling thread waits for the stream's earlier work), and
+  // counts them here.
+  size_t signals_from_pageable_memory() const { return pageable_signals_.load(); }
 
   // SM kernels NVSHMEM would have launched for this process's calls: one per put or signal to a
   // PE of EmulatedShmemOptions::network_pes (its proxy), one per ADD signal.
@@ -296,6 +308,8 @@ class EmulatedShmem final : public ShmemOps {
 
  private:
   void read_environment_once();
+  // NVSHMEM's SET to a mapped PE: counts it and waits for `stream` (signals_from_pageable_memory).
+  void set_from_pageable_memory(Stream stream);
   uint8_t* remote(const void* local, int pe) const;
   // Applies a signal that reached its word, through the reordering hold when it is on.
   void deliver(std::atomic<uint64_t>* word, uint64_t value, ShmemSignalOp op);
@@ -317,6 +331,7 @@ class EmulatedShmem final : public ShmemOps {
   size_t used_ = 0;              // bump allocator: the same sequence of malloc on every PE
   std::atomic<size_t> kernels_{0};
   std::atomic<size_t> reordered_{0};
+  std::atomic<size_t> pageable_signals_{0};
   std::mutex held_mu_;  // guards held_ and stopping_; signals land under it (one at a time)
   std::condition_variable held_cv_;
   std::map<std::atomic<uint64_t>*, HeldSignal> held_;
