@@ -74,7 +74,24 @@ std::shared_ptr<OpState> Communicator::all_to_all(const uint8_t* send, uint8_t* 
   validate_alltoallv(layout, world_);
   // Outside the lock: marking a CUDA stream can block while its queue is full, and what drains
   // that queue may need the progress thread, which takes mu_.
-  const uintptr_t mark = transport_->mark_submission(stream);
+  uintptr_t mark = 0;
+  try {
+    mark = transport_->mark_submission(stream);
+  } catch (const Error& e) {
+    if (e.code() != ErrorCode::kSystem) throw;  // a refusal of this op: the communicator is fine
+    // A device call failed (e.g. a sticky fault of the CUDA context): nothing more can run here.
+    // Fail the communicator so that peers learn it now, naming this rank and the cause, instead of
+    // waiting for its ops until their timeout.
+    if (closed()) throw Error(ErrorCode::kInvalidUsage, "all_to_all on a closed communicator");
+    const std::string why = "submitting an op on rank " + std::to_string(rank_) + " failed: " + e.message();
+    if (progress_mu_.held_by_this_thread()) {  // a done-callback submitting: we run the rounds
+      fail_all(ErrorCode::kSystem, why, rank_);
+    } else {
+      std::lock_guard<ProgressLock> hold(progress_mu_);
+      fail_all(ErrorCode::kSystem, why, rank_);
+    }
+    throw CommError(ErrorCode::kSystem, why, rank_);
+  }
   std::shared_ptr<OpState> op;
   {
     std::unique_lock<std::mutex> lock(mu_);

@@ -9,6 +9,7 @@
 #include <cstdlib>
 #include <string>
 #include <chrono>
+#include <cstring>
 #include <thread>
 #include <vector>
 
@@ -152,8 +153,45 @@ TEST(EmulatedDevice, AFaultOnOneStreamPoisonsTheWholeContext) {
   EXPECT_THROW(device.enqueue(other, [] {}), Error);
   EXPECT_THROW(device.create_stream(), Error);
   EXPECT_THROW(device.create_event(), Error);
-  device.destroy_event(before);  // releases still work: teardown must not leak
-  device.destroy_stream(other);
+  // Issue 41 item 2: releases fail too, as the sticky error makes them on a GPU (the context is
+  // lost; the process's exit frees it): teardown must survive that, not count on it.
+  EXPECT_THROW(device.destroy_event(before), Error);
+  EXPECT_THROW(device.destroy_stream(other), Error);
+  void* memory = nullptr;
+  EXPECT_THROW(memory = device.device_alloc(64), Error) << "allocation after a fault";
+  EXPECT_EQ(memory, nullptr);
+}
+
+// Issue 41 item 2: cudaFree waits for every stream of the device, a user's included; on a GPU a
+// stream that never runs out hangs it. The emulator waits too, and reports the hang instead.
+TEST(EmulatedDevice, FreeWaitsForEveryStreamAndReportsAHang) {
+  EmulatedDeviceOptions options;
+  options.hang_report_after = std::chrono::milliseconds(200);
+  EmulatedDevice device(options);
+  void* a = device.device_alloc(64);
+  void* b = device.device_alloc(64);
+  Stream user = device.create_stream();
+  std::atomic<uint64_t> gate{0}, ran{0};
+  device.wait_value64(user, reinterpret_cast<DevicePtr>(&gate), 1, WaitCmp::kGeq);
+  device.write_value64(user, reinterpret_cast<DevicePtr>(&ran), 1);
+  try {
+    DevicePtr mapped = 0;
+    device.host_free(device.host_alloc_mapped(64, &mapped));
+    FAIL() << "cudaFreeHost returned while a stream waits forever";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), ErrorCode::kInternal);
+    EXPECT_NE(std::string(e.what()).find("would hang on a GPU"), std::string::npos) << e.what();
+  }
+  EXPECT_THROW(device.device_free(a), Error);
+  std::thread opener([&] {
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    gate.store(1);
+  });
+  device.device_free(b);  // returns once the user's stream ran out: its write ran before
+  EXPECT_EQ(ran.load(), 1u);
+  opener.join();
+  device.device_free(a);
+  device.destroy_stream(user);
 }
 
 // Issue 29 item 1e: on a GPU, creating a stream or an event may block while a stream wait is
@@ -164,7 +202,7 @@ TEST(EmulatedDevice, CreationBlocksWhileAStreamWaitRuns) {
   Stream s = device.create_stream();
   std::atomic<uint64_t> gate{0};
   device.wait_value64(s, reinterpret_cast<DevicePtr>(&gate), 1, WaitCmp::kGeq);
-  while (device.queued(s) != 0) std::this_thread::yield();  // the wait runs
+  while (device.waits_running() == 0) std::this_thread::yield();  // the wait runs (not just dequeued)
   std::atomic<bool> created{false};
   std::thread creator([&] {
     device.destroy_event(device.create_event());
@@ -333,7 +371,7 @@ struct OnePe {
   explicit OnePe(EmulatedDeviceOptions d = {}, EmulatedShmemOptions o = {}) : device(d), shmem(device, o) {
     EXPECT_EQ(shmem.init(shmem.unique_id(), 0, 1), 0);
     words = static_cast<uint64_t*>(shmem.malloc(4 * sizeof(uint64_t)));
-    device.memset_sync(words, 4 * sizeof(uint64_t));
+    std::memset(words, 0, 4 * sizeof(uint64_t));
   }
   uint64_t load(int i) { return reinterpret_cast<std::atomic<uint64_t>*>(words + i)->load(); }
 };

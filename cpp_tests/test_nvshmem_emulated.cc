@@ -572,6 +572,87 @@ TEST(NvshmemEmulatedSetup, ADeviceWithoutWhatTheDataPathNeedsRefusesOnEveryRankA
   }
 }
 
+// Issue 41 item 2: after a context-wide fault every device call fails, releases included (sticky,
+// as on a GPU). Rank 0's context faults before it submits: submitting failed with a system error
+// that left the communicator up (rank 1 waited for the op's timeout). Now the communicator fails
+// at once naming the fault, rank 1's ops name rank 0 (its notice cannot go through a faulted
+// context, so rank 1 names it when it exits), and teardown on the faulted device returns.
+TEST(NvshmemEmulatedFailures, AContextWideFaultFailsEveryRankAndTeardownSurvivesIt) {
+  auto outcomes = run_forked_ranks(2, [](int rank, Bootstrap& bootstrap) -> std::string {
+    std::vector<std::unique_ptr<Exchange>> xs;  // outlives the device (a copy may run as it faults)
+    EmulatedDevice device(kSmallQueue);
+    EmulatedShmem shmem(device);
+    Stream kernels = device.create_stream();
+    auto comm = nvshmem_communicator(bootstrap, small_config(/*timeout_ms=*/60000), device, shmem);
+    std::vector<std::shared_ptr<OpState>> ops;
+    if (rank == 0) {
+      device.fail_next_task(kernels, "an illegal memory access");
+      device.enqueue(kernels, [] {});
+      while (device.fault().empty()) std::this_thread::yield();
+    }
+    bootstrap.allgather("");
+    try {
+      for (int i = 0; i < 3; ++i) {
+        xs.push_back(std::make_unique<Exchange>(uniform_counts(2, 1 << 20), rank, 40 + i));
+        ops.push_back(comm->all_to_all(xs.back()->send.data(), xs.back()->recv.data(), xs.back()->layout, 0, false));
+      }
+    } catch (const CommError&) {  // the failure may be known at submission already
+    }
+    for (auto& op : ops) {
+      std::string why = expect_comm_error([&] { comm->wait(op, std::chrono::seconds(30)); });
+      if (!why.empty()) return "rank " + std::to_string(rank) + ": " + why;
+      try {
+        op->rethrow_if_failed();
+      } catch (const Error& e) {
+        if (rank == 0 && std::string(e.what()).find("illegal memory access") == std::string::npos)
+          return "rank 0: the fault is not named: " + std::string(e.what());
+        // Rank 0's notice cannot go through its faulted context: rank 1 names it once it exits.
+        if (rank == 1 && e.culprit() != 0) return "rank 1: the culprit is not rank 0: " + std::string(e.what());
+      }
+    }
+    comm.reset();  // teardown on a faulted device returns
+    return "";
+  }, std::chrono::seconds(60));
+  expect_all_ok(outcomes);
+}
+
+// Issue 41 item 2: setup zeroed the arena's signal words with cudaMemset + cudaDeviceSynchronize,
+// which waits for every stream of the device: a user's kernel that runs until something after
+// setup happens (a persistent kernel polling a flag, another library's wait kernel) hung the setup
+// on a GPU. Now the zeroing runs on the transport's own stream.
+TEST(NvshmemEmulatedSetup, SetupNeverWaitsForAUsersStream) {
+  auto outcomes = run_forked_ranks(2, [](int rank, Bootstrap& bootstrap) -> std::string {
+    EmulatedDeviceOptions d = kSmallQueue;
+    d.hang_report_after = std::chrono::milliseconds(500);
+    // A queue per stream: what this tests is the device-wide synchronization, not streams sharing
+    // a hardware queue with a kernel that runs until later (the emulator runs a queue's operations
+    // one at a time, harsher than a GPU there).
+    d.hardware_queues = 0;
+    EmulatedDevice device(d);
+    EmulatedShmem shmem(device);
+    Stream user = device.create_stream();
+    std::atomic<uint64_t> gate{0};
+    device.enqueue(user, [&] {  // a kernel (not a stream wait) that runs until setup returned
+      while (gate.load() == 0) std::this_thread::sleep_for(std::chrono::microseconds(100));
+    });
+    std::unique_ptr<Communicator> comm;
+    try {
+      comm = nvshmem_communicator(bootstrap, small_config(), device, shmem);
+    } catch (const Error& e) {
+      gate.store(1);
+      return std::string("setup: ") + e.what();
+    }
+    gate.store(1);
+    Exchange x(uniform_counts(2, 64 * 1024), rank);
+    comm->wait(comm->all_to_all(x.send.data(), x.recv.data(), x.layout, 0, false), std::chrono::seconds(20));
+    if (std::string e = x.check(rank); !e.empty()) return e;
+    comm->close();
+    device.synchronize(user);
+    return "";
+  });
+  expect_all_ok(outcomes);
+}
+
 TEST(NvshmemEmulatedSetup, FailedInitFailsEveryRankTogether) {
   auto outcomes = run_forked_ranks(2, [](int rank, Bootstrap& bootstrap) -> std::string {
     EmulatedDevice device(kSmallQueue);

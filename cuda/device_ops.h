@@ -142,8 +142,10 @@ class DeviceOps {
   // Pins and maps existing host memory (e.g. a shared control segment); returns its device address.
   virtual DevicePtr host_register(void* ptr, size_t bytes) = 0;
   virtual void host_unregister(void* ptr) = 0;
-  // Sets `bytes` of device memory to zero and waits for it.
-  virtual void memset_sync(void* ptr, size_t bytes) = 0;
+  // Enqueues on `stream` the zeroing of `bytes` of device memory (cudaMemsetAsync). Never a
+  // device-wide synchronization: cudaMemset + cudaDeviceSynchronize would wait for every stream of
+  // the device, a user's too (one blocked on a wait would hang our setup).
+  virtual void memset_async(Stream stream, void* ptr, size_t bytes) = 0;
   // Makes remote writes that reached this device over the network (GPUDirect RDMA: NVSHMEM puts
   // from peers without P2P) visible to work enqueued after this call, as NVSHMEM's own stream
   // wait does with its flush flag (cudaDeviceFlushGPUDirectRDMAWrites to the owner; a no-op where

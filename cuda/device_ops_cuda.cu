@@ -185,9 +185,8 @@ class CudaDeviceOps final : public DeviceOps {
     return reinterpret_cast<DevicePtr>(d);
   }
   void host_unregister(void* ptr) override { check_cuda(cudaHostUnregister(ptr), "cudaHostUnregister"); }
-  void memset_sync(void* ptr, size_t bytes) override {
-    check_cuda(cudaMemset(ptr, 0, bytes), "cudaMemset");
-    check_cuda(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
+  void memset_async(Stream stream, void* ptr, size_t bytes) override {
+    check_cuda(cudaMemsetAsync(ptr, 0, bytes, as_stream(stream)), "cudaMemsetAsync");
   }
 
   void flush_remote_writes() override {

@@ -340,14 +340,16 @@ NvshmemTransport::NvshmemTransport(Bootstrap& bootstrap, const Config& config, D
       throw Error(code, "nvshmem_malloc of " + std::to_string(layout_.num_bytes()) +
                             " bytes failed (raise NVSHMEM_SYMMETRIC_SIZE)");
     }
-    ops_.memset_sync(arena_ + layout_.signals_offset(), layout_.signal_bytes());
-    for (int p = 0; p < world_; ++p) mapped_arena_[p] = static_cast<uint8_t*>(shmem_.peer_pointer(arena_, p));
-    describe_data_path();
-    check_network_flush();  // may refuse (kUnsupported): the backend then falls back to NCCL
     notice_stream_ = ops_.create_stream();
     receipt_stream_ = ops_.create_stream();
     watch_stream_ = ops_.create_stream();
     health_stream_ = ops_.create_stream();
+    // On our stream, not the device (a user's stream may wait on anything meanwhile).
+    ops_.memset_async(notice_stream_, arena_ + layout_.signals_offset(), layout_.signal_bytes());
+    ops_.synchronize(notice_stream_);
+    for (int p = 0; p < world_; ++p) mapped_arena_[p] = static_cast<uint8_t*>(shmem_.peer_pointer(arena_, p));
+    describe_data_path();
+    check_network_flush();  // may refuse (kUnsupported): the backend then falls back to NCCL
   } catch (const Error& e) {
     if (e.code() == ErrorCode::kUnsupported) code = e.code();
     error = e.message();

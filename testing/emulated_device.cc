@@ -96,6 +96,15 @@ void dma_copy(void* to, const void* from, size_t bytes) {
   for (; i < bytes; ++i) __atomic_store_n(dst + i, __atomic_load_n(src + i, __ATOMIC_RELAXED), __ATOMIC_RELAXED);
 }
 
+// Zeroes `bytes` at `to` as the device does: aligned words whole (see dma_copy).
+void dma_copy_zero(void* to, size_t bytes) {
+  auto* dst = static_cast<uint8_t*>(to);
+  size_t i = 0;
+  for (; i < bytes && (reinterpret_cast<uintptr_t>(dst + i) & 7) != 0; ++i) __atomic_store_n(dst + i, 0, __ATOMIC_RELAXED);
+  for (; i + 8 <= bytes; i += 8) __atomic_store_n(reinterpret_cast<uint64_t*>(dst + i), uint64_t{0}, __ATOMIC_RELEASE);
+  for (; i < bytes; ++i) __atomic_store_n(dst + i, 0, __ATOMIC_RELAXED);
+}
+
 template <class T>
 bool compare(const std::atomic<T>* word, T value, WaitCmp cmp) {
   T now = word->load(std::memory_order_acquire);
@@ -154,6 +163,7 @@ struct EmulatedDevice::HwQueue {
   std::condition_variable pushed;  // a task was queued, or the queue retired / the device tore down
   std::condition_variable popped;  // a task was taken or finished
   std::deque<Task> fifo;           // every task of its streams, in enqueue order
+  bool running = false;            // a task of it runs now
   bool dedicated = false;          // one stream's own (hardware_queues == 0)
   bool retired = false;            // dedicated, and its stream destroyed: ends once drained
   std::thread thread;
@@ -186,6 +196,7 @@ void EmulatedDevice::run_queue(HwQueue& q) {
     StreamState& s = *task.stream;
     --s.queued;
     s.running = true;
+    q.running = true;
     const std::chrono::microseconds latency = s.latency;
     q.popped.notify_all();
     lock.unlock();
@@ -210,6 +221,7 @@ void EmulatedDevice::run_queue(HwQueue& q) {
     }
     lock.lock();
     s.running = false;
+    q.running = false;
     q.popped.notify_all();
   }
 }
@@ -328,6 +340,7 @@ Stream EmulatedDevice::create_stream() {
 }
 
 void EmulatedDevice::destroy_stream(Stream stream) {
+  check_no_fault("cudaStreamDestroy");
   std::shared_ptr<StreamState> s;
   {
     std::lock_guard<std::mutex> lock(mu_);
@@ -428,6 +441,27 @@ bool EmulatedDevice::stream_idle(Stream stream) {
   return s->queued == 0 && !s->running;
 }
 
+void EmulatedDevice::synchronize_device(const char* call) {
+  std::vector<HwQueue*> queues;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (auto& q : queues_) queues.push_back(q.get());
+  }
+  const auto deadline = std::chrono::steady_clock::now() + options_.hang_report_after;
+  for (HwQueue* q : queues) {
+    std::unique_lock<std::mutex> lock(q->mu);
+    if (!q->popped.wait_until(lock, deadline, [&] {
+          return (q->fifo.empty() && !q->running) || torn_down_.load() || faulted_.load();
+        })) {
+      throw Error(ErrorCode::kInternal,
+                  std::string("emulated ") + call + ": its implicit device synchronization would hang on a GPU: a stream "
+                  "(ours or a user's) still holds work after " + std::to_string(options_.hang_report_after.count()) +
+                  " ms (a wait nothing will satisfy?)");
+    }
+  }
+  check_no_fault(call);
+}
+
 void EmulatedDevice::synchronize(Stream stream) {
   std::shared_ptr<StreamState> s = stream_of(stream);
   {
@@ -482,6 +516,7 @@ Event EmulatedDevice::ipc_open_event(const std::string& handle) {
 }
 
 void EmulatedDevice::destroy_event(Event event) {
+  check_no_fault("cudaEventDestroy");
   std::lock_guard<std::mutex> lock(mu_);
   if (events_.erase(event) == 0) throw Error(ErrorCode::kSystem, "emulated cudaEventDestroy: invalid resource handle");
 }
@@ -647,6 +682,7 @@ void EmulatedDevice::wait_value64(Stream stream, DevicePtr addr, uint64_t value,
 }
 
 void* EmulatedDevice::device_alloc(size_t bytes) {
+  check_no_fault("cudaMalloc");
   int fd = new_memfd(bytes, "freescale-emulated-device");
   void* p = map_fd_or_close(fd, bytes);
   std::lock_guard<std::mutex> lock(mu_);
@@ -655,6 +691,8 @@ void* EmulatedDevice::device_alloc(size_t bytes) {
 }
 
 void EmulatedDevice::device_free(void* ptr) {
+  check_no_fault("cudaFree");
+  synchronize_device("cudaFree");
   std::lock_guard<std::mutex> lock(mu_);
   auto it = allocations_.find(ptr);
   if (it == allocations_.end() || it->second.fd < 0) throw Error(ErrorCode::kSystem, "emulated cudaFree: not a device allocation");
@@ -664,6 +702,7 @@ void EmulatedDevice::device_free(void* ptr) {
 }
 
 void* EmulatedDevice::host_alloc_mapped(size_t bytes, DevicePtr* device) {
+  check_no_fault("cudaHostAlloc");
   void* p = std::aligned_alloc(64, (bytes + 63) / 64 * 64);
   if (p == nullptr) throw Error(ErrorCode::kSystem, "emulated cudaHostAlloc: out of memory");
   std::lock_guard<std::mutex> lock(mu_);
@@ -673,12 +712,15 @@ void* EmulatedDevice::host_alloc_mapped(size_t bytes, DevicePtr* device) {
 }
 
 void EmulatedDevice::host_free(void* ptr) {
+  check_no_fault("cudaFreeHost");
+  synchronize_device("cudaFreeHost");
   std::lock_guard<std::mutex> lock(mu_);
   if (host_blocks_.erase(ptr) == 0) throw Error(ErrorCode::kSystem, "emulated cudaFreeHost: not a mapped host block");
   std::free(ptr);
 }
 
 DevicePtr EmulatedDevice::host_register(void* ptr, size_t bytes) {
+  check_no_fault("cudaHostRegister");
   std::lock_guard<std::mutex> lock(mu_);
   if (!registered_.emplace(ptr, bytes).second) {
     throw Error(ErrorCode::kSystem, "emulated cudaHostRegister: cudaErrorHostMemoryAlreadyRegistered");
@@ -687,11 +729,14 @@ DevicePtr EmulatedDevice::host_register(void* ptr, size_t bytes) {
 }
 
 void EmulatedDevice::host_unregister(void* ptr) {
+  check_no_fault("cudaHostUnregister");
   std::lock_guard<std::mutex> lock(mu_);
   if (registered_.erase(ptr) == 0) throw Error(ErrorCode::kSystem, "emulated cudaHostUnregister: not registered");
 }
 
-void EmulatedDevice::memset_sync(void* ptr, size_t bytes) { std::memset(ptr, 0, bytes); }
+void EmulatedDevice::memset_async(Stream stream, void* ptr, size_t bytes) {
+  enqueue(stream, [ptr, bytes] { dma_copy_zero(ptr, bytes); });
+}
 
 void EmulatedDevice::flush_remote_writes() {
   check_no_fault("cudaDeviceFlushGPUDirectRDMAWrites");
@@ -703,6 +748,7 @@ void EmulatedDevice::flush_remote_writes() {
 }
 
 std::string EmulatedDevice::ipc_handle(void* ptr) {
+  check_no_fault("cudaIpcGetMemHandle");
   std::lock_guard<std::mutex> lock(mu_);
   auto it = allocations_.find(ptr);
   if (it == allocations_.end() || it->second.fd < 0) {
@@ -712,6 +758,7 @@ std::string EmulatedDevice::ipc_handle(void* ptr) {
 }
 
 void* EmulatedDevice::ipc_open(const std::string& handle) {
+  check_no_fault("cudaIpcOpenMemHandle");
   size_t bytes = 0;
   int fd = open_peer_fd(handle, &bytes);
   void* p = map_fd_or_close(fd, bytes);
@@ -736,6 +783,7 @@ void* EmulatedDevice::allocation_base(const void* ptr, size_t* bytes) {
 }
 
 void EmulatedDevice::ipc_close(void* ptr) {
+  check_no_fault("cudaIpcCloseMemHandle");
   std::lock_guard<std::mutex> lock(mu_);
   auto it = allocations_.find(ptr);
   if (it == allocations_.end() || it->second.fd >= 0) throw Error(ErrorCode::kSystem, "emulated cudaIpcCloseMemHandle: not an IPC mapping");

@@ -19,8 +19,12 @@
 //    (through /proc/<pid>/fd), and nothing appears in /dev/shm, crash or not;
 //  - an asynchronous fault (a task that fails: fail_next_task) poisons the whole context, as on a
 //    GPU: nothing queued on any stream runs after it, and every later call of the device (stream
-//    and event queries, synchronization, enqueues, creation) throws it; releasing memory and
-//    handles still works (teardown must not leak).
+//    and event queries, synchronization, enqueues, creation, and releases: cudaFree,
+//    cudaFreeHost, cudaHostUnregister, cudaIpcCloseMemHandle, stream and event destruction)
+//    throws it, sticky (the context is lost: only the process's exit frees it);
+//  - cudaFree and cudaFreeHost synchronize the whole device (every stream, a user's
+//    included), as their implicit synchronization does: one that would hang throws after
+//    hang_report_after;
 //  - who executes each copy (executor(): copy engine or SM kernel, by where its ends live, the
 //    driver version and whether the batch API is there), counted with the driver calls;
 //  - a user's compute kernel that holds every SM (occupy_every_sm): a batch holding an SM copy
@@ -80,6 +84,10 @@ struct EmulatedDeviceOptions {
   // False: the driver refuses cudaMemcpyBatchAsync, so copies go per copy (cudaMemcpyAsync) and
   // every intra-device one runs on SMs.
   bool batch_api = true;
+  // A call with an implicit device synchronization (cudaFree, cudaFreeHost) waits for
+  // every stream of the device, a user's included; one still busy after this long would hang a
+  // GPU: the call throws kInternal saying so.
+  std::chrono::milliseconds hang_report_after{5000};
 };
 
 // Who executes a copy (design.md §4): a copy engine, or an SM copy kernel.
@@ -147,7 +155,7 @@ class EmulatedDevice final : public DeviceOps {
   void host_free(void* ptr) override;
   DevicePtr host_register(void* ptr, size_t bytes) override;
   void host_unregister(void* ptr) override;
-  void memset_sync(void* ptr, size_t bytes) override;
+  void memset_async(Stream stream, void* ptr, size_t bytes) override;
   // Counts (every write here is visible at once); fails as cudaErrorNotSupported where
   // flush_writes_options lacks the host option.
   void flush_remote_writes() override;
@@ -181,6 +189,8 @@ class EmulatedDevice final : public DeviceOps {
   size_t live_allocations() const;
   // Pending operations on `stream` (not counting the running one).
   size_t queued(Stream stream);
+  // Stream waits running (spinning) on the device now.
+  int waits_running() const { return waits_running_.load(); }
   // The hardware queues in use (after any override).
   int hardware_queues() const { return options_.hardware_queues; }
   // flush_remote_writes() calls so far.
@@ -212,6 +222,10 @@ class EmulatedDevice final : public DeviceOps {
   void check_no_fault(const char* call) const;
   void block_creation_while_waiting();
   void count_call(size_t DriverCalls::*kind);
+  // cudaDeviceSynchronize as cudaFree and cudaFreeHost imply it: waits until
+  // every stream (destroyed ones still running included) ran out; throws kInternal after
+  // hang_report_after (a GPU would hang) and the context's fault if it has one.
+  void synchronize_device(const char* call);
   // Throws as the driver does where the device lacks 64-bit stream memory operations.
   void require_64_bit_memops(const char* call);
   // A queue's thread, before an SM copy: waits while a user's kernel holds every SM (true if it
