@@ -223,6 +223,42 @@ TEST(NvshmemEmulatedFailures, KilledRankFailsEverySurvivorWithPeerDied) {
   }
 }
 
+// Issue 41 item 3: rank 0's puts to its network peer rank 1 stall (the link stops answering),
+// then rank 1 is killed. Rank 0 synchronized its streams without a bound on its way out (quiesce,
+// its notices, the destructor), so it hung forever behind the stalled put instead of reporting.
+// Now every wait on its streams is bounded: the op fails naming rank 1 within the timeout, and
+// teardown returns (the stalled stream's resources are kept, never freed under it).
+TEST(NvshmemEmulatedFailures, AStalledNetworkPeerThatDiesIsNamedAndTeardownReturns) {
+  auto outcomes = run_forked_ranks(2, [](int rank, Bootstrap& bootstrap) -> std::string {
+    EmulatedDevice device(kSmallQueue);
+    EmulatedShmemOptions o;
+    o.network_pes = {1 - rank};
+    if (rank == 0) o.stalled_pes = {1};
+    EmulatedShmem shmem(device, o);
+    Exchange x(uniform_counts(2, 1 << 20), rank);  // outlives the transport's queued device work
+    auto comm = nvshmem_communicator(bootstrap, small_config(/*timeout_ms=*/2000), device, shmem);
+    auto op = comm->all_to_all(x.send.data(), x.recv.data(), x.layout, 0, false);
+    if (rank == 1) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(300));
+      raise(SIGKILL);
+    }
+    const auto start = std::chrono::steady_clock::now();
+    std::string why = expect_comm_error([&] { comm->wait(op, std::chrono::seconds(30)); });
+    if (!why.empty()) return why;
+    try {
+      op->rethrow_if_failed();
+    } catch (const Error& e) {
+      if (e.culprit() != 1) return std::string("rank 1 is not named: ") + e.what();
+    }
+    comm.reset();
+    if (std::chrono::steady_clock::now() - start > std::chrono::seconds(15)) return "failing and tearing down took > 15 s";
+    return "";
+  }, std::chrono::seconds(60));
+  EXPECT_EQ(outcomes[1].signal, SIGKILL);
+  EXPECT_EQ(outcomes[0].exit_code, 0) << outcomes[0].message;
+  EXPECT_EQ(outcomes[0].signal, 0);
+}
+
 // Issue 28 on this transport: rank 3 is killed; each survivor leaves the process at once after
 // its error. One that sees another survivor dead must follow that rank's notice (PEER_DIED,
 // rank 3) to rank 3, not name the survivor's exit. A race: repeated. (This transport already let

@@ -44,6 +44,7 @@
 #include <optional>
 #include <sstream>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "cpp/host_layout.h"
@@ -62,6 +63,9 @@ namespace {
 constexpr std::chrono::microseconds kPollWhileBusy{50};  // device progress rings no doorbell
 constexpr uint64_t kHeapMargin = 64ull << 20;  // symmetric heap beyond our arena
 constexpr uint64_t S = kNvshmemSlotsPerLane;
+// Waits for our streams to run out last at most this long (or the op timeout, if shorter): a put
+// or signal to a network peer that stopped answering never completes.
+constexpr std::chrono::milliseconds kSettleAtMost{10000};
 
 std::atomic<bool> g_nvshmem_taken{false};  // NVSHMEM is initialized once per process
 
@@ -145,9 +149,18 @@ class NvshmemTransport final : public Transport {
   // Whether pending `op` still needs closed rank `p`: its data to us, or its receipt (which says
   // it received all of the op). An op that awaits only other ranks' receipts does not need it.
   bool still_needs(const OpState& op, int p) const;
-  // Waits until every stream of ours ran out (none ever waits on the device: they do), and
-  // enqueues nothing more. False if a stream failed (its work may still hold the mirrors). Never throws.
+  // Waits until every stream of ours ran out (none waits on the device, but a proxy put to a
+  // network peer that stopped answering never completes: at most settle_limit_), and enqueues
+  // nothing more. False if a stream failed or still runs (its work may still hold the mirrors).
+  // Never throws.
   bool settle_streams();
+  // Waits until each of `streams` ran out or failed (a faulted context runs nothing more), at
+  // most until `deadline`. Returns those still running then. *failed: whether one failed. Never throws.
+  std::vector<Stream> drain(const std::vector<Stream>& streams, std::chrono::steady_clock::time_point deadline,
+                            bool* failed = nullptr);
+  std::chrono::steady_clock::time_point settle_deadline() const {
+    return std::chrono::steady_clock::now() + (stuck_ ? std::chrono::milliseconds(0) : settle_limit_);
+  }
   std::vector<Stream> all_streams() const;
   // A failed setup: frees what it made but NVSHMEM and the arena (collective to free, as in the
   // destructor). Nothing was enqueued yet. Never throws.
@@ -192,6 +205,8 @@ class NvshmemTransport final : public Transport {
 
   // Progress thread only.
   bool settled_ = false;           // quiesced: nothing more is enqueued
+  bool stuck_ = false;             // a stream did not run out within settle_limit_ (later settles do not wait)
+  std::chrono::milliseconds settle_limit_{kSettleAtMost};
   std::optional<Event> watching_;  // the mirror copy in flight
   uint64_t mirror_copies_ = 0;     // completed mirror copies (the mirror shows copy #mirror_copies_)
   bool flush_before_copy_ = false;  // a network peer's byte count is read by the next mirror copy
@@ -227,6 +242,9 @@ NvshmemTransport::NvshmemTransport(Bootstrap& bootstrap, const Config& config, D
       recv_chunks_(static_cast<size_t>(world_ * kNvshmemLanes), 0),
       expected_(static_cast<size_t>(world_ * kNvshmemLanes)) {
   mapped_arena_.assign(static_cast<size_t>(world_), nullptr);
+  settle_limit_ = config.timeout_ms > 0
+                      ? std::min(kSettleAtMost, std::chrono::milliseconds(static_cast<int64_t>(config.timeout_ms)))
+                      : kSettleAtMost;
   // Each step's outcome is announced so that every rank fails together (with the failing rank's
   // code), and nobody enters NVSHMEM's collective init while a peer cannot.
   auto announce = [&](ErrorCode code, const std::string& error, const std::string& payload) {
@@ -413,15 +431,28 @@ std::vector<Stream> NvshmemTransport::all_streams() const {
 bool NvshmemTransport::settle_streams() {
   settled_ = true;
   DeviceGuard guard(ops_, device_, std::nothrow);
-  bool settled = true;
-  for (Stream s : all_streams()) {
-    try {
-      ops_.synchronize(s);
-    } catch (...) {
-      settled = false;  // a failed stream (the context faulted) runs nothing more
+  bool failed = false;
+  const bool ran_out = drain(all_streams(), settle_deadline(), &failed).empty();
+  stuck_ = stuck_ || !ran_out;
+  return ran_out && !failed;
+}
+
+std::vector<Stream> NvshmemTransport::drain(const std::vector<Stream>& streams,
+                                            std::chrono::steady_clock::time_point deadline, bool* failed) {
+  std::vector<Stream> busy = streams;
+  while (true) {
+    for (auto it = busy.begin(); it != busy.end();) {
+      bool idle = true;
+      try {
+        idle = ops_.stream_idle(*it);
+      } catch (...) {
+        if (failed != nullptr) *failed = true;  // a failed stream runs nothing more
+      }
+      it = idle ? busy.erase(it) : std::next(it);
     }
+    if (busy.empty() || std::chrono::steady_clock::now() >= deadline) return busy;
+    std::this_thread::sleep_for(std::chrono::microseconds(100));
   }
-  return settled;
 }
 
 Stream NvshmemTransport::stream_of(std::vector<Stream>& streams, size_t index) {
@@ -653,10 +684,12 @@ void NvshmemTransport::check_peers() {
     ops_.record_event(*health_, health_stream_);
   }
   if (dead >= 0) {
-    // The copy in flight may have started before the dead peer's notice landed: read afresh.
-    ops_.synchronize(health_stream_);
-    copy_notices(health_stream_);
-    ops_.synchronize(health_stream_);
+    // The copy in flight may have started before the dead peer's notice landed: read afresh
+    // (copies of our own arena: they run out; bounded all the same).
+    if (drain({health_stream_}, settle_deadline()).empty()) {
+      copy_notices(health_stream_);
+      drain({health_stream_}, settle_deadline());
+    }
   }
   // Liveness was read first, the notices now: a dead peer's notice is in view (root_cause.h).
   std::vector<PeerSight> sight(static_cast<size_t>(world_));
@@ -696,7 +729,7 @@ void NvshmemTransport::settle_for_closed_peers(std::vector<PeerSight>& sight) {
   // shows them. Our streams never wait on a peer: they run out. Rounds: the stale mirror copy,
   // a fresh one, the copies out it allows, our receipts to ourselves.
   for (int round = 0; round < 5 && !settled_ && blames(); ++round) {
-    for (Stream s : all_streams()) ops_.synchronize(s);
+    if (!drain(all_streams(), settle_deadline()).empty()) break;  // a stalled network peer: blame it
     poll();
   }
 }
@@ -715,15 +748,23 @@ void NvshmemTransport::copy_notices(Stream s) {
 void NvshmemTransport::notify_peers(uint64_t notice, bool closing) {
   if (notified_.exchange(true) || arena_ == nullptr) return;
   try {
-    if (closing) shmem_.quiet_on_stream(notice_stream_);  // what we signalled before lands first
+    // Mapped peers first: our own stream writes, which cannot stall behind a network peer (and on
+    // close our streams ran out before, so what we wrote them landed before the notice).
     for (int p = 0; p < world_; ++p) {
-      if (p != rank_) set_signal(layout_.notice(rank_), notice, p, notice_stream_);
+      if (p != rank_ && mapped_arena_[p] != nullptr) set_signal(layout_.notice(rank_), notice, p, notice_stream_);
     }
-    // Landed at the peers, not only issued. Not on abort: a quiet to a dead network peer may never end.
-    if (closing) shmem_.quiet_on_stream(notice_stream_);
+    if (network_peer_) {
+      if (closing) shmem_.quiet_on_stream(notice_stream_);  // what we signalled before lands first
+      for (int p = 0; p < world_; ++p) {
+        if (p != rank_ && mapped_arena_[p] == nullptr) set_signal(layout_.notice(rank_), notice, p, notice_stream_);
+      }
+      // Landed at the peers, not only issued. Not on abort: a quiet to a dead network peer may never end.
+      if (closing) shmem_.quiet_on_stream(notice_stream_);
+    }
     // Landed before we return: a failing process often exits right after, and a notice still
-    // queued then is lost (peers would report our death, not its cause). Signal ops only.
-    ops_.synchronize(notice_stream_);
+    // queued then is lost (peers would report our death, not its cause). Bounded: a network peer
+    // that stopped answering never completes its signal (the mapped ones were first).
+    drain({notice_stream_}, settle_deadline());
   } catch (...) {
     // Best effort: peers that miss the notice fail by timeout.
   }

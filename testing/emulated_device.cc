@@ -395,13 +395,15 @@ void EmulatedDevice::enqueue(Stream stream, std::function<void()> task) {
   push(stream_of(stream), Task{nullptr, std::move(task), nullptr, 0}, "stream operation");
 }
 
-void EmulatedDevice::spin_until(const std::function<bool()>& ready) {
+void EmulatedDevice::spin_until(const std::function<bool()>& ready, bool is_stream_wait) {
   if (ready()) return;
-  waits_running_.fetch_add(1);
+  const int counted = is_stream_wait ? 1 : 0;
+  waits_running_.fetch_add(counted);
   struct Done {
     std::atomic<int>& n;
-    ~Done() { n.fetch_sub(1); }
-  } done{waits_running_};
+    int counted;
+    ~Done() { n.fetch_sub(counted); }
+  } done{waits_running_, counted};
   for (int i = 0; !ready(); ++i) {
     if (torn_down_.load() || faulted_.load()) throw Abandoned{};  // a dead context runs nothing
     if (i < 64) {
@@ -916,7 +918,10 @@ void EmulatedShmem::put_signal_on_stream(void* dest, const void* src, size_t byt
   if (options_.limited_mpg) std::_Exit(86);  // what NVSHMEM 3.8 may do (ShmemOps::fully_initialized)
   if (op == ShmemSignalOp::kAdd || !is_mapped(dest, pe)) kernels_.fetch_add(1);  // NVSHMEM's kernels
   if (op == ShmemSignalOp::kSet && is_mapped(signal, pe)) set_from_pageable_memory(stream);
-  device_.enqueue(stream, [this, to, src, bytes, word, value, op] {
+  const bool stalls = stalled(pe);
+  if (stalls) issued_to_stalled_.store(true);
+  device_.enqueue(stream, [this, to, src, bytes, word, value, op, stalls] {
+    if (stalls) device_.spin_until([] { return false; }, /*is_stream_wait=*/false);  // never completes
     dma_copy(to, src, bytes);
     deliver(word, value, op);
   });
@@ -927,7 +932,12 @@ void EmulatedShmem::signal_op_on_stream(uint64_t* signal, uint64_t value, ShmemS
   if (options_.limited_mpg) std::_Exit(86);
   if (op == ShmemSignalOp::kAdd || !is_mapped(signal, pe)) kernels_.fetch_add(1);
   if (op == ShmemSignalOp::kSet && is_mapped(signal, pe)) set_from_pageable_memory(stream);
-  device_.enqueue(stream, [this, word, value, op] { deliver(word, value, op); });
+  const bool stalls = stalled(pe);
+  if (stalls) issued_to_stalled_.store(true);
+  device_.enqueue(stream, [this, word, value, op, stalls] {
+    if (stalls) device_.spin_until([] { return false; }, /*is_stream_wait=*/false);  // never completes
+    deliver(word, value, op);
+  });
 }
 
 void EmulatedShmem::set_from_pageable_memory(Stream stream) {
@@ -946,11 +956,22 @@ size_t EmulatedShmem::signals_held() {
 
 void EmulatedShmem::quiet_on_stream(Stream stream) {
   if (options_.limited_mpg) std::_Exit(86);
-  device_.enqueue(stream, [this] {
+  const bool stalls = issued_to_stalled_.load();  // it completes those puts too: never
+  device_.enqueue(stream, [this, stalls] {
+    if (stalls) device_.spin_until([] { return false; }, /*is_stream_wait=*/false);
     std::lock_guard<std::mutex> lock(held_mu_);
     for (auto& [word, held] : held_) apply_signal(word, held.value, held.op);
     held_.clear();
   });
+}
+
+bool EmulatedShmem::stalled(int pe) const {
+  const auto& s = options_.stalled_pes;
+  return std::find(s.begin(), s.end(), pe) != s.end() && !is_mapped_pe(pe);
+}
+
+bool EmulatedShmem::is_mapped_pe(int pe) const {
+  return std::find(options_.network_pes.begin(), options_.network_pes.end(), pe) == options_.network_pes.end();
 }
 
 bool EmulatedShmem::is_mapped(const void*, int pe) {

@@ -179,8 +179,9 @@ class EmulatedDevice final : public DeviceOps {
   // queue's thread; an exception it throws faults the device (context-wide, sticky).
   struct StreamState;
   void enqueue(Stream stream, std::function<void()> task);
-  // Blocks the calling stream's thread until `ready()` or the device is torn down.
-  void spin_until(const std::function<bool()>& ready);
+  // Blocks the calling stream's thread until `ready()` or the device is torn down. A stream wait
+  // (is_stream_wait: stream and event creation block meanwhile) or a kernel that runs long.
+  void spin_until(const std::function<bool()>& ready, bool is_stream_wait = true);
   // The next task queued on `stream` fails with `message` instead of running.
   void fail_next_task(Stream stream, const std::string& message);
   // Streams created and not destroyed; device allocations, mapped host blocks and registrations
@@ -274,6 +275,10 @@ struct EmulatedShmemOptions {
   // PEs reached over the network (no P2P mapping): is_mapped() is false for them, and each put or
   // signal to them counts as a kernel (NVSHMEM's proxy launch). Their bytes still move.
   std::vector<int> network_pes;
+  // Network PEs whose link stalls: a put or signal to one never completes (its stream stays
+  // blocked on it, and on what follows, until the device is torn down), as a proxy operation to a
+  // peer that stopped answering does. A stream holding one never runs out.
+  std::vector<int> stalled_pes;
   int init_status = 0;  // what init() returns, after joining the others (non-zero: a failed init)
   // Out-of-order signals, as NVSHMEM allows: it orders delivery to a PE only across a fence, and
   // on-stream puts over proxy (network) transports complete locally. When set, a signal to a word
@@ -322,6 +327,8 @@ class EmulatedShmem final : public ShmemOps {
 
  private:
   void read_environment_once();
+  bool stalled(int pe) const;  // a network PE of stalled_pes
+  bool is_mapped_pe(int pe) const;
   // NVSHMEM's SET to a mapped PE: counts it and waits for `stream` (signals_from_pageable_memory).
   void set_from_pageable_memory(Stream stream);
   uint8_t* remote(const void* local, int pe) const;
@@ -346,6 +353,7 @@ class EmulatedShmem final : public ShmemOps {
   std::atomic<size_t> kernels_{0};
   std::atomic<size_t> reordered_{0};
   std::atomic<size_t> pageable_signals_{0};
+  std::atomic<bool> issued_to_stalled_{false};  // a put or signal to a stalled PE was issued
   std::mutex held_mu_;  // guards held_ and stopping_; signals land under it (one at a time)
   std::condition_variable held_cv_;
   std::map<std::atomic<uint64_t>*, HeldSignal> held_;
