@@ -295,6 +295,47 @@ TEST(CeEmulatedStreams, SixtyFourUserStreams) {
   expect_all_ok(outcomes);
 }
 
+// Issue 41 item 1: legacy IPC memory (cudaIpcGetMemHandle) goes away for every importer when
+// its owner frees it: a rank that closed freed its arena while a slow peer still drained what it
+// had sent, and that peer's copies faulted its whole CUDA context (an MMU fault, on the emulated
+// device too). Arenas are now shareable memory (cuMem, POSIX handles): the peer's copies read
+// pages that live until it releases them, and its context stays healthy whatever the op's fate.
+TEST(CeEmulatedFailures, ARankThatClosesAndFreesItsArenaNeverFaultsAPeerStillCopyingFromIt) {
+  auto outcomes = run_forked_ranks(2, [](int rank, Bootstrap& bootstrap) -> std::string {
+    EmulatedDeviceOptions d;
+    d.hardware_queues = 1;  // rank 1: a user's kernel ahead of its lanes holds their copies
+    EmulatedDevice device(d);
+    std::atomic<bool> gate{false};
+    if (rank == 1) {
+      Stream user = device.create_stream();
+      device.enqueue(user, [&] {  // a long kernel (not a stream wait)
+        while (!gate.load()) std::this_thread::sleep_for(std::chrono::microseconds(100));
+      });
+    }
+    auto x = std::make_unique<Exchange>(uniform_counts(2, 4 * small_config().chunk_bytes), rank);
+    auto comm = ce_communicator(bootstrap, small_config(), device);
+    auto op = comm->all_to_all(x->send.data(), x->recv.data(), x->layout, 0, false);
+    if (rank == 0) {
+      std::this_thread::sleep_for(50ms);  // our chunks are in our arena, rank 1's copies of them queued
+      comm.reset();                        // closes, and frees the arena
+      bootstrap.allgather("freed");
+      bootstrap.allgather("");
+      return "";
+    }
+    bootstrap.allgather("");  // rank 0 freed its arena: now rank 1's copies from it run
+    gate.store(true);
+    try {
+      comm->wait(op, std::chrono::seconds(20));
+    } catch (const CommError&) {  // rank 0 left with the op pending: a failure is fine, a fault is not
+    }
+    comm.reset();
+    bootstrap.allgather("");
+    if (!device.fault().empty()) return "rank 1's context faulted: " + device.fault();
+    return "";
+  });
+  expect_all_ok(outcomes);
+}
+
 TEST(CeEmulatedFailures, SplitMismatchByBytesWithEqualChunkCountsFailsEveryRank) {
   auto outcomes = run_forked_ranks(3, [](int rank, Bootstrap& bootstrap) -> std::string {
     EmulatedDevice device;
@@ -388,7 +429,9 @@ TEST(CeEmulatedFailures, AContextWideFaultFailsEveryPendingOpOnEveryRank) {
 // error and broke the communicator. Now setup refuses on every rank (kUnsupported: the backend
 // falls back to NCCL), naming the attribute and the rank, even when only one GPU lacks it.
 TEST(CeEmulatedSetup, AGpuWithoutA64BitStreamMemOpsRefusesOnEveryRankNamingTheAttribute) {
-  for (DeviceAttribute missing : {DeviceAttribute::kCanUse64BitStreamMemOps, DeviceAttribute::kHostRegisterSupported}) {
+  // (Issue 41 item 1: and without memory that outlives its owner for peers, cuMem with POSIX handles.)
+  for (DeviceAttribute missing : {DeviceAttribute::kCanUse64BitStreamMemOps, DeviceAttribute::kHostRegisterSupported,
+                                  DeviceAttribute::kVirtualMemoryManagement, DeviceAttribute::kPosixFdHandles}) {
     auto outcomes = run_forked_ranks(2, [missing](int rank, Bootstrap& bootstrap) -> std::string {
       EmulatedDeviceOptions options;
       if (rank == 1) options.unsupported = {missing};

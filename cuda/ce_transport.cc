@@ -38,6 +38,8 @@
 // every lane (both: SubmitGate). A receive part finishes when the flush holding its last copy ran.
 #include "cuda/ce_transport.h"
 
+#include <unistd.h>
+
 #include <algorithm>
 #include <atomic>
 #include <cstring>
@@ -53,6 +55,7 @@
 #include <vector>
 
 #include "cpp/ce_arena_layout.h"
+#include "cpp/fd_passing.h"
 #include "cpp/host_transport.h"
 #include "cpp/segment_map.h"
 #include "cuda/device_util.h"
@@ -283,23 +286,34 @@ CeTransport::CeTransport(Bootstrap& bootstrap, const Config& config, DeviceOps& 
 void CeTransport::setup(Bootstrap& bootstrap, const Config& config) {
   // Local setup; a failure is announced so that every rank fails together instead of hanging.
   std::string error, handle;
+  int arena_fd = -1;  // our arena's exported descriptor, until peers have theirs
+  struct CloseFd {
+    int& fd;
+    ~CloseFd() {
+      if (fd >= 0) ::close(fd);
+    }
+  } close_arena_fd{arena_fd};
   CeArenaLayout mine = CeArenaLayout::plan(world_, rank_, config.chunk_bytes, config.arena_bytes);
   std::optional<DeviceGuard> guard;  // the caller's device comes back when setup ends
   try {
     guard.emplace(ops_, device_);
     // What the data path needs, checked before anything is made: counters written by the device
     // with 64-bit stream memory operations into registered, mapped host segments.
+    // And arenas in memory that outlives its owner for peers (cuMem with POSIX handles): a peer's
+    // copies from an arena whose owner freed it or died read stale bytes of a failed op, where
+    // legacy IPC memory would be gone and fault the copying rank's whole context.
     std::string missing = missing_capability(ops_, device_, "ce",
                                              {DeviceAttribute::kCanUse64BitStreamMemOps, DeviceAttribute::kCanMapHostMemory,
-                                              DeviceAttribute::kHostRegisterSupported, DeviceAttribute::kUnifiedAddressing});
+                                              DeviceAttribute::kHostRegisterSupported, DeviceAttribute::kUnifiedAddressing,
+                                              DeviceAttribute::kVirtualMemoryManagement, DeviceAttribute::kPosixFdHandles});
     if (!missing.empty()) throw Error(ErrorCode::kUnsupported, missing);
     driver_version_ = ops_.driver_version();
     for (Lane& lane : lanes_) lane.stream = ops_.create_stream();
     join_ = ops_.create_stream();
     gate_.reserve(kPooledEvents);  // flushes and completions take only these (flush())
     if (mine.num_bytes() > 0) {
-      arena_ptr_[rank_] = static_cast<uint8_t*>(ops_.device_alloc(mine.num_bytes()));
-      handle = ops_.ipc_handle(arena_ptr_[rank_]);
+      arena_ptr_[rank_] = static_cast<uint8_t*>(ops_.shareable_alloc(mine.num_bytes(), &arena_fd));
+      handle = "fd";  // passed below (exchange_fds)
     }
     for (int p = 0; p < world_; ++p) {  // counters the device writes: our heads, peers' tails
       segment_device_.push_back(ops_.host_register(segment_base(p), segment_bytes(p)));
@@ -329,13 +343,25 @@ void CeTransport::setup(Bootstrap& bootstrap, const Config& config) {
     }
     if (!f[0].empty()) throw CommError(ErrorCode::kSystem, "ce transport setup failed on rank " + std::to_string(p) + ": " + f[0]);
     arenas_[p] = CeArenaLayout{world_, p, std::stoull(f[1]), std::stoull(f[2])};
-    if (p == rank_ || f[3].empty() || !open_error.empty()) continue;
+  }
+  // Every rank got here (announcements agree): pass the arenas' descriptors, then map them.
+  std::vector<int> fds;
+  try {
+    fds = exchange_fds(bootstrap, arena_fd);
+  } catch (const Error& e) {  // every rank throws alike
+    throw Error(ErrorCode::kUnsupported, "ce transport: the ranks could not pass their arenas' file descriptors (" +
+                                             e.message() + "); they must share a host and a network namespace");
+  }
+  for (int p = 0; p < world_; ++p) {
+    if (p == rank_ || fds[p] < 0 || !open_error.empty()) continue;
     try {
-      arena_ptr_[p] = static_cast<uint8_t*>(ops_.ipc_open(f[3]));
+      arena_ptr_[p] = static_cast<uint8_t*>(ops_.shareable_import(fds[p], arenas_[p].num_bytes()));
     } catch (const std::exception& e) {
       open_error = "rank " + std::to_string(rank_) + " could not map rank " + std::to_string(p) + "'s arena: " + e.what();
     }
   }
+  for (int f : fds)
+    if (f >= 0) ::close(f);
   for (const auto& s : bootstrap.allgather(open_error)) {
     if (!s.empty()) throw CommError(ErrorCode::kSystem, "ce transport setup failed: " + s);
   }
@@ -361,14 +387,15 @@ void CeTransport::release() noexcept {
     lane.in_flight.clear();
   }
   for (int p = 0; p < world_; ++p) {
-    if (p != rank_ && arena_ptr_[p] != nullptr) quietly([&] { ops_.ipc_close(arena_ptr_[p]); });
+    if (p != rank_ && arena_ptr_[p] != nullptr) quietly([&] { ops_.shareable_release(arena_ptr_[p]); });
   }
   for (const auto& [handle, base] : opened_allocations_) {
     if (base != nullptr) quietly([&, base = base] { ops_.ipc_close(base); });
   }
   opened_allocations_.clear();
   peer_buffers_.clear();
-  if (arena_ptr_[rank_] != nullptr) quietly([&] { ops_.device_free(arena_ptr_[rank_]); });
+  // Our reference only: a peer still copying from it keeps the pages (shareable memory).
+  if (arena_ptr_[rank_] != nullptr) quietly([&] { ops_.shareable_release(arena_ptr_[rank_]); });
   for (void* base : registered_) quietly([&] { ops_.host_unregister(base); });
   for (Lane& lane : lanes_) {
     if (lane.stream != 0) quietly([&] { ops_.destroy_stream(lane.stream); });

@@ -47,6 +47,8 @@ enum class DeviceAttribute {
   // (NVSHMEM's own wait path); the same fact as bit kFlushWritesOptionMemops of 117.
   kCanFlushRemoteWrites = 98,
   kHostRegisterSupported = 99,     // CU_DEVICE_ATTRIBUTE_HOST_REGISTER_SUPPORTED: cudaHostRegister
+  kVirtualMemoryManagement = 102,  // CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED: cuMemCreate/Map
+  kPosixFdHandles = 103,           // CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED
   // CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_FLUSH_WRITES_OPTIONS: a bitmask of kFlushWritesOption*;
   // the host option governs cudaDeviceFlushGPUDirectRDMAWrites (flush_remote_writes).
   kGpuDirectRdmaFlushWritesOptions = 117,
@@ -151,6 +153,19 @@ class DeviceOps {
   // wait does with its flush flag (cudaDeviceFlushGPUDirectRDMAWrites to the owner; a no-op where
   // the device orders them natively). A host call: no kernel.
   virtual void flush_remote_writes() = 0;
+
+  // --- device memory that outlives its owner for peers (same node) ---
+  // Allocates `bytes` (rounded up to the allocation granularity) of device memory exported as a
+  // POSIX file descriptor (cuMemCreate + cuMemExportToShareableHandle; *fd is the caller's to
+  // pass to peers and close). Its physical pages live until the owner and every importer released
+  // them: a peer's copies from it stay valid after the owner freed it or died, unlike legacy IPC
+  // memory (ipc_handle), which goes away for every importer with its owner. Needs
+  // kVirtualMemoryManagement and kPosixFdHandles (shareable_memory_supported()).
+  virtual void* shareable_alloc(size_t bytes, int* fd) = 0;
+  // Maps a peer's shareable allocation of `bytes` from its descriptor (closed by the caller).
+  virtual void* shareable_import(int fd, size_t bytes) = 0;
+  // Unmaps and releases this process's reference (the owner's or an importer's).
+  virtual void shareable_release(void* ptr) = 0;
 
   // --- inter-process handles of device allocations (same node) ---
   // A printable handle of `ptr` (from device_alloc) that ipc_open maps in a peer process.

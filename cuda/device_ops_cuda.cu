@@ -3,7 +3,12 @@
 #include <cuda.h>
 #include <cuda_runtime.h>
 
+#include <unistd.h>
+
+#include <algorithm>
 #include <atomic>
+#include <map>
+#include <mutex>
 #include <string>
 
 #include "cpp/errors.h"
@@ -36,6 +41,8 @@ static_assert(same(DeviceAttribute::kCanMapHostMemory, CU_DEVICE_ATTRIBUTE_CAN_M
               same(DeviceAttribute::kUnifiedAddressing, CU_DEVICE_ATTRIBUTE_UNIFIED_ADDRESSING) &&
               same(DeviceAttribute::kCanFlushRemoteWrites, CU_DEVICE_ATTRIBUTE_CAN_FLUSH_REMOTE_WRITES) &&
               same(DeviceAttribute::kHostRegisterSupported, CU_DEVICE_ATTRIBUTE_HOST_REGISTER_SUPPORTED) &&
+              same(DeviceAttribute::kVirtualMemoryManagement, CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED) &&
+              same(DeviceAttribute::kPosixFdHandles, CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED) &&
               same(DeviceAttribute::kCanUse64BitStreamMemOps, CU_DEVICE_ATTRIBUTE_CAN_USE_64_BIT_STREAM_MEM_OPS) &&
               same(DeviceAttribute::kGpuDirectRdmaFlushWritesOptions,
                    CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_FLUSH_WRITES_OPTIONS) &&
@@ -208,6 +215,54 @@ class CudaDeviceOps final : public DeviceOps {
     return p;
   }
   void ipc_close(void* ptr) override { check_cuda(cudaIpcCloseMemHandle(ptr), "cudaIpcCloseMemHandle"); }
+  void* shareable_alloc(size_t bytes, int* fd) override {
+    const DriverApi& api = DriverApi::get();
+    const CUmemAllocationProp prop = shareable_prop();
+    const size_t size = granular(bytes, prop);
+    CUmemGenericAllocationHandle handle = 0;
+    check_cu(api.mem_create(&handle, size, &prop, 0), "cuMemCreate");
+    int exported = -1;
+    CUresult res = api.mem_export_to_shareable_handle(&exported, handle, CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, 0);
+    if (res != CUDA_SUCCESS) {
+      api.mem_release(handle);
+      check_cu(res, "cuMemExportToShareableHandle");
+    }
+    try {
+      void* ptr = map(handle, size);
+      *fd = exported;
+      return ptr;
+    } catch (...) {
+      ::close(exported);
+      throw;
+    }
+  }
+  void* shareable_import(int fd, size_t bytes) override {
+    const DriverApi& api = DriverApi::get();
+    CUmemGenericAllocationHandle handle = 0;
+    check_cu(api.mem_import_from_shareable_handle(&handle, reinterpret_cast<void*>(static_cast<uintptr_t>(fd)),
+                                                  CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR),
+             "cuMemImportFromShareableHandle");
+    return map(handle, granular(bytes, shareable_prop()));  // the owner rounded up alike (same device kind)
+  }
+  void shareable_release(void* ptr) override {
+    const DriverApi& api = DriverApi::get();
+    Shareable s;
+    {
+      std::lock_guard<std::mutex> lock(shareable_mu_);
+      auto it = shareables_.find(ptr);
+      if (it == shareables_.end()) throw Error(ErrorCode::kInternal, "shareable_release: not a shareable mapping");
+      s = it->second;
+      shareables_.erase(it);
+    }
+    const auto va = reinterpret_cast<CUdeviceptr>(ptr);
+    CUresult unmap = api.mem_unmap(va, s.size);
+    CUresult free_va = api.mem_address_free(va, s.size);
+    CUresult release = api.mem_release(s.handle);  // the pages go once every process released them
+    check_cu(unmap, "cuMemUnmap");
+    check_cu(free_va, "cuMemAddressFree");
+    check_cu(release, "cuMemRelease");
+  }
+
   void* allocation_base(const void* ptr, size_t* bytes) override {
     CUdeviceptr base = 0;
     check_cu(DriverApi::get().mem_get_address_range(&base, bytes, reinterpret_cast<CUdeviceptr>(ptr)),
@@ -235,6 +290,56 @@ class CudaDeviceOps final : public DeviceOps {
   }
 
  private:
+  struct Shareable {
+    CUmemGenericAllocationHandle handle = 0;
+    size_t size = 0;  // mapped bytes (a multiple of the granularity)
+  };
+  // Pinned device memory on the current device, exportable as a POSIX file descriptor.
+  CUmemAllocationProp shareable_prop() {
+    CUdevice dev = 0;
+    check_cu(DriverApi::get().device_get(&dev, current_device()), "cuDeviceGet");
+    CUmemAllocationProp prop = {};
+    prop.type = CU_MEM_ALLOCATION_TYPE_PINNED;
+    prop.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+    prop.location.id = dev;
+    prop.requestedHandleTypes = CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR;
+    return prop;
+  }
+  static size_t granular(size_t bytes, const CUmemAllocationProp& prop) {
+    size_t granularity = 0;
+    check_cu(DriverApi::get().mem_get_allocation_granularity(&granularity, &prop, CU_MEM_ALLOC_GRANULARITY_MINIMUM),
+             "cuMemGetAllocationGranularity");
+    return (std::max<size_t>(bytes, 1) + granularity - 1) / granularity * granularity;
+  }
+  // Maps `handle` (size bytes) at a fresh address, read-write for the current device; takes the
+  // handle (released on failure).
+  void* map(CUmemGenericAllocationHandle handle, size_t size) {
+    const DriverApi& api = DriverApi::get();
+    CUdeviceptr va = 0;
+    CUresult res = api.mem_address_reserve(&va, size, 0, 0, 0);
+    if (res == CUDA_SUCCESS) {
+      res = api.mem_map(va, size, 0, handle, 0);
+      if (res == CUDA_SUCCESS) {
+        CUmemAccessDesc access = {};
+        access.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+        access.location.id = current_device();
+        access.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
+        res = api.mem_set_access(va, size, &access, 1);
+        if (res != CUDA_SUCCESS) api.mem_unmap(va, size);
+      }
+      if (res != CUDA_SUCCESS) api.mem_address_free(va, size);
+    }
+    if (res != CUDA_SUCCESS) {
+      api.mem_release(handle);
+      check_cu(res, "cuMemAddressReserve / cuMemMap / cuMemSetAccess");
+    }
+    std::lock_guard<std::mutex> lock(shareable_mu_);
+    shareables_[reinterpret_cast<void*>(va)] = Shareable{handle, size};
+    return reinterpret_cast<void*>(va);
+  }
+  std::mutex shareable_mu_;
+  std::map<void*, Shareable> shareables_;  // shareable_alloc / shareable_import mappings
+
   std::atomic<bool> batch_api_{true};  // cudaMemcpyBatchAsync works here (else per-copy)
 };
 

@@ -33,6 +33,10 @@ const char* device_attribute_name(DeviceAttribute attr) {
       return "CU_DEVICE_ATTRIBUTE_UNIFIED_ADDRESSING";
     case DeviceAttribute::kCanFlushRemoteWrites:
       return "CU_DEVICE_ATTRIBUTE_CAN_FLUSH_REMOTE_WRITES";
+    case DeviceAttribute::kVirtualMemoryManagement:
+      return "CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED";
+    case DeviceAttribute::kPosixFdHandles:
+      return "CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED";
     case DeviceAttribute::kGpuDirectRdmaFlushWritesOptions:
       return "CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_FLUSH_WRITES_OPTIONS";
     case DeviceAttribute::kGpuDirectRdmaWritesOrdering:
@@ -49,6 +53,11 @@ std::string missing_capability(DeviceOps& ops, int device, const char* transport
            std::to_string(device) + " does not support";
   }
   return "";
+}
+
+bool shareable_memory_supported(DeviceOps& ops, int device) {
+  return ops.attribute(device, DeviceAttribute::kVirtualMemoryManagement) != 0 &&
+         ops.attribute(device, DeviceAttribute::kPosixFdHandles) != 0;
 }
 
 DeviceGuard::DeviceGuard(DeviceOps& ops, int device) : ops_(ops) {

@@ -17,6 +17,9 @@ void check_device(DeviceOps& ops, int device, const char* transport);
 // Error(kUnsupported) naming the first of `attrs` that `device` lacks, "" message if none.
 // Returns that message (empty if every attribute is supported): callers announce it to every
 // rank, so that all refuse together (and the backend falls back to NCCL) instead of hanging.
+// Whether `device` can allocate memory that outlives its owner for peers (DeviceOps::shareable_alloc).
+bool shareable_memory_supported(DeviceOps& ops, int device);
+
 std::string missing_capability(DeviceOps& ops, int device, const char* transport,
                                std::initializer_list<DeviceAttribute> attrs);
 

@@ -48,6 +48,16 @@ const DriverApi& DriverApi::get() {
     resolve("cuDeviceGet", api.device_get);
     resolve("cuDeviceGetAttribute", api.device_get_attribute);
     resolve("cuMemGetAddressRange", api.mem_get_address_range);
+    resolve("cuMemGetAllocationGranularity", api.mem_get_allocation_granularity);
+    resolve("cuMemCreate", api.mem_create);
+    resolve("cuMemRelease", api.mem_release);
+    resolve("cuMemAddressReserve", api.mem_address_reserve);
+    resolve("cuMemAddressFree", api.mem_address_free);
+    resolve("cuMemMap", api.mem_map);
+    resolve("cuMemUnmap", api.mem_unmap);
+    resolve("cuMemSetAccess", api.mem_set_access);
+    resolve("cuMemExportToShareableHandle", api.mem_export_to_shareable_handle);
+    resolve("cuMemImportFromShareableHandle", api.mem_import_from_shareable_handle);
   });
   return api;
 }

@@ -51,6 +51,28 @@ int new_memfd(size_t bytes, const char* what) {
   return fd;
 }
 
+// A device allocation of `bytes` is mapped with one page after them (rounded up to a page) for
+// the word saying whether its owner still holds it (EmulatedDevice::Mapping::owned).
+constexpr size_t kPage = 4096;
+size_t mapped_bytes(size_t bytes) { return (std::max<size_t>(bytes, 1) + kPage - 1) / kPage * kPage + kPage; }
+std::atomic<uint64_t>* owner_word(void* base, size_t bytes) {
+  return reinterpret_cast<std::atomic<uint64_t>*>(static_cast<uint8_t*>(base) + mapped_bytes(bytes) - kPage);
+}
+
+// Whether process `pid` still runs (a zombie does not: its CUDA context is gone).
+bool pid_running(pid_t pid) {
+  std::FILE* f = std::fopen(("/proc/" + std::to_string(pid) + "/stat").c_str(), "r");
+  if (f == nullptr) return false;
+  char buf[512];
+  size_t n = std::fread(buf, 1, sizeof buf - 1, f);
+  std::fclose(f);
+  buf[n] = '\0';
+  const char* close_paren = std::strrchr(buf, ')');  // "pid (comm) S ...": comm may hold spaces
+  if (close_paren == nullptr || close_paren[1] == '\0') return false;
+  const char state = close_paren[2];
+  return state != 'Z' && state != 'X';
+}
+
 // This process's memfd `fd` of `bytes` as a handle a peer opens with open_peer_fd: "pid:fd:bytes".
 std::string peer_fd_handle(int fd, size_t bytes) {
   return std::to_string(getpid()) + ":" + std::to_string(fd) + ":" + std::to_string(bytes);
@@ -253,10 +275,11 @@ EmulatedDevice::EmulatedDevice(EmulatedDeviceOptions options) : options_(options
 EmulatedDevice::~EmulatedDevice() {
   shutdown();
   for (auto& [p, m] : allocations_) {
-    munmap(p, m.bytes == 0 ? 1 : m.bytes);
+    munmap(p, mapped_bytes(m.bytes));
     if (m.fd >= 0) close(m.fd);
   }
   for (auto& [p, n] : host_blocks_) std::free(p);
+  for (auto& [p, s] : shareables_) munmap(p, std::max<size_t>(s.bytes, 1));
 }
 
 void EmulatedDevice::shutdown() {
@@ -427,7 +450,7 @@ size_t EmulatedDevice::live_streams() const {
 
 size_t EmulatedDevice::live_allocations() const {
   std::lock_guard<std::mutex> lock(mu_);
-  return allocations_.size() + host_blocks_.size() + registered_.size();
+  return allocations_.size() + host_blocks_.size() + registered_.size() + shareables_.size();
 }
 
 size_t EmulatedDevice::queued(Stream stream) {
@@ -572,15 +595,27 @@ const T* block_holding(const std::map<void*, T>& blocks, const void* p, BytesOf 
 
 CopyExecutor EmulatedDevice::executor(const void* dst, const void* src) const {
   std::lock_guard<std::mutex> lock(mu_);
-  auto elsewhere = [this](const void* p) {  // another device's memory (an IPC mapping), or the host's
+  auto imported_shareable = [this](const void* p) {
+    const Shared* s = block_holding(shareables_, p, [](const Shared& x) { return x.bytes; });
+    return s != nullptr && s->imported;
+  };
+  auto elsewhere = [this, &imported_shareable](const void* p) {  // another device's memory, or the host's
     auto n = [](size_t bytes) { return bytes; };
     const Mapping* m = block_holding(allocations_, p, [](const Mapping& x) { return x.bytes; });
     return (m != nullptr && m->fd < 0) || block_holding(host_blocks_, p, n) || block_holding(registered_, p, n) ||
-           block_holding(peer_mapped_, p, n);
+           block_holding(peer_mapped_, p, n) || imported_shareable(p);
   };
   if (elsewhere(dst) || elsewhere(src)) return CopyExecutor::kCopyEngine;
   return copies_within_a_device_on_copy_engines(options_.driver_version, options_.batch_api) ? CopyExecutor::kCopyEngine
                                                                                               : CopyExecutor::kSm;
+}
+
+void EmulatedDevice::imported_locked(const void* p, std::vector<Imported>* out) const {
+  const Mapping* m = block_holding(allocations_, p, [](const Mapping& x) { return x.bytes; });
+  if (m == nullptr || m->fd >= 0) return;
+  for (const Imported& seen : *out)
+    if (seen.owned == m->owned) return;
+  out->push_back(Imported{m->owned, m->owner});
 }
 
 void EmulatedDevice::add_peer_mapping(const void* ptr, size_t bytes) {
@@ -621,7 +656,23 @@ void EmulatedDevice::copy_batch(Stream stream, const CopyBatch& batch) {
     sm_copies = counted.sm_copies;
     (options_.batch_api ? calls_.copy_batches : calls_.copies) += options_.batch_api ? 1 : batch.dsts.size();
   }
-  enqueue(stream, [this, batch, sm_copies] {
+  std::vector<Imported> imported;  // the IPC mappings the batch touches: gone with their owner
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (size_t i = 0; i < batch.dsts.size(); ++i) {
+      imported_locked(batch.dsts[i], &imported);
+      imported_locked(batch.srcs[i], &imported);
+    }
+  }
+  enqueue(stream, [this, batch, sm_copies, imported] {
+    for (const Imported& m : imported) {
+      const bool freed = m.owned->load(std::memory_order_acquire) == 0;
+      if (freed || !pid_running(m.owner)) {
+        throw Error(ErrorCode::kSystem, "emulated illegal address (an MMU fault, sticky): a copy touched an IPC mapping of "
+                                        "an allocation whose owner (pid " + std::to_string(m.owner) + ") " +
+                                        (freed ? "freed it" : "exited"));
+      }
+    }
     // One batch runs as one unit: its SM copies start once a user's kernel leaves the SMs.
     bool delayed = sm_copies > 0 && wait_for_free_sms();
     size_t bytes = 0;
@@ -685,10 +736,12 @@ void EmulatedDevice::wait_value64(Stream stream, DevicePtr addr, uint64_t value,
 
 void* EmulatedDevice::device_alloc(size_t bytes) {
   check_no_fault("cudaMalloc");
-  int fd = new_memfd(bytes, "freescale-emulated-device");
-  void* p = map_fd_or_close(fd, bytes);
+  int fd = new_memfd(mapped_bytes(bytes), "freescale-emulated-device");
+  void* p = map_fd_or_close(fd, mapped_bytes(bytes));
+  auto* owned = owner_word(p, bytes);
+  owned->store(1, std::memory_order_release);
   std::lock_guard<std::mutex> lock(mu_);
-  allocations_[p] = Mapping{bytes, fd};
+  allocations_[p] = Mapping{bytes, fd, owned, getpid()};
   return p;
 }
 
@@ -698,7 +751,8 @@ void EmulatedDevice::device_free(void* ptr) {
   std::lock_guard<std::mutex> lock(mu_);
   auto it = allocations_.find(ptr);
   if (it == allocations_.end() || it->second.fd < 0) throw Error(ErrorCode::kSystem, "emulated cudaFree: not a device allocation");
-  munmap(ptr, it->second.bytes == 0 ? 1 : it->second.bytes);
+  it->second.owned->store(0, std::memory_order_release);  // importers' copies fault from now on
+  munmap(ptr, mapped_bytes(it->second.bytes));
   close(it->second.fd);
   allocations_.erase(it);
 }
@@ -749,6 +803,33 @@ void EmulatedDevice::flush_remote_writes() {
   flushes_.fetch_add(1);
 }
 
+void* EmulatedDevice::shareable_alloc(size_t bytes, int* fd) {
+  check_no_fault("cuMemCreate");
+  int memfd = new_memfd(bytes, "freescale-emulated-shareable");
+  void* p = map_fd_or_close(memfd, bytes);
+  *fd = memfd;  // the caller's (cuMemExportToShareableHandle); the mapping holds the pages
+  std::lock_guard<std::mutex> lock(mu_);
+  shareables_[p] = Shared{bytes, false};
+  return p;
+}
+
+void* EmulatedDevice::shareable_import(int fd, size_t bytes) {
+  check_no_fault("cuMemImportFromShareableHandle");
+  void* p = map_fd(fd, bytes);
+  std::lock_guard<std::mutex> lock(mu_);
+  shareables_[p] = Shared{bytes, true};
+  return p;
+}
+
+void EmulatedDevice::shareable_release(void* ptr) {
+  check_no_fault("cuMemUnmap");
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = shareables_.find(ptr);
+  if (it == shareables_.end()) throw Error(ErrorCode::kSystem, "emulated cuMemUnmap: not a shareable mapping");
+  munmap(ptr, std::max<size_t>(it->second.bytes, 1));
+  shareables_.erase(it);
+}
+
 std::string EmulatedDevice::ipc_handle(void* ptr) {
   check_no_fault("cudaIpcGetMemHandle");
   std::lock_guard<std::mutex> lock(mu_);
@@ -763,10 +844,10 @@ void* EmulatedDevice::ipc_open(const std::string& handle) {
   check_no_fault("cudaIpcOpenMemHandle");
   size_t bytes = 0;
   int fd = open_peer_fd(handle, &bytes);
-  void* p = map_fd_or_close(fd, bytes);
+  void* p = map_fd_or_close(fd, mapped_bytes(bytes));
   close(fd);
   std::lock_guard<std::mutex> lock(mu_);
-  allocations_[p] = Mapping{bytes, -1};
+  allocations_[p] = Mapping{bytes, -1, owner_word(p, bytes), static_cast<pid_t>(std::stol(handle))};
   return p;
 }
 
@@ -789,7 +870,7 @@ void EmulatedDevice::ipc_close(void* ptr) {
   std::lock_guard<std::mutex> lock(mu_);
   auto it = allocations_.find(ptr);
   if (it == allocations_.end() || it->second.fd >= 0) throw Error(ErrorCode::kSystem, "emulated cudaIpcCloseMemHandle: not an IPC mapping");
-  munmap(ptr, it->second.bytes == 0 ? 1 : it->second.bytes);
+  munmap(ptr, mapped_bytes(it->second.bytes));
   allocations_.erase(it);
 }
 

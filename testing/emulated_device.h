@@ -16,7 +16,10 @@
 //    cuStreamWaitValue does), EQ, AND;
 //  - copies really copy (memcpy on the queue's thread);
 //  - "device" allocations are memfd shared memory: IPC handles open in forked peer processes
-//    (through /proc/<pid>/fd), and nothing appears in /dev/shm, crash or not;
+//    (through /proc/<pid>/fd), and nothing appears in /dev/shm, crash or not. An IPC mapping is
+//    legacy CUDA IPC (cudaIpcOpenMemHandle): once its owner frees the allocation or exits, its
+//    memory is gone for the importer too, and a copy that touches it faults the importer's
+//    context (an MMU fault: cudaErrorIllegalAddress, sticky);
 //  - an asynchronous fault (a task that fails: fail_next_task) poisons the whole context, as on a
 //    GPU: nothing queued on any stream runs after it, and every later call of the device (stream
 //    and event queries, synchronization, enqueues, creation, and releases: cudaFree,
@@ -160,6 +163,12 @@ class EmulatedDevice final : public DeviceOps {
   // flush_writes_options lacks the host option.
   void flush_remote_writes() override;
 
+  // Shareable allocations: memfds whose pages live while any process maps them (so an importer's
+  // copies stay valid after the owner released them or exited, as with cuMem's POSIX handles).
+  void* shareable_alloc(size_t bytes, int* fd) override;
+  void* shareable_import(int fd, size_t bytes) override;
+  void shareable_release(void* ptr) override;
+
   std::string ipc_handle(void* ptr) override;
   void* ipc_open(const std::string& handle) override;
   void ipc_close(void* ptr) override;
@@ -259,11 +268,27 @@ class EmulatedDevice final : public DeviceOps {
   struct Mapping {
     size_t bytes;
     int fd;  // memfd of a device allocation; -1 for an IPC mapping
+    // The allocation's owner state (a word in a page after its bytes, shared by every process
+    // that maps it: 1 while allocated, 0 once its owner freed it) and the owner's pid.
+    std::atomic<uint64_t>* owned = nullptr;
+    pid_t owner = 0;
   };
+  // A piece of a copy that touches an IPC mapping: checked when the copy runs.
+  struct Imported {
+    std::atomic<uint64_t>* owned;
+    pid_t owner;
+  };
+  // The IPC mappings [p, p + bytes) touches (holder of mu_).
+  void imported_locked(const void* p, std::vector<Imported>* out) const;
   std::map<void*, Mapping> allocations_;  // device allocations (fd >= 0) and IPC mappings (fd < 0)
   std::map<void*, size_t> host_blocks_;   // host_alloc_mapped
   std::map<void*, size_t> registered_;    // host_register
   std::map<void*, size_t> peer_mapped_;   // add_peer_mapping
+  struct Shared {
+    size_t bytes;
+    bool imported;  // a peer's (copies to or from it: copy engines)
+  };
+  std::map<void*, Shared> shareables_;  // shareable_alloc / shareable_import
 };
 
 struct EmulatedShmemOptions {
