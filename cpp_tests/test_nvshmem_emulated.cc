@@ -5,6 +5,7 @@
 #include <signal.h>
 #include <unistd.h>
 
+#include <fstream>
 #include <mutex>
 #include <thread>
 #include <vector>
@@ -257,6 +258,37 @@ TEST(NvshmemEmulatedFailures, AStalledNetworkPeerThatDiesIsNamedAndTeardownRetur
   EXPECT_EQ(outcomes[1].signal, SIGKILL);
   EXPECT_EQ(outcomes[0].exit_code, 0) << outcomes[0].message;
   EXPECT_EQ(outcomes[0].signal, 0);
+}
+
+// Issue 41 item 3 (abort): NVSHMEM's proxy exits the process when a quiet meets an operation to a
+// dead PE. A rank whose network peer exited after their last op closed with a quiet before its
+// notice, and the proxy ended it: a survivor gone instead of closing. Now no quiet is issued once
+// a peer is known dead.
+TEST(NvshmemEmulatedFailures, ClosingAfterANetworkPeerDiedDoesNotEndTheProcess) {
+  auto outcomes = run_forked_ranks(2, [](int rank, Bootstrap& bootstrap) -> std::string {
+    EmulatedDevice device(kSmallQueue);
+    EmulatedShmemOptions o;
+    o.network_pes = {1 - rank};
+    EmulatedShmem shmem(device, o);
+    Exchange x(uniform_counts(2, 64 * 1024), rank);
+    auto comm = nvshmem_communicator(bootstrap, small_config(), device, shmem);
+    comm->wait(comm->all_to_all(x.send.data(), x.recv.data(), x.layout, 0, false), std::chrono::seconds(20));
+    if (std::string e = x.check(rank); !e.empty()) return e;
+    const std::vector<std::string> pids = bootstrap.allgather(std::to_string(getpid()));
+    if (rank == 1) testing::exit_rank_now("");  // gone without closing, as a crashed peer is
+    const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+    while (std::chrono::steady_clock::now() < until) {  // until rank 1 is gone (or a zombie)
+      std::ifstream stat("/proc/" + pids[1] + "/stat");
+      std::string line;
+      std::getline(stat, line);
+      if (line.empty() || line.find(") Z") != std::string::npos) break;
+      std::this_thread::sleep_for(std::chrono::milliseconds(5));
+    }
+    comm->close();  // ended the process here (exit 255) before the fix
+    return "";
+  });
+  EXPECT_EQ(outcomes[0].exit_code, 0) << outcomes[0].message;
+  EXPECT_EQ(outcomes[1].exit_code, 0) << outcomes[1].message;
 }
 
 // Issue 28 on this transport: rank 3 is killed; each survivor leaves the process at once after

@@ -168,6 +168,8 @@ class NvshmemTransport final : public Transport {
   // Queues on `s` a copy of the notices peers wrote into our arena into notice_mirror_.
   void copy_notices(Stream s);
   bool any_busy() const;
+  // A peer on this host whose process is gone (peers on other hosts cannot be seen dead here).
+  bool any_peer_dead() const;
   // Which peers NVSHMEM reaches by P2P mapping (no kernels) and which through its proxy (a kernel
   // launch per put and per signal): sets data_path_ and network_peer_.
   void describe_data_path();
@@ -754,6 +756,9 @@ void NvshmemTransport::notify_peers(uint64_t notice, bool closing) {
       if (p != rank_ && mapped_arena_[p] != nullptr) set_signal(layout_.notice(rank_), notice, p, notice_stream_);
     }
     if (network_peer_) {
+      // NVSHMEM's proxy exits the process when a quiet meets an operation to a dead PE: none once
+      // a peer is known dead (the notice may then overtake earlier signals: the group failed).
+      closing = closing && !any_peer_dead();
       if (closing) shmem_.quiet_on_stream(notice_stream_);  // what we signalled before lands first
       for (int p = 0; p < world_; ++p) {
         if (p != rank_ && mapped_arena_[p] == nullptr) set_signal(layout_.notice(rank_), notice, p, notice_stream_);
@@ -830,6 +835,13 @@ void NvshmemTransport::check_network_flush() {
                   "), which GPU " + std::to_string(device_) + " does not support (" +
                   device_attribute_name(DeviceAttribute::kGpuDirectRdmaFlushWritesOptions) + " = " +
                   std::to_string(options) + ", no host option); use NCCL for this group");
+}
+
+bool NvshmemTransport::any_peer_dead() const {
+  for (int p = 0; p < world_; ++p) {
+    if (p != rank_ && procs_[p].pid >= 0 && !process_alive(procs_[p])) return true;
+  }
+  return false;
 }
 
 bool NvshmemTransport::any_busy() const { return gate_.waiting() || !started_.empty(); }

@@ -26,6 +26,13 @@ def _synchronize(device: str) -> None:
         torch.cuda.synchronize()  # hangs (the rank times out) if a failed op left the stream waiting
 
 
+def _context_healthy(device: str) -> bool:
+    """A fresh kernel runs and synchronizes: the CUDA context survived (a copy from a dead peer's
+    freed memory would have faulted it, sticky, for every later call)."""
+    x = torch.arange(8, device=device)
+    return int((x + 1).sum().item()) == 36
+
+
 def _wait(work: fc.Work, device: str) -> None:
     """Waits for `work` as a user does and raises its CommError. CPU: wait() blocks. CUDA: the
     first wait() only makes the current stream wait (it raises only a failure already known);
@@ -77,7 +84,8 @@ def mismatch_by_bytes(info, device: str, cases: list[tuple[int, int]]) -> list[s
 
 def killed_mid_op(info, victim: int, device: str = "cpu") -> str:
     """The victim SIGKILLs itself during a large all_to_all_single (4 MiB per peer); survivors
-    return their CommError's code and how long their wait took."""
+    return their CommError's code, how long their wait took, and whether their CUDA context
+    still works (issue 41: copies from the victim's arena must not fault it)."""
     _use(device)
     comm = fc.Communicator()
     world = info.world_size
@@ -93,7 +101,7 @@ def killed_mid_op(info, victim: int, device: str = "cpu") -> str:
         _wait(work, device)
     except fc.CommError as e:
         _synchronize(device)
-        return f"{e.code} after {time.monotonic() - start:.2f}s"
+        return f"{e.code} after {time.monotonic() - start:.2f}s healthy={_context_healthy(device)}"
     return "no error"
 
 

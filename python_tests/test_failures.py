@@ -60,6 +60,7 @@ def test_sigkill_of_one_rank_fails_the_three_survivors(device):
     for r in results[:3]:
         assert r.error is None, r.error
         assert r.value.split()[0] in {"PEER_DIED", "PEER_ABORTED"}, r.value
+        assert r.value.endswith("healthy=True"), r.value  # the survivor's CUDA context still works
 
 
 @pytest.mark.timeout(120)

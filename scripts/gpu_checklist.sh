@@ -2,7 +2,7 @@
 # One device-tool call's worth of ../shared/gpu-checklist.md, for a lent GPU machine (never CI):
 # builds against the machine's own torch (CUDA) and NVSHMEM wheel, then runs the list's items
 # FIRST..LAST in order, each step under its own time limit, within one call's budget.
-# Usage (device tool): CHECKLIST_COMMIT=<hash> bash scripts/gpu_checklist.sh [FIRST item, default 1] [LAST item, default 7]
+# Usage (device tool): CHECKLIST_COMMIT=<hash> bash scripts/gpu_checklist.sh [FIRST item, default 1] [LAST item, default 8]
 # What comes back (the tool returns at most 8 files from $OUT): summary.txt (a line per step: rc,
 # seconds, last log line; "not started" when the call's budget ran short: start there next call),
 # machine.txt, and logs.tgz (every step's log and the benchmarks' JSON, re-packed after each step,
@@ -11,7 +11,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:?run through the device tool: it sets OUT}"
 FIRST="${1:-1}"
-LAST="${2:-7}"
+LAST="${2:-8}"
 BUDGET_S="${CHECKLIST_BUDGET_S:-570}"  # the device tool kills a call at 600 s
 LOGS=/tmp/gpu-checklist  # packed into $OUT/logs.tgz
 rm -rf "$LOGS" && mkdir -p "$LOGS"
@@ -57,5 +57,14 @@ step 5 e2e-cuda 300 freescale-bench e2e --device cuda --ranks 4 --no-progress --
 step 6 nvshmem-tests 300 python3 -m pytest -m gpu -q -p no:cacheprovider python_tests/test_nvshmem_gpu.py
 step 6 alltoall-nvshmem 240 freescale-bench alltoall --transport nvshmem --no-progress --json "$LOGS/alltoall-nvshmem.json"
 step 7 memcheck 300 compute-sanitizer --tool memcheck python3 -m pytest -m gpu -q -p no:cacheprovider python_tests/test_dispatch_gpu.py
+# Item 8 (issue 41): what the failure handling relies on, read from the GPU and recorded: VMM and
+# POSIX-handle support (the ce arenas; the ce transport refuses without them), the GPUDirect
+# RDMA flush options / write ordering (the nvshmem network flush), 64-bit stream memory ops. The
+# failure cases themselves are item 2's (a SIGKILLed rank leaves the survivors' contexts healthy).
+step 8 capabilities 60 python3 -c 'import cupy
+names = {98: "CAN_FLUSH_REMOTE_WRITES", 102: "VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED", 103: "HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED",
+         116: "GPU_DIRECT_RDMA_SUPPORTED", 117: "GPU_DIRECT_RDMA_FLUSH_WRITES_OPTIONS", 118: "GPU_DIRECT_RDMA_WRITES_ORDERING",
+         122: "CAN_USE_64_BIT_STREAM_MEM_OPS"}
+for n, name in names.items(): print(n, name, cupy.cuda.runtime.deviceGetAttribute(n, 0))'
 tar czf "$OUT/logs.tgz" -C "$LOGS" .
 cat "$summary"

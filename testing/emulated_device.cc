@@ -8,6 +8,7 @@
 #include <cerrno>
 #include <chrono>
 #include <condition_variable>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <deque>
@@ -961,7 +962,9 @@ int EmulatedShmem::init(const std::string& unique_id, int rank, int world) {
     std::this_thread::sleep_for(std::chrono::microseconds(100));
   }
   if (options_.init_status != 0) return options_.init_status;  // failed after the collective part
+  pids_.assign(static_cast<size_t>(world), 0);
   for (int p = 0; p < world; ++p) {
+    pids_[p] = static_cast<pid_t>(std::atol(meet->handles[p]));
     if (p == rank) continue;
     size_t bytes = 0;
     int fd = open_peer_fd(meet->handles[p], &bytes);
@@ -1039,6 +1042,10 @@ void EmulatedShmem::quiet_on_stream(Stream stream) {
   if (options_.limited_mpg) std::_Exit(86);
   const bool stalls = issued_to_stalled_.load();  // it completes those puts too: never
   device_.enqueue(stream, [this, stalls] {
+    if (any_network_pe_dead()) {  // NVSHMEM's proxy: exit(-1) from progress_quiet
+      std::fputs("emulated nvshmem proxy: aborting due to error in progress_quiet\n", stderr);
+      std::_Exit(255);
+    }
     if (stalls) device_.spin_until([] { return false; }, /*is_stream_wait=*/false);
     std::lock_guard<std::mutex> lock(held_mu_);
     for (auto& [word, held] : held_) apply_signal(word, held.value, held.op);
@@ -1049,6 +1056,13 @@ void EmulatedShmem::quiet_on_stream(Stream stream) {
 bool EmulatedShmem::stalled(int pe) const {
   const auto& s = options_.stalled_pes;
   return std::find(s.begin(), s.end(), pe) != s.end() && !is_mapped_pe(pe);
+}
+
+bool EmulatedShmem::any_network_pe_dead() const {
+  for (int pe : options_.network_pes) {
+    if (pe >= 0 && pe < static_cast<int>(pids_.size()) && pe != rank_ && !pid_running(pids_[pe])) return true;
+  }
+  return false;
 }
 
 bool EmulatedShmem::is_mapped_pe(int pe) const {

@@ -42,6 +42,8 @@
 // mapping: NVSHMEM's proxy kernels, counted) and the limited-MPG mode's process exit.
 #pragma once
 
+#include <sys/types.h>
+
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
@@ -304,6 +306,9 @@ struct EmulatedShmemOptions {
   // blocked on it, and on what follows, until the device is torn down), as a proxy operation to a
   // peer that stopped answering does. A stream holding one never runs out.
   std::vector<int> stalled_pes;
+  // NVSHMEM's proxy ends the process (exit(-1): "aborting due to error in progress_quiet") when a
+  // quiet finds an operation to a network PE that failed, as one to a dead PE does. Emulated: a
+  // quiet reached while a network PE's process is gone exits this process (code 255).
   int init_status = 0;  // what init() returns, after joining the others (non-zero: a failed init)
   // Out-of-order signals, as NVSHMEM allows: it orders delivery to a PE only across a fence, and
   // on-stream puts over proxy (network) transports complete locally. When set, a signal to a word
@@ -353,6 +358,7 @@ class EmulatedShmem final : public ShmemOps {
  private:
   void read_environment_once();
   bool stalled(int pe) const;  // a network PE of stalled_pes
+  bool any_network_pe_dead() const;  // a network PE whose process is gone (its pid: pids_)
   bool is_mapped_pe(int pe) const;
   // NVSHMEM's SET to a mapped PE: counts it and waits for `stream` (signals_from_pageable_memory).
   void set_from_pageable_memory(Stream stream);
@@ -374,6 +380,7 @@ class EmulatedShmem final : public ShmemOps {
   void* rendezvous_ = nullptr;
   int heap_fd_ = -1;
   std::vector<uint8_t*> heaps_;  // [world] every PE's heap mapped here (ours: own)
+  std::vector<pid_t> pids_;      // [world] every PE's process
   size_t used_ = 0;              // bump allocator: the same sequence of malloc on every PE
   std::atomic<size_t> kernels_{0};
   std::atomic<size_t> reordered_{0};
