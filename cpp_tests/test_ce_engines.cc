@@ -4,11 +4,13 @@
 #include <gtest/gtest.h>
 #include <signal.h>
 #include <sys/mman.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <atomic>
 #include <cstdio>
 #include <cstring>
+#include <fstream>
 #include <mutex>
 #include <string>
 #include <thread>
@@ -273,6 +275,47 @@ TEST(CeEngines, RegisteredBuffersAt13_0TakeNoSmCopyButTheSelfBlock) {
     return e;
   }, std::chrono::seconds(120));
   expect_all_ok(outcomes);
+}
+
+// Issue 41 item 1: a registered receive buffer is the receiver's legacy IPC memory: it goes away
+// with its owner, and a copy into it faults the sender's whole context. A peer seen gone gets
+// nothing into its buffer (direct_target checks; the arena takes the chunks, the op fails naming
+// the dead rank). The emulator used to keep a dead owner's pages, so dropping that check went
+// unseen; now it fails here. (A death after the check, with copies queued, stays a race.)
+TEST(CeEngines, NoCopyGoesIntoTheRegisteredBufferOfAReceiverThatDied) {
+  auto outcomes = run_forked_ranks(2, [](int rank, Bootstrap& bootstrap) -> std::string {
+    EmulatedDevice device;
+    auto comm = ce_communicator(bootstrap, testing::small_config(), device);
+    Exchange x(uniform_counts(2, 4 * testing::small_config().chunk_bytes), rank);
+    const std::vector<std::string> pids = bootstrap.allgather(std::to_string(getpid()));
+    auto* recv = static_cast<uint8_t*>(device.device_alloc(x.recv.size()));
+    if (rank == 1) comm->register_buffer(recv, x.recv.size());
+    bootstrap.allgather("");
+    // A first op: rank 0 maps rank 1's buffer and writes its chunks straight into it.
+    comm->wait(comm->all_to_all(x.send.data(), rank == 1 ? recv : x.recv.data(), x.layout, 0, false), 20s);
+    if (rank == 1) {
+      auto op = comm->all_to_all(x.send.data(), recv, x.layout, 0, false);  // posted: peers may write into recv
+      std::this_thread::sleep_for(50ms);
+      bootstrap.allgather("");
+      raise(SIGKILL);
+    }
+    bootstrap.allgather("");  // rank 1 posted the second op; it dies now
+    const auto until = std::chrono::steady_clock::now() + 10s;
+    while (std::chrono::steady_clock::now() < until) {  // until rank 1 is gone (or a zombie)
+      std::ifstream stat("/proc/" + pids[1] + "/stat");
+      std::string line;
+      std::getline(stat, line);
+      if (line.empty() || line.find(") Z") != std::string::npos) break;
+      std::this_thread::sleep_for(5ms);
+    }
+    auto op = comm->all_to_all(x.send.data(), x.recv.data(), x.layout, 0, false);
+    std::string e = testing::expect_comm_error([&] { comm->wait(op, std::chrono::seconds(20)); }, ErrorCode::kPeerDied);
+    if (!e.empty()) return e;
+    if (!device.fault().empty()) return "rank 0's context faulted: " + device.fault();
+    return "";
+  });
+  EXPECT_EQ(outcomes[1].signal, SIGKILL);
+  EXPECT_EQ(outcomes[0].exit_code, 0) << outcomes[0].message;
 }
 
 // Registered and unregistered receivers in one group: a rank's chunks go straight into the peers

@@ -19,7 +19,8 @@
 //    (through /proc/<pid>/fd), and nothing appears in /dev/shm, crash or not. An IPC mapping is
 //    legacy CUDA IPC (cudaIpcOpenMemHandle): once its owner frees the allocation or exits, its
 //    memory is gone for the importer too, and a copy that touches it faults the importer's
-//    context (an MMU fault: cudaErrorIllegalAddress, sticky);
+//    context (an MMU fault: cudaErrorIllegalAddress, sticky). Shareable allocations
+//    (shareable_alloc: cuMem with POSIX handles) keep their pages while any process maps them;
 //  - an asynchronous fault (a task that fails: fail_next_task) poisons the whole context, as on a
 //    GPU: nothing queued on any stream runs after it, and every later call of the device (stream
 //    and event queries, synchronization, enqueues, creation, and releases: cudaFree,
@@ -35,11 +36,13 @@
 // Not modelled: timing and bandwidth, concurrency within a queue (a queue runs one operation at a
 // time, which is harsher than a GPU), the legacy default stream's implicit synchronization,
 // graph capture, peer access rules. Device attributes read 1 unless listed in
-// EmulatedDeviceOptions::unsupported. Stream and event creation block while a stream wait runs.
-// EmulatedShmem adds NVSHMEM's host API: one symmetric heap per PE, shared by every PE, with
-// put-with-signal and signal ops on emulated streams, init status, optional out-of-order signal
-// delivery (reorder_signals: NVSHMEM orders signals only across a fence), network PEs (no P2P
-// mapping: NVSHMEM's proxy kernels, counted) and the limited-MPG mode's process exit.
+// EmulatedDeviceOptions::unsupported (117 and 118 per option). Stream and event creation block
+// while a stream wait runs. EmulatedShmem adds NVSHMEM's host API: one symmetric heap per PE,
+// shared by every PE, with put-with-signal and signal ops on emulated streams, init status,
+// optional out-of-order signal delivery (reorder_signals: NVSHMEM orders signals only across a
+// fence), network PEs (no P2P mapping: NVSHMEM's proxy kernels, counted; links that stall; the
+// proxy's exit when a quiet meets a dead PE), SETs to mapped PEs as copies from pageable memory
+// (they wait for their stream), and the limited-MPG mode's process exit.
 #pragma once
 
 #include <sys/types.h>
