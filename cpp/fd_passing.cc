@@ -3,6 +3,7 @@
 #include <fcntl.h>
 #include <poll.h>
 #include <sys/socket.h>
+#include <sys/types.h>
 #include <sys/un.h>
 #include <unistd.h>
 
@@ -77,6 +78,14 @@ void send_fd(int conn, int fd) {
   if (::sendmsg(conn, &msg, MSG_NOSIGNAL) != 1) throw SystemError("sendmsg (passing a file descriptor)", errno);
 }
 
+// The process at the other end of `conn` (SO_PEERCRED): same user, and one of `pids`.
+bool from_a_peer(int conn, const std::vector<pid_t>& pids) {
+  ucred cred{};
+  socklen_t len = sizeof cred;
+  if (::getsockopt(conn, SOL_SOCKET, SO_PEERCRED, &cred, &len) != 0) return false;
+  return cred.uid == ::getuid() && std::find(pids.begin(), pids.end(), cred.pid) != pids.end();
+}
+
 int receive_fd(int conn) {
   char byte = 0;
   iovec iov{&byte, 1};
@@ -86,9 +95,12 @@ int receive_fd(int conn) {
   msg.msg_iovlen = 1;
   msg.msg_control = control;
   msg.msg_controllen = sizeof control;
-  if (::recvmsg(conn, &msg, MSG_CMSG_CLOEXEC) != 1) throw SystemError("recvmsg (receiving a file descriptor)", errno);
+  const ssize_t n = ::recvmsg(conn, &msg, MSG_CMSG_CLOEXEC);
+  if (n < 0) throw SystemError("recvmsg (receiving a file descriptor)", errno);
+  if (n == 0) throw Error(ErrorCode::kSystem, "the peer closed the connection without sending its descriptor");
   cmsghdr* c = CMSG_FIRSTHDR(&msg);
-  if (c == nullptr || c->cmsg_level != SOL_SOCKET || c->cmsg_type != SCM_RIGHTS) {
+  if ((msg.msg_flags & MSG_CTRUNC) != 0 || c == nullptr || c->cmsg_level != SOL_SOCKET || c->cmsg_type != SCM_RIGHTS ||
+      c->cmsg_len != CMSG_LEN(sizeof(int))) {
     throw Error(ErrorCode::kSystem, "recvmsg: the peer sent no file descriptor");
   }
   int fd = -1;
@@ -106,7 +118,7 @@ std::vector<int> exchange_fds(Bootstrap& bootstrap, int fd, std::chrono::millise
   if (fd >= 0) {
     try {
       std::random_device rd;
-      name = "freescale-fds-" + std::to_string(::getpid()) + "-" + std::to_string(rd()) + std::to_string(rd());
+      name = std::to_string(::getpid()) + "-freescale-fds-" + std::to_string(rd()) + std::to_string(rd());
       listener.fd = ::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
       if (listener.fd < 0) throw SystemError("socket(AF_UNIX)", errno);
       socklen_t len = 0;
@@ -118,12 +130,17 @@ std::vector<int> exchange_fds(Bootstrap& bootstrap, int fd, std::chrono::millise
       name.clear();
     }
   }
-  std::vector<std::string> names = bootstrap.allgather(error.empty() ? "+" + name : "!" + error);
+  // Each rank's pid and socket name ("" where it offers nothing): "+pid name" or "!error".
+  std::vector<std::string> names =
+      bootstrap.allgather(error.empty() ? "+" + std::to_string(::getpid()) + " " + name : "!" + error);
+  std::vector<pid_t> peers;  // who may take our descriptor
   for (int p = 0; p < world; ++p) {
     if (!names[p].empty() && names[p][0] == '!') {
       throw Error(ErrorCode::kSystem, "passing file descriptors: rank " + std::to_string(p) + " could not listen: " + names[p].substr(1));
     }
-    names[p] = names[p].substr(1);
+    const size_t space = names[p].find(' ');
+    if (p != rank) peers.push_back(static_cast<pid_t>(std::atol(names[p].c_str() + 1)));
+    names[p] = space == std::string::npos ? "" : names[p].substr(space + 1);
   }
   // Serve every other rank once (they all connect), while this thread takes what peers offer.
   std::string serve_error;
@@ -131,11 +148,14 @@ std::vector<int> exchange_fds(Bootstrap& bootstrap, int fd, std::chrono::millise
   if (!name.empty()) {
     server = std::thread([&] {
       try {
-        for (int served = 0; served < world - 1; ++served) {
+        for (int served = 0; served < world - 1;) {
           if (!ready(listener.fd, POLLIN, deadline)) throw Error(ErrorCode::kSystem, "a peer did not connect in time");
           Fd conn(::accept4(listener.fd, nullptr, nullptr, SOCK_CLOEXEC));
           if (conn.fd < 0) throw SystemError("accept", errno);
+          // Abstract sockets have no permissions: only our peers get device memory.
+          if (!from_a_peer(conn.fd, peers)) continue;
           send_fd(conn.fd, fd);
+          ++served;
         }
       } catch (const std::exception& e) {
         serve_error = e.what();
@@ -152,12 +172,16 @@ std::vector<int> exchange_fds(Bootstrap& bootstrap, int fd, std::chrono::millise
         if (out[p] < 0) throw SystemError("dup", errno);
         continue;
       }
-      Fd conn(::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0));
+      Fd conn(::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0));
       if (conn.fd < 0) throw SystemError("socket(AF_UNIX)", errno);
       socklen_t len = 0;
       sockaddr_un addr = abstract_address(names[p], &len);
-      if (::connect(conn.fd, reinterpret_cast<sockaddr*>(&addr), len) != 0) {
-        throw SystemError("connect to rank " + std::to_string(p) + "'s socket (ranks on different hosts or network namespaces?)", errno);
+      // Non-blocking: a full backlog (EAGAIN) is retried until the deadline, never waited on unbounded.
+      while (::connect(conn.fd, reinterpret_cast<sockaddr*>(&addr), len) != 0) {
+        if (errno != EAGAIN || Clock::now() >= deadline) {
+          throw SystemError("connect to rank " + std::to_string(p) + "'s socket (ranks on different hosts or network namespaces?)", errno);
+        }
+        std::this_thread::sleep_for(std::chrono::milliseconds(1));
       }
       if (!ready(conn.fd, POLLIN, deadline)) throw Error(ErrorCode::kSystem, "rank " + std::to_string(p) + " sent nothing in time");
       out[p] = receive_fd(conn.fd);
@@ -166,14 +190,23 @@ std::vector<int> exchange_fds(Bootstrap& bootstrap, int fd, std::chrono::millise
     }
   }
   if (server.joinable()) server.join();
-  const std::string mine = !take_error.empty() ? take_error : serve_error.empty() ? "" : "serving: " + serve_error;
-  std::vector<std::string> outcomes = bootstrap.allgather(mine);
-  for (int p = 0; p < world; ++p) {
-    if (outcomes[p].empty()) continue;
+  auto close_all = [&out] {
     for (int& f : out) {
       if (f >= 0) ::close(f);
       f = -1;
     }
+  };
+  const std::string mine = !take_error.empty() ? take_error : serve_error.empty() ? "" : "serving: " + serve_error;
+  std::vector<std::string> outcomes;
+  try {
+    outcomes = bootstrap.allgather(mine);
+  } catch (...) {
+    close_all();
+    throw;
+  }
+  for (int p = 0; p < world; ++p) {
+    if (outcomes[p].empty()) continue;
+    close_all();
     throw Error(ErrorCode::kSystem, "passing file descriptors failed on rank " + std::to_string(p) + ": " + outcomes[p]);
   }
   return out;

@@ -348,6 +348,8 @@ void CeTransport::setup(Bootstrap& bootstrap, const Config& config) {
   std::vector<int> fds;
   try {
     fds = exchange_fds(bootstrap, arena_fd);
+  } catch (const CommError&) {  // the bootstrap failed (a peer died...): not a refusal
+    throw;
   } catch (const Error& e) {  // every rank throws alike
     throw Error(ErrorCode::kUnsupported, "ce transport: the ranks could not pass their arenas' file descriptors (" +
                                              e.message() + "); they must share a host and a network namespace");
@@ -362,9 +364,13 @@ void CeTransport::setup(Bootstrap& bootstrap, const Config& config) {
   }
   for (int f : fds)
     if (f >= 0) ::close(f);
-  for (const auto& s : bootstrap.allgather(open_error)) {
-    if (!s.empty()) throw CommError(ErrorCode::kSystem, "ce transport setup failed: " + s);
+  // Mapping a peer GPU's memory needs peer access to it: where a rank cannot, every rank refuses
+  // alike (kUnsupported: the backend falls back to NCCL).
+  const std::vector<std::string> open_errors = bootstrap.allgather(open_error);
+  for (const auto& e : open_errors) {
+    if (!e.empty()) throw Error(ErrorCode::kUnsupported, "ce transport refused: " + e + " (GPUs without peer access?)");
   }
+
 }
 
 CeTransport::~CeTransport() { release(); }

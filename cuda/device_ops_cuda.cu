@@ -218,7 +218,8 @@ class CudaDeviceOps final : public DeviceOps {
   void* shareable_alloc(size_t bytes, int* fd) override {
     const DriverApi& api = DriverApi::get();
     const CUmemAllocationProp prop = shareable_prop();
-    const size_t size = granular(bytes, prop);
+    const size_t granularity = granularity_of(prop);
+    const size_t size = round_up(bytes, granularity);
     CUmemGenericAllocationHandle handle = 0;
     check_cu(api.mem_create(&handle, size, &prop, 0), "cuMemCreate");
     int exported = -1;
@@ -228,7 +229,7 @@ class CudaDeviceOps final : public DeviceOps {
       check_cu(res, "cuMemExportToShareableHandle");
     }
     try {
-      void* ptr = map(handle, size);
+      void* ptr = map(handle, size, granularity);
       *fd = exported;
       return ptr;
     } catch (...) {
@@ -242,7 +243,16 @@ class CudaDeviceOps final : public DeviceOps {
     check_cu(api.mem_import_from_shareable_handle(&handle, reinterpret_cast<void*>(static_cast<uintptr_t>(fd)),
                                                   CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR),
              "cuMemImportFromShareableHandle");
-    return map(handle, granular(bytes, shareable_prop()));  // the owner rounded up alike (same device kind)
+    size_t granularity = 0;
+    try {  // the owner's allocation rounded `bytes` by its own properties' granularity: use them
+      CUmemAllocationProp prop = {};
+      check_cu(api.mem_get_allocation_properties_from_handle(&prop, handle), "cuMemGetAllocationPropertiesFromHandle");
+      granularity = granularity_of(prop);
+    } catch (...) {
+      api.mem_release(handle);
+      throw;
+    }
+    return map(handle, round_up(bytes, granularity), granularity);
   }
   void shareable_release(void* ptr) override {
     const DriverApi& api = DriverApi::get();
@@ -305,24 +315,29 @@ class CudaDeviceOps final : public DeviceOps {
     prop.requestedHandleTypes = CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR;
     return prop;
   }
-  static size_t granular(size_t bytes, const CUmemAllocationProp& prop) {
+  static size_t granularity_of(const CUmemAllocationProp& prop) {
     size_t granularity = 0;
     check_cu(DriverApi::get().mem_get_allocation_granularity(&granularity, &prop, CU_MEM_ALLOC_GRANULARITY_MINIMUM),
              "cuMemGetAllocationGranularity");
+    return granularity;
+  }
+  static size_t round_up(size_t bytes, size_t granularity) {
     return (std::max<size_t>(bytes, 1) + granularity - 1) / granularity * granularity;
   }
-  // Maps `handle` (size bytes) at a fresh address, read-write for the current device; takes the
-  // handle (released on failure).
-  void* map(CUmemGenericAllocationHandle handle, size_t size) {
+  // Maps `handle` (size bytes) at a fresh address aligned to `granularity`, read-write for the
+  // current device; takes the handle (released on failure).
+  void* map(CUmemGenericAllocationHandle handle, size_t size, size_t granularity) {
     const DriverApi& api = DriverApi::get();
+    CUdevice dev = 0;
     CUdeviceptr va = 0;
-    CUresult res = api.mem_address_reserve(&va, size, 0, 0, 0);
+    CUresult res = api.device_get(&dev, current_device());
+    if (res == CUDA_SUCCESS) res = api.mem_address_reserve(&va, size, granularity, 0, 0);
     if (res == CUDA_SUCCESS) {
       res = api.mem_map(va, size, 0, handle, 0);
       if (res == CUDA_SUCCESS) {
         CUmemAccessDesc access = {};
         access.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
-        access.location.id = current_device();
+        access.location.id = dev;  // this process's device (the memory may live on a peer's)
         access.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
         res = api.mem_set_access(va, size, &access, 1);
         if (res != CUDA_SUCCESS) api.mem_unmap(va, size);

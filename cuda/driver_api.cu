@@ -29,7 +29,7 @@ void resolve(const char* symbol, Fn*& out) {
   if (err != cudaSuccess || status != cudaDriverEntryPointSuccess || fn == nullptr) {
     cudaGetLastError();
     throw Error(ErrorCode::kUnsupported, std::string("the CUDA driver has no ") + symbol +
-                                             " (stream memory operations need a CUDA 12+ driver): " +
+                                             " (freescale_comm needs a CUDA 12+ driver): " +
                                              driver_entry_point_failure(err, status));
   }
   out = reinterpret_cast<Fn*>(fn);
@@ -58,6 +58,7 @@ const DriverApi& DriverApi::get() {
     resolve("cuMemSetAccess", api.mem_set_access);
     resolve("cuMemExportToShareableHandle", api.mem_export_to_shareable_handle);
     resolve("cuMemImportFromShareableHandle", api.mem_import_from_shareable_handle);
+    resolve("cuMemGetAllocationPropertiesFromHandle", api.mem_get_allocation_properties_from_handle);
   });
   return api;
 }

@@ -30,6 +30,7 @@ struct DriverApi {
   CUresult (*mem_export_to_shareable_handle)(void*, CUmemGenericAllocationHandle, CUmemAllocationHandleType,
                                              unsigned long long) = nullptr;
   CUresult (*mem_import_from_shareable_handle)(CUmemGenericAllocationHandle*, void*, CUmemAllocationHandleType) = nullptr;
+  CUresult (*mem_get_allocation_properties_from_handle)(CUmemAllocationProp*, CUmemGenericAllocationHandle) = nullptr;
 
   // Resolved once per process; throws Error(kUnsupported) naming the missing symbol when the
   // driver lacks it (64-bit stream memory operations need CUDA 12.0+ drivers).

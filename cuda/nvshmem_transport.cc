@@ -756,15 +756,14 @@ void NvshmemTransport::notify_peers(uint64_t notice, bool closing) {
       if (p != rank_ && mapped_arena_[p] != nullptr) set_signal(layout_.notice(rank_), notice, p, notice_stream_);
     }
     if (network_peer_) {
-      // NVSHMEM's proxy exits the process when a quiet meets an operation to a dead PE: none once
-      // a peer is known dead (the notice may then overtake earlier signals: the group failed).
-      closing = closing && !any_peer_dead();
-      if (closing) shmem_.quiet_on_stream(notice_stream_);  // what we signalled before lands first
+      // What we signalled before lands first. NVSHMEM's proxy exits the process when a quiet meets
+      // an operation to a dead PE, so no quiet on abort, none once a peer is known dead (the notice
+      // may then overtake earlier signals: the group failed), and none after the notices: a peer
+      // that closed and exited meanwhile fails its notice, and a quiet then would end this process.
+      if (closing && !any_peer_dead()) shmem_.quiet_on_stream(notice_stream_);
       for (int p = 0; p < world_; ++p) {
         if (p != rank_ && mapped_arena_[p] == nullptr) set_signal(layout_.notice(rank_), notice, p, notice_stream_);
       }
-      // Landed at the peers, not only issued. Not on abort: a quiet to a dead network peer may never end.
-      if (closing) shmem_.quiet_on_stream(notice_stream_);
     }
     // Landed before we return: a failing process often exits right after, and a notice still
     // queued then is lost (peers would report our death, not its cause). Bounded: a network peer

@@ -1002,10 +1002,12 @@ void EmulatedShmem::put_signal_on_stream(void* dest, const void* src, size_t byt
   if (options_.limited_mpg) std::_Exit(86);  // what NVSHMEM 3.8 may do (ShmemOps::fully_initialized)
   if (op == ShmemSignalOp::kAdd || !is_mapped(dest, pe)) kernels_.fetch_add(1);  // NVSHMEM's kernels
   if (op == ShmemSignalOp::kSet && is_mapped(signal, pe)) set_from_pageable_memory(stream);
-  const bool stalls = stalled(pe);
+  const bool stalls = stalled(pe), fails = failing(pe);
   if (stalls) issued_to_stalled_.store(true);
-  device_.enqueue(stream, [this, to, src, bytes, word, value, op, stalls] {
+  device_.enqueue(stream, [this, to, src, bytes, word, value, op, stalls, fails, pe] {
+    if (fails) throw Error(ErrorCode::kSystem, "emulated nvshmem: a put to PE " + std::to_string(pe) + " failed on the network");
     if (stalls) device_.spin_until([] { return false; }, /*is_stream_wait=*/false);  // never completes
+    if (!reached(pe)) return;
     dma_copy(to, src, bytes);
     deliver(word, value, op);
   });
@@ -1016,10 +1018,12 @@ void EmulatedShmem::signal_op_on_stream(uint64_t* signal, uint64_t value, ShmemS
   if (options_.limited_mpg) std::_Exit(86);
   if (op == ShmemSignalOp::kAdd || !is_mapped(signal, pe)) kernels_.fetch_add(1);
   if (op == ShmemSignalOp::kSet && is_mapped(signal, pe)) set_from_pageable_memory(stream);
-  const bool stalls = stalled(pe);
+  const bool stalls = stalled(pe), fails = failing(pe);
   if (stalls) issued_to_stalled_.store(true);
-  device_.enqueue(stream, [this, word, value, op, stalls] {
+  device_.enqueue(stream, [this, word, value, op, stalls, fails, pe] {
+    if (fails) throw Error(ErrorCode::kSystem, "emulated nvshmem: a signal to PE " + std::to_string(pe) + " failed on the network");
     if (stalls) device_.spin_until([] { return false; }, /*is_stream_wait=*/false);  // never completes
+    if (!reached(pe)) return;
     deliver(word, value, op);
   });
 }
@@ -1042,7 +1046,7 @@ void EmulatedShmem::quiet_on_stream(Stream stream) {
   if (options_.limited_mpg) std::_Exit(86);
   const bool stalls = issued_to_stalled_.load();  // it completes those puts too: never
   device_.enqueue(stream, [this, stalls] {
-    if (any_network_pe_dead()) {  // NVSHMEM's proxy: exit(-1) from progress_quiet
+    if (failed_completion_.load()) {  // NVSHMEM's proxy: exit(-1) from progress_quiet
       std::fputs("emulated nvshmem proxy: aborting due to error in progress_quiet\n", stderr);
       std::_Exit(255);
     }
@@ -1058,10 +1062,16 @@ bool EmulatedShmem::stalled(int pe) const {
   return std::find(s.begin(), s.end(), pe) != s.end() && !is_mapped_pe(pe);
 }
 
-bool EmulatedShmem::any_network_pe_dead() const {
-  for (int pe : options_.network_pes) {
-    if (pe >= 0 && pe < static_cast<int>(pids_.size()) && pe != rank_ && !pid_running(pids_[pe])) return true;
+bool EmulatedShmem::failing(int pe) const {
+  const auto& f = options_.failing_pes;
+  return std::find(f.begin(), f.end(), pe) != f.end() && !is_mapped_pe(pe);
+}
+
+bool EmulatedShmem::reached(int pe) {
+  if (is_mapped_pe(pe) || pe == rank_ || pe < 0 || pe >= static_cast<int>(pids_.size()) || pid_running(pids_[pe])) {
+    return true;
   }
+  failed_completion_.store(true);  // the work request fails; the proxy reports it at the next quiet
   return false;
 }
 

@@ -309,9 +309,13 @@ struct EmulatedShmemOptions {
   // blocked on it, and on what follows, until the device is torn down), as a proxy operation to a
   // peer that stopped answering does. A stream holding one never runs out.
   std::vector<int> stalled_pes;
+  // Network PEs whose operations fail on the device (as a GPU-initiated transport's do): the
+  // first put or signal to one that its stream reaches faults this context (sticky), naming it.
+  std::vector<int> failing_pes;
   // NVSHMEM's proxy ends the process (exit(-1): "aborting due to error in progress_quiet") when a
   // quiet finds an operation to a network PE that failed, as one to a dead PE does. Emulated: a
-  // quiet reached while a network PE's process is gone exits this process (code 255).
+  // put or signal to a network PE that runs once the PE's process is gone fails (it lands
+  // nothing), and the next quiet this process reaches exits it (code 255).
   int init_status = 0;  // what init() returns, after joining the others (non-zero: a failed init)
   // Out-of-order signals, as NVSHMEM allows: it orders delivery to a PE only across a fence, and
   // on-stream puts over proxy (network) transports complete locally. When set, a signal to a word
@@ -361,7 +365,9 @@ class EmulatedShmem final : public ShmemOps {
  private:
   void read_environment_once();
   bool stalled(int pe) const;  // a network PE of stalled_pes
-  bool any_network_pe_dead() const;  // a network PE whose process is gone (its pid: pids_)
+  bool failing(int pe) const;  // a network PE of failing_pes
+  // A put or signal to network PE `pe` ran: false (and the next quiet exits) if its process is gone.
+  bool reached(int pe);
   bool is_mapped_pe(int pe) const;
   // NVSHMEM's SET to a mapped PE: counts it and waits for `stream` (signals_from_pageable_memory).
   void set_from_pageable_memory(Stream stream);
@@ -389,6 +395,7 @@ class EmulatedShmem final : public ShmemOps {
   std::atomic<size_t> reordered_{0};
   std::atomic<size_t> pageable_signals_{0};
   std::atomic<bool> issued_to_stalled_{false};  // a put or signal to a stalled PE was issued
+  std::atomic<bool> failed_completion_{false};  // a put or signal to a dead network PE ran
   std::mutex held_mu_;  // guards held_ and stopping_; signals land under it (one at a time)
   std::condition_variable held_cv_;
   std::map<std::atomic<uint64_t>*, HeldSignal> held_;
