@@ -756,6 +756,44 @@ TEST(NvshmemEmulatedSetup, SetupNeverWaitsForAUsersStream) {
   expect_all_ok(outcomes);
 }
 
+// Issue 43 item 1: NVSHMEM may already run in the process, started by another user (torch's
+// symmetric memory, nvshmem4py) over its own PE numbering; a second init only counts a reference
+// and ignores ours. The transport initialized blindly: with that numbering permuted, its puts went
+// to the wrong processes. Now it adopts a runtime whose PEs are the group's ranks (and says so,
+// leaving NVSHMEM's environment alone), and otherwise refuses on every rank naming the numbering.
+TEST(NvshmemEmulatedCoexistence, AdoptsARunningNvshmemNumberedAsTheGroupAndRefusesAnyOtherNumbering) {
+  for (bool permuted : {false, true}) {
+    SCOPED_TRACE(permuted ? "permuted" : "identity");
+    auto outcomes = run_forked_ranks(2, [permuted](int rank, Bootstrap& bootstrap) -> std::string {
+      unsetenv("NVSHMEM_SYMMETRIC_SIZE");
+      EmulatedDevice device(kSmallQueue);
+      EmulatedShmem shmem(device);
+      // "torch" starts NVSHMEM first, over its own numbering.
+      const std::string uid = bootstrap.allgather(rank == 0 ? shmem.unique_id() : "")[0];
+      if (shmem.init(uid, permuted ? 1 - rank : rank, 2) != 0) return "the other user's init failed";
+      try {
+        auto comm = nvshmem_communicator(bootstrap, small_config(), device, shmem);
+        if (permuted) return "joined a runtime whose PEs are not the group's ranks";
+        Exchange x(random_counts(2, 300 * 1024, 5), rank);
+        comm->wait(comm->all_to_all(x.send.data(), x.recv.data(), x.layout, 0, false), std::chrono::seconds(20));
+        if (std::string e = x.check(rank); !e.empty()) return e;
+        if (comm->data_path().find("already running in this process") == std::string::npos)
+          return "the data path does not say it joined a running NVSHMEM: " + comm->data_path();
+        if (std::getenv("NVSHMEM_SYMMETRIC_SIZE") != nullptr) return "set NVSHMEM's environment after NVSHMEM read it";
+        if (shmem.extra_inits() != 0) return "re-initialized the running NVSHMEM";
+        comm->close();
+        return "";
+      } catch (const InvalidArgument& e) {
+        const std::string what = e.what();
+        if (!permuted) return "refused the group's own numbering: " + what;
+        if (what.find("0->1 of 2, 1->0 of 2") == std::string::npos) return "the numbering is not named: " + what;
+        return "";
+      }
+    });
+    expect_all_ok(outcomes);
+  }
+}
+
 TEST(NvshmemEmulatedSetup, FailedInitFailsEveryRankTogether) {
   auto outcomes = run_forked_ranks(2, [](int rank, Bootstrap& bootstrap) -> std::string {
     EmulatedDevice device(kSmallQueue);

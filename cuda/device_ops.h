@@ -202,6 +202,13 @@ class ShmemOps {
 
   // Rank 0: a unique id for init, as a printable blob passed to every PE through our bootstrap.
   virtual std::string unique_id() = 0;
+  // True if NVSHMEM already runs in this process (nvshmemx_init_status() past NOT_INITIALIZED):
+  // another user (torch's symmetric memory, nvshmem4py) started it, with its own PE numbering
+  // and heap. Then init() only counts a reference and ignores its unique id, rank and world.
+  virtual bool running() = 0;
+  // While running(): this process's PE and the runtime's PE count (nvshmem_my_pe, nvshmem_n_pes).
+  virtual int my_pe() = 0;
+  virtual int n_pes() = 0;
   // Collective: starts the library as PE `rank` of `world`. Returns 0 or the library's status.
   // NVSHMEM reads its environment (NVSHMEM_*) at the first of unique_id()/init(): set it before.
   virtual int init(const std::string& unique_id, int rank, int world) = 0;

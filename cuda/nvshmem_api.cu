@@ -62,6 +62,8 @@ NvshmemApi load() {
   resolve(lib, "nvshmemx_hostlib_init_attr", &api.hostlib_init_attr, &missing);
   resolve(lib, "nvshmemx_hostlib_finalize", &api.hostlib_finalize, &missing);
   resolve(lib, "nvshmemx_init_status", &api.init_status, &missing);
+  resolve(lib, "nvshmem_my_pe", &api.my_pe, &missing);
+  resolve(lib, "nvshmem_n_pes", &api.n_pes, &missing);
   resolve(lib, "nvshmemx_get_uniqueid", &api.get_uniqueid, &missing);
   resolve(lib, "nvshmemx_set_attr_uniqueid_args", &api.set_attr_uniqueid_args, &missing);
   resolve(lib, "nvshmem_malloc", &api.malloc, &missing);

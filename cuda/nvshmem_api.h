@@ -14,6 +14,8 @@ struct NvshmemApi {
   decltype(&nvshmemx_hostlib_init_attr) hostlib_init_attr = nullptr;  // host-only init; returns status
   decltype(&nvshmemx_hostlib_finalize) hostlib_finalize = nullptr;
   decltype(&nvshmemx_init_status) init_status = nullptr;  // NVSHMEM_STATUS_*
+  decltype(&nvshmem_my_pe) my_pe = nullptr;
+  decltype(&nvshmem_n_pes) n_pes = nullptr;
   decltype(&nvshmemx_get_uniqueid) get_uniqueid = nullptr;
   decltype(&nvshmemx_set_attr_uniqueid_args) set_attr_uniqueid_args = nullptr;
   decltype(&nvshmem_malloc) malloc = nullptr;

@@ -173,6 +173,12 @@ class NvshmemTransport final : public Transport {
   // Which peers NVSHMEM reaches by P2P mapping (no kernels) and which through its proxy (a kernel
   // launch per put and per signal): sets data_path_ and network_peer_.
   void describe_data_path();
+  // `runs[p]`: "<PE> <PEs>" where NVSHMEM already ran in rank p's process, "-" where not. True if
+  // every rank runs it with PE = group rank over exactly this group (we adopt it); false if none
+  // does. Otherwise throws InvalidArgument on every rank (they all see `runs`), naming the
+  // numbering: the puts of a group whose ranks are not the runtime's PEs would reach the wrong
+  // processes, and our collective allocations would wait for PEs outside the group.
+  bool adopt_running_nvshmem(const std::vector<std::string>& runs) const;
   // Network peers' puts are read only after cudaDeviceFlushGPUDirectRDMAWrites, unless the device
   // orders network writes natively (attribute 118): sets flush_network_writes_; refuses with
   // kUnsupported where a flush is needed and the device lacks the host option of attribute 117
@@ -193,6 +199,7 @@ class NvshmemTransport final : public Transport {
   bool flush_network_writes_ = false;  // ... and its puts need a flush before they are read
   std::string data_path_;
   bool took_ = false;         // this transport holds the process's NVSHMEM
+  bool adopted_ = false;      // NVSHMEM ran already (another user started it): we joined it
 
   std::vector<Stream> send_, recv_;  // [pair], created on first use
   Stream receipt_stream_ = 0;        // our receipts (SETs)
@@ -269,6 +276,7 @@ NvshmemTransport::NvshmemTransport(Bootstrap& bootstrap, const Config& config, D
   };
   ErrorCode code = ErrorCode::kSystem;
   std::string error;
+  std::string running = "-";  // "<my PE> <PEs>" where NVSHMEM already runs in this process
   std::optional<DeviceGuard> guard;
   try {
     took_ = !g_nvshmem_taken.exchange(true);
@@ -287,6 +295,8 @@ NvshmemTransport::NvshmemTransport(Bootstrap& bootstrap, const Config& config, D
       code = ErrorCode::kUnsupported;
       throw Error(code, missing);
     }
+    // NVSHMEM may run already (torch's symmetric memory, nvshmem4py): its PE numbering then rules.
+    if (shmem_.running()) running = std::to_string(shmem_.my_pe()) + " " + std::to_string(shmem_.n_pes());
     signal_mirror_ = static_cast<uint64_t*>(ops_.host_alloc_mapped(layout_.signal_bytes(), &mirror_device_));
     std::fill(signal_mirror_, signal_mirror_ + layout_.signal_bytes() / sizeof(uint64_t), 0);
     notice_mirror_ = static_cast<uint64_t*>(ops_.host_alloc_mapped(sizeof(uint64_t) * world_, &notice_mirror_device_));
@@ -295,13 +305,14 @@ NvshmemTransport::NvshmemTransport(Bootstrap& bootstrap, const Config& config, D
     error = e.what();
   }
   // Step 1: chunk sizes, placement and pids.
-  std::vector<std::string> got =
-      announce(code, error, std::to_string(chunk_bytes_) + "\n" + host_identity() + "\n" + this_process().encode());
+  std::vector<std::string> got = announce(
+      code, error, std::to_string(chunk_bytes_) + "\n" + host_identity() + "\n" + this_process().encode() + "\n" + running);
   bool one_host = true;
+  std::vector<std::string> runs(static_cast<size_t>(world_));
   for (int p = 0; p < world_; ++p) {
     std::istringstream in(got[p]);
     std::string chunk, host, pid;
-    if (!std::getline(in, chunk) || !std::getline(in, host) || !std::getline(in, pid)) {
+    if (!std::getline(in, chunk) || !std::getline(in, host) || !std::getline(in, pid) || !std::getline(in, runs[p])) {
       throw CommError(ErrorCode::kCommError, "nvshmem transport setup: malformed announcement from rank " + std::to_string(p));
     }
     if (chunk != std::to_string(chunk_bytes_)) {
@@ -315,17 +326,25 @@ NvshmemTransport::NvshmemTransport(Bootstrap& bootstrap, const Config& config, D
       one_host = false;
     }
   }
+  try {
+    adopted_ = adopt_running_nvshmem(runs);  // throws on every rank alike where it cannot
+  } catch (...) {
+    if (took_) g_nvshmem_taken.store(false);
+    release_setup();  // the destructor does not run for a constructor that throws
+    throw;
+  }
   // NVSHMEM reads its environment once, at the first call (rank 0: unique_id): set it before.
-  if (one_host) setenv("NVSHMEM_REMOTE_TRANSPORT", "none", 0);  // one node: no network to probe
-  if (std::getenv("NVSHMEM_SYMMETRIC_SIZE") == nullptr) {
+  // An adopted runtime read its environment already: it is the other user's (data_path says so).
+  if (!adopted_ && one_host) setenv("NVSHMEM_REMOTE_TRANSPORT", "none", 0);  // one node: no network to probe
+  if (!adopted_ && std::getenv("NVSHMEM_SYMMETRIC_SIZE") == nullptr) {
     uint64_t heap = std::max<uint64_t>(1ull << 30, layout_.num_bytes() + kHeapMargin);
     setenv("NVSHMEM_SYMMETRIC_SIZE", std::to_string(heap).c_str(), 0);
   }
-  // Step 2: rank 0's unique id.
+  // Step 2: rank 0's unique id (an adopted runtime has one: init only counts a reference then).
   std::string uid;
   error.clear();
   code = ErrorCode::kSystem;
-  if (rank_ == 0) {
+  if (rank_ == 0 && !adopted_) {
     try {
       uid = shmem_.unique_id();
     } catch (const std::exception& e) {
@@ -335,7 +354,9 @@ NvshmemTransport::NvshmemTransport(Bootstrap& bootstrap, const Config& config, D
   uid = announce(code, error, uid)[0];
   // Step 3: NVSHMEM's collective init (host library only: no NVSHMEM device code is launched).
   try {
-    int status = shmem_.init(uid, rank_, world_);
+    // Adopted: no init of ours (it would only count a reference). The other user keeps the
+    // runtime for the life of the process (torch never finalizes it).
+    int status = adopted_ ? 0 : shmem_.init(uid, rank_, world_);
     if (status != 0) {
       throw Error(code, "NVSHMEM's init returned " + std::to_string(status) + " (NVSHMEM_DEBUG=INFO tells why)");
     }
@@ -810,6 +831,11 @@ void NvshmemTransport::describe_data_path() {
                  " peers (ranks " + proxied + "): NVSHMEM posts puts and signals to peers without P2P through its "
                  "proxy, from a one-thread kernel per call; " + common;
   }
+  if (adopted_) {
+    data_path_ += "; NVSHMEM was already running in this process (started by another user): this transport joined it, "
+                  "with its PE numbering (PE = group rank, checked), its symmetric heap and its environment "
+                  "(NVSHMEM_SYMMETRIC_SIZE and NVSHMEM_REMOTE_TRANSPORT were not set by freescale_comm)";
+  }
 }
 
 void NvshmemTransport::set_signal(uint64_t offset, uint64_t value, int pe, Stream s) {
@@ -818,6 +844,33 @@ void NvshmemTransport::set_signal(uint64_t offset, uint64_t value, int pe, Strea
   } else {
     shmem_.signal_op_on_stream(word(offset), value, ShmemSignalOp::kSet, pe, s);
   }
+}
+
+bool NvshmemTransport::adopt_running_nvshmem(const std::vector<std::string>& runs) const {
+  int running = 0;
+  bool identity = true;
+  std::string numbering;  // "group rank -> PE of n" for every rank
+  for (int p = 0; p < world_; ++p) {
+    numbering += (p > 0 ? ", " : "") + std::to_string(p) + "->";
+    if (runs[p] == "-") {
+      numbering += "not started";
+      identity = false;
+      continue;
+    }
+    ++running;
+    int pe = -1, n = -1;
+    std::istringstream(runs[p]) >> pe >> n;
+    numbering += std::to_string(pe) + " of " + std::to_string(n);
+    identity = identity && pe == p && n == world_;
+  }
+  if (running == 0) return false;
+  if (identity) return true;
+  throw InvalidArgument(
+      "NVSHMEM already runs in " + std::string(running == world_ ? "every" : "some") + " process of this group, started by "
+      "another user (torch's symmetric memory, nvshmem4py) over its own PE numbering: group rank -> NVSHMEM PE is [" +
+      numbering + "]. The nvshmem transport needs PE = group rank over exactly this group (NVSHMEM keeps the first "
+      "caller's numbering, and its allocations are collective over all its PEs): create this communicator over the group "
+      "NVSHMEM was started with, in the same rank order, or start ours first; or use FREESCALE_TRANSPORT=ce within a node");
 }
 
 void NvshmemTransport::check_network_flush() {

@@ -56,6 +56,12 @@ class NvshmemOps final : public ShmemOps {
     return status == NVSHMEM_STATUS_IS_INITIALIZED || status == NVSHMEM_STATUS_FULL_MPG;
   }
   std::string init_status_text() override { return status_name(api_.init_status()); }
+  bool running() override {
+    const int status = api_.init_status();
+    return status != NVSHMEM_STATUS_NOT_INITIALIZED && status != NVSHMEM_STATUS_INVALID;
+  }
+  int my_pe() override { return api_.my_pe(); }
+  int n_pes() override { return api_.n_pes(); }
 
   void* malloc(size_t bytes) override { return api_.malloc(bytes); }
   bool is_mapped(const void* symmetric, int pe) override { return api_.ptr(symmetric, pe) != nullptr; }

@@ -941,6 +941,10 @@ std::string EmulatedShmem::unique_id() {
 }
 
 int EmulatedShmem::init(const std::string& unique_id, int rank, int world) {
+  if (started_) {  // NVSHMEM's "multi-init": a reference more, the arguments ignored
+    ++extra_inits_;
+    return 0;
+  }
   read_environment_once();
   if (world > kMaxPes || rank < 0 || rank >= world) return 1;
   if (rendezvous_ == nullptr) {
@@ -972,6 +976,7 @@ int EmulatedShmem::init(const std::string& unique_id, int rank, int world) {
     close(fd);
     if (is_mapped(nullptr, p)) device_.add_peer_mapping(heaps_[p], heap_bytes_);
   }
+  started_ = true;
   return 0;
 }
 

@@ -332,7 +332,14 @@ class EmulatedShmem final : public ShmemOps {
   std::string library() const override { return "emulated"; }
 
   std::string unique_id() override;
+  // A second init (by us or "another user") only counts a reference and returns 0, ignoring its
+  // arguments, as NVSHMEM's does: the runtime keeps the first caller's PE numbering and heap.
   int init(const std::string& unique_id, int rank, int world) override;
+  bool running() override { return started_; }
+  int my_pe() override { return rank_; }
+  int n_pes() override { return static_cast<int>(heaps_.size()); }
+  // init() calls so far that found the runtime running (NVSHMEM's reference count, less one).
+  int extra_inits() const { return extra_inits_; }
   bool fully_initialized() override { return !options_.limited_mpg; }
   std::string init_status_text() override;
   void* malloc(size_t bytes) override;
@@ -390,6 +397,8 @@ class EmulatedShmem final : public ShmemOps {
   int heap_fd_ = -1;
   std::vector<uint8_t*> heaps_;  // [world] every PE's heap mapped here (ours: own)
   std::vector<pid_t> pids_;      // [world] every PE's process
+  bool started_ = false;         // init() succeeded once
+  int extra_inits_ = 0;
   size_t used_ = 0;              // bump allocator: the same sequence of malloc on every PE
   std::atomic<size_t> kernels_{0};
   std::atomic<size_t> reordered_{0};
