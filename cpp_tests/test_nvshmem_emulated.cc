@@ -794,6 +794,39 @@ TEST(NvshmemEmulatedCoexistence, AdoptsARunningNvshmemNumberedAsTheGroupAndRefus
   }
 }
 
+// Issue 43 item 1: a second copy of libnvshmem_host in the process (torch's or nvshmem4py's, from
+// another file) is a second NVSHMEM runtime on the same GPU. Setup went on; now it refuses on every
+// rank (kUnsupported: the backend falls back to NCCL) naming both files, even when one rank sees it.
+// The data path names the library, its version and the arena's share of the heap.
+TEST(NvshmemEmulatedCoexistence, ASecondCopyOfTheLibraryIsRefusedOnEveryRankNamingBoth) {
+  for (bool second_copy : {true, false}) {
+    auto outcomes = run_forked_ranks(2, [second_copy](int rank, Bootstrap& bootstrap) -> std::string {
+      EmulatedDevice device(kSmallQueue);
+      EmulatedShmemOptions o;
+      if (second_copy && rank == 1) o.other_copies = {"/torch/lib/libnvshmem_host.so.3"};
+      EmulatedShmem shmem(device, o);
+      try {
+        auto comm = nvshmem_communicator(bootstrap, small_config(), device, shmem);
+        if (second_copy) return "setup went on beside a second copy of the library";
+        const std::string path = comm->data_path();
+        if (path.find("NVSHMEM emulated from emulated; our arena: ") == std::string::npos ||
+            path.find("MiB of the symmetric heap, allocated collectively when the communicator is built") == std::string::npos)
+          return "the data path does not name the library and the arena: " + path;
+        comm->close();
+        return "";
+      } catch (const Error& e) {
+        const std::string what = e.what();
+        if (!second_copy) return "unexpected: " + what;
+        if (e.code() != ErrorCode::kUnsupported) return "not a refusal: " + what;
+        if (what.find("/torch/lib/libnvshmem_host.so.3") == std::string::npos || what.find("rank 1") == std::string::npos)
+          return "the other copy or the rank is not named: " + what;
+      }
+      return "";
+    });
+    expect_all_ok(outcomes);
+  }
+}
+
 TEST(NvshmemEmulatedSetup, FailedInitFailsEveryRankTogether) {
   auto outcomes = run_forked_ranks(2, [](int rank, Bootstrap& bootstrap) -> std::string {
     EmulatedDevice device(kSmallQueue);

@@ -10,6 +10,7 @@
 #include "cpp/config.h"
 #include "cpp/device_transports.h"
 #include "cpp/errors.h"
+#include "cuda/device_ops.h"
 
 namespace freescale {
 namespace {
@@ -40,6 +41,11 @@ TEST(NvshmemSetup, HostLibraryLoadsWithEveryEntryPoint) {
   // The build found NVSHMEM's headers; the library beside them must load and resolve (dlsym).
   std::string path = nvshmem_library_path();
   EXPECT_NE(path.find("libnvshmem_host.so"), std::string::npos) << path;
+  // Issue 43: the file the symbols came from (a realpath), its version, and no second copy loaded.
+  EXPECT_EQ(path.front(), '/') << path;
+  const std::string version = nvshmem_ops().version();
+  EXPECT_EQ(version.rfind("3.", 0), 0u) << version;
+  EXPECT_TRUE(nvshmem_ops().other_copies().empty());
 }
 #else
 TEST(NvshmemSetup, NotCompiledInSaysWhy) {

@@ -197,8 +197,12 @@ class ShmemOps {
  public:
   virtual ~ShmemOps() = default;
   virtual const char* name() const = 0;  // "nvshmem" or "emulated"
-  // Where the library came from (real: the path of libnvshmem_host).
+  // Where the library came from (real: the path of libnvshmem_host) and its version ("3.4.5").
   virtual std::string library() const = 0;
+  virtual std::string version() const = 0;
+  // Other copies of libnvshmem_host loaded in this process (another file than library(): e.g.
+  // torch's or nvshmem4py's): each would be a second NVSHMEM runtime on the same GPU.
+  virtual std::vector<std::string> other_copies() const = 0;
 
   // Rank 0: a unique id for init, as a printable blob passed to every PE through our bootstrap.
   virtual std::string unique_id() = 0;

@@ -1,6 +1,8 @@
 #include "cuda/nvshmem_api.h"
 
 #include <dlfcn.h>
+#include <link.h>
+#include <climits>
 
 #include <cstdlib>
 #include <memory>
@@ -33,9 +35,15 @@ void resolve(void* lib, const char* name, F* out, std::string* missing) {
   if (*out == nullptr) *missing += std::string(missing->empty() ? "" : ", ") + name;
 }
 
+std::string real_path(const std::string& path) {
+  char buf[PATH_MAX];
+  return ::realpath(path.c_str(), buf) != nullptr ? std::string(buf) : path;
+}
+
 NvshmemApi load() {
   std::vector<std::string> candidates;
   if (const char* env = std::getenv("FREESCALE_NVSHMEM_LIB"); env != nullptr && *env != '\0') candidates.push_back(env);
+  for (const std::string& loaded : loaded_nvshmem_libraries()) candidates.push_back(loaded);
   if (*kNvshmemBuildLibrary != '\0') candidates.push_back(kNvshmemBuildLibrary);
   candidates.push_back(beside_this_package());
   candidates.push_back("libnvshmem_host.so.3");
@@ -75,10 +83,32 @@ NvshmemApi load() {
   if (!missing.empty()) {
     throw Error(ErrorCode::kUnsupported, api.path + " lacks " + missing + ": it is not an NVSHMEM 3.x host library");
   }
+  std::string optional;
+  resolve(lib, "nvshmemx_vendor_get_version_info", &api.version_info, &optional);
+  Dl_info info{};  // the file the symbols came from, whatever name found it
+  if (dladdr(reinterpret_cast<void*>(api.init_status), &info) != 0 && info.dli_fname != nullptr) api.path = info.dli_fname;
+  api.path = real_path(api.path);
   return api;  // the library stays loaded for the life of the process
 }
 
 }  // namespace
+
+std::vector<std::string> loaded_nvshmem_libraries() {
+  std::vector<std::string> found;
+  dl_iterate_phdr(
+      [](dl_phdr_info* info, size_t, void* out) {
+        auto* list = static_cast<std::vector<std::string>*>(out);
+        const std::string name = info->dlpi_name != nullptr ? info->dlpi_name : "";
+        if (name.find("libnvshmem_host.so") == std::string::npos) return 0;
+        const std::string file = real_path(name);
+        for (const std::string& f : *list)
+          if (f == file) return 0;
+        list->push_back(file);
+        return 0;
+      },
+      &found);
+  return found;
+}
 
 const NvshmemApi& NvshmemApi::get() {
   static std::mutex mu;

@@ -7,6 +7,7 @@
 #include <nvshmem_host.h>
 
 #include <string>
+#include <vector>
 
 namespace freescale {
 
@@ -24,12 +25,17 @@ struct NvshmemApi {
   decltype(&nvshmemx_putmem_signal_on_stream) putmem_signal_on_stream = nullptr;
   decltype(&nvshmemx_signal_op_on_stream) signal_op_on_stream = nullptr;
   decltype(&nvshmemx_quiet_on_stream) quiet_on_stream = nullptr;
-  std::string path;  // the library that was loaded
+  decltype(&nvshmemx_vendor_get_version_info) version_info = nullptr;
+  std::string path;  // the library that was loaded (the file: realpath)
 
-  // Loaded once per process from, in order: $FREESCALE_NVSHMEM_LIB, the build's NVSHMEM, the
+  // Loaded once per process from, in order: $FREESCALE_NVSHMEM_LIB, a copy already loaded in the
+  // process (torch's, nvshmem4py's: one runtime, not two), the build's NVSHMEM, the
   // nvidia-nvshmem-cu13 wheel beside this package, the soname. Throws Error(kUnsupported)
   // naming what was tried and the fix when none loads or a symbol is missing.
   static const NvshmemApi& get();
 };
+
+// The files of every libnvshmem_host copy loaded in this process (realpaths, dl_iterate_phdr).
+std::vector<std::string> loaded_nvshmem_libraries();
 
 }  // namespace freescale

@@ -285,6 +285,16 @@ NvshmemTransport::NvshmemTransport(Bootstrap& bootstrap, const Config& config, D
       throw Error(code, "NVSHMEM already serves another communicator of this process (it is initialized once, over one "
                         "group); use FREESCALE_TRANSPORT=ce for this one or one NVSHMEM group per process");
     }
+    // A second copy of libnvshmem_host in the process would be a second NVSHMEM runtime on this GPU.
+    if (const std::vector<std::string> others = shmem_.other_copies(); !others.empty()) {
+      code = ErrorCode::kUnsupported;
+      std::string list;
+      for (const std::string& o : others) list += (list.empty() ? "" : ", ") + o;
+      throw Error(code, "two copies of NVSHMEM's host library are loaded in this process: ours (" + shmem_.library() +
+                            ") and " + list + " (another user's: torch, nvshmem4py), which would be two NVSHMEM runtimes "
+                            "on one GPU; unset FREESCALE_NVSHMEM_LIB (freescale_comm then uses the copy already loaded) "
+                            "or point it at that copy");
+    }
     guard.emplace(ops_, device_);
     // What the data path needs, checked before NVSHMEM starts: 64-bit stream memory writes (our
     // byte counts), mapped pinned memory (the mirrors) in one address space with the host.
@@ -831,6 +841,10 @@ void NvshmemTransport::describe_data_path() {
                  " peers (ranks " + proxied + "): NVSHMEM posts puts and signals to peers without P2P through its "
                  "proxy, from a one-thread kernel per call; " + common;
   }
+  data_path_ += "; NVSHMEM " + shmem_.version() + " from " + shmem_.library() + "; our arena: " +
+                std::to_string((layout_.num_bytes() + (1 << 20) - 1) >> 20) +
+                " MiB of the symmetric heap, allocated collectively when the communicator is built (other users' "
+                "symmetric allocations must be ordered around it alike on every rank)";
   if (adopted_) {
     data_path_ += "; NVSHMEM was already running in this process (started by another user): this transport joined it, "
                   "with its PE numbering (PE = group rank, checked), its symmetric heap and its environment "

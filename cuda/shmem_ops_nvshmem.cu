@@ -2,6 +2,7 @@
 #include <cuda_runtime.h>
 
 #include <string>
+#include <vector>
 
 #include "cpp/errors.h"
 #include "cuda/device_ops.h"
@@ -36,6 +37,18 @@ class NvshmemOps final : public ShmemOps {
   NvshmemOps() : api_(NvshmemApi::get()) {}
   const char* name() const override { return "nvshmem"; }
   std::string library() const override { return api_.path; }
+  std::string version() const override {
+    if (api_.version_info == nullptr) return "unknown";
+    int major = 0, minor = 0, patch = 0;
+    api_.version_info(&major, &minor, &patch);
+    return std::to_string(major) + "." + std::to_string(minor) + "." + std::to_string(patch);
+  }
+  std::vector<std::string> other_copies() const override {
+    std::vector<std::string> others;
+    for (const std::string& file : loaded_nvshmem_libraries())
+      if (file != api_.path) others.push_back(file);
+    return others;
+  }
 
   std::string unique_id() override {
     nvshmemx_uniqueid_t uid = NVSHMEMX_UNIQUEID_INITIALIZER;

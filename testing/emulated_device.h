@@ -317,6 +317,8 @@ struct EmulatedShmemOptions {
   // put or signal to a network PE that runs once the PE's process is gone fails (it lands
   // nothing), and the next quiet this process reaches exits it (code 255).
   int init_status = 0;  // what init() returns, after joining the others (non-zero: a failed init)
+  // Other copies of libnvshmem_host "loaded" in the process (torch's, nvshmem4py's).
+  std::vector<std::string> other_copies;
   // Out-of-order signals, as NVSHMEM allows: it orders delivery to a PE only across a fence, and
   // on-stream puts over proxy (network) transports complete locally. When set, a signal to a word
   // that has none held back is held back until the next signal to the same word arrives (that
@@ -330,6 +332,8 @@ class EmulatedShmem final : public ShmemOps {
   ~EmulatedShmem() override;
   const char* name() const override { return "emulated"; }
   std::string library() const override { return "emulated"; }
+  std::string version() const override { return "emulated"; }
+  std::vector<std::string> other_copies() const override { return options_.other_copies; }
 
   std::string unique_id() override;
   // A second init (by us or "another user") only counts a reference and returns 0, ignoring its
