@@ -55,6 +55,8 @@ step 4 layout-kernels 300 python3 -m pytest -m gpu -q -p no:cacheprovider python
 step 4 layout-bench 300 freescale-bench layout --json "$LOGS/layout.json"
 step 5 e2e-cuda 300 freescale-bench e2e --device cuda --ranks 4 --no-progress --trace "$LOGS/e2e-trace" --json "$LOGS/e2e-cuda.json"
 step 6 nvshmem-tests 300 python3 -m pytest -m gpu -q -p no:cacheprovider python_tests/test_nvshmem_gpu.py
+# Issue 43: beside torch's NVSHMEM symmetric memory and nvshmem4py (each test skips what is missing).
+step 6 nvshmem-coexistence 300 python3 -m pytest -m gpu -q -p no:cacheprovider python_tests/test_nvshmem_coexistence_gpu.py
 step 6 alltoall-nvshmem 240 freescale-bench alltoall --transport nvshmem --no-progress --json "$LOGS/alltoall-nvshmem.json"
 step 7 memcheck 300 compute-sanitizer --tool memcheck python3 -m pytest -m gpu -q -p no:cacheprovider python_tests/test_dispatch_gpu.py
 # Item 8 (issue 41): what the failure handling relies on, read from the GPU and recorded: VMM and
