@@ -68,5 +68,7 @@ names = {98: "CAN_FLUSH_REMOTE_WRITES", 102: "VIRTUAL_MEMORY_MANAGEMENT_SUPPORTE
          116: "GPU_DIRECT_RDMA_SUPPORTED", 117: "GPU_DIRECT_RDMA_FLUSH_WRITES_OPTIONS", 118: "GPU_DIRECT_RDMA_WRITES_ORDERING",
          122: "CAN_USE_64_BIT_STREAM_MEM_OPS"}
 for n, name in names.items(): print(n, name, cupy.cuda.runtime.deviceGetAttribute(n, 0))'
+# ... and cuda-python's view of them against Communicator.data_paths (skips without cuda-bindings).
+step 8 driver-probe 120 python3 -m pytest -m gpu -q -p no:cacheprovider python_tests/test_driver_probe.py
 tar czf "$OUT/logs.tgz" -C "$LOGS" .
 cat "$summary"
