@@ -213,6 +213,12 @@ class ShmemOps {
   // While running(): this process's PE and the runtime's PE count (nvshmem_my_pe, nvshmem_n_pes).
   virtual int my_pe() = 0;
   virtual int n_pes() = 0;
+  // While running(): takes a reference on the running runtime (a second init, which NVSHMEM only
+  // counts), so another user's finalize cannot tear it down under us. Returns 0 or its status.
+  virtual int add_reference(int rank, int world) = 0;
+  // Gives back one reference (nvshmemx_hostlib_finalize): local while others hold one; the last
+  // one tears the runtime down, collectively (every PE must call it then).
+  virtual void finalize() = 0;
   // Collective: starts the library as PE `rank` of `world`. Returns 0 or the library's status.
   // NVSHMEM reads its environment (NVSHMEM_*) at the first of unique_id()/init(): set it before.
   virtual int init(const std::string& unique_id, int rank, int world) = 0;

@@ -162,6 +162,8 @@ class NvshmemTransport final : public Transport {
     return std::chrono::steady_clock::now() + (stuck_ ? std::chrono::milliseconds(0) : settle_limit_);
   }
   std::vector<Stream> all_streams() const;
+  // True if this rank closed and every peer's closed notice is in our arena (read afresh).
+  bool group_closed();
   // A failed setup: frees what it made but NVSHMEM and the arena (collective to free, as in the
   // destructor). Nothing was enqueued yet. Never throws.
   void release_setup() noexcept;
@@ -200,6 +202,7 @@ class NvshmemTransport final : public Transport {
   std::string data_path_;
   bool took_ = false;         // this transport holds the process's NVSHMEM
   bool adopted_ = false;      // NVSHMEM ran already (another user started it): we joined it
+  bool reference_held_ = false;  // adopted_, with a reference of ours on the runtime
 
   std::vector<Stream> send_, recv_;  // [pair], created on first use
   Stream receipt_stream_ = 0;        // our receipts (SETs)
@@ -210,6 +213,7 @@ class NvshmemTransport final : public Transport {
   uint64_t* notice_mirror_ = nullptr;  // mapped host: [world] notices copied from the arena
   DevicePtr mirror_device_ = 0, notice_mirror_device_ = 0;
   std::atomic<bool> notified_{false};
+  bool closed_cleanly_ = false;  // close() sent our closed notice (no abort before)
   SubmitGate gate_;  // callers' streams: start gate, events
 
   // Progress thread only.
@@ -364,9 +368,10 @@ NvshmemTransport::NvshmemTransport(Bootstrap& bootstrap, const Config& config, D
   uid = announce(code, error, uid)[0];
   // Step 3: NVSHMEM's collective init (host library only: no NVSHMEM device code is launched).
   try {
-    // Adopted: no init of ours (it would only count a reference). The other user keeps the
-    // runtime for the life of the process (torch never finalizes it).
-    int status = adopted_ ? 0 : shmem_.init(uid, rank_, world_);
+    // Adopted: a reference of ours (a second init only counts one), so the other user's
+    // finalize cannot tear the runtime down under this communicator.
+    int status = adopted_ ? shmem_.add_reference(rank_, world_) : shmem_.init(uid, rank_, world_);
+    reference_held_ = adopted_ && status == 0;
     if (status != 0) {
       throw Error(code, "NVSHMEM's init returned " + std::to_string(status) + " (NVSHMEM_DEBUG=INFO tells why)");
     }
@@ -421,6 +426,10 @@ NvshmemTransport::~NvshmemTransport() {
     }
   };
   bool settled = settle_streams();
+  // Our reference on an adopted runtime goes back only after a clean close of the whole group: a
+  // last reference tears NVSHMEM down collectively, so every rank must be here too (else it is
+  // kept: the runtime then outlives us, as one we started does).
+  if (reference_held_ && settled && group_closed()) quietly([&] { shmem_.finalize(); });
   for (Stream s : all_streams()) quietly([&] { ops_.destroy_stream(s); });
   for (Landing& l : landing_) quietly([&] { ops_.destroy_event(l.event); });
   if (watching_) quietly([&] { ops_.destroy_event(*watching_); });
@@ -431,6 +440,20 @@ NvshmemTransport::~NvshmemTransport() {
   } else {
     gate_.leak();  // a failed stream may still hold work that reads them
   }
+}
+
+bool NvshmemTransport::group_closed() {
+  if (!closed_cleanly_ || health_stream_ == 0) return false;
+  try {
+    copy_notices(health_stream_);
+    if (!drain({health_stream_}, settle_deadline()).empty()) return false;
+  } catch (...) {
+    return false;
+  }
+  for (int p = 0; p < world_; ++p) {
+    if (p != rank_ && read_mapped_word(notice_mirror_ + p) != kNvshmemNoticeClosed) return false;
+  }
+  return true;
 }
 
 void NvshmemTransport::release_setup() noexcept {
@@ -744,6 +767,7 @@ void NvshmemTransport::check_peers() {
 
 void NvshmemTransport::close() {
   if (arena_ != nullptr) settle_streams();
+  closed_cleanly_ = !notified_.load();  // not after an abort's notice
   notify_peers(kNvshmemNoticeClosed, true);
 }
 

@@ -74,6 +74,13 @@ class NvshmemOps final : public ShmemOps {
     return status != NVSHMEM_STATUS_NOT_INITIALIZED && status != NVSHMEM_STATUS_INVALID;
   }
   int my_pe() override { return api_.my_pe(); }
+  int add_reference(int rank, int world) override {
+    nvshmemx_uniqueid_t uid = NVSHMEMX_UNIQUEID_INITIALIZER;  // ignored: the runtime runs already
+    nvshmemx_init_attr_t attr = NVSHMEMX_INIT_ATTR_INITIALIZER;
+    if (int status = api_.set_attr_uniqueid_args(rank, world, &uid, &attr); status != 0) return status;
+    return api_.hostlib_init_attr(NVSHMEMX_INIT_WITH_UNIQUEID, &attr);
+  }
+  void finalize() override { api_.hostlib_finalize(); }
   int n_pes() override { return api_.n_pes(); }
 
   void* malloc(size_t bytes) override { return api_.malloc(bytes); }

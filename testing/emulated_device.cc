@@ -943,6 +943,7 @@ std::string EmulatedShmem::unique_id() {
 int EmulatedShmem::init(const std::string& unique_id, int rank, int world) {
   if (started_) {  // NVSHMEM's "multi-init": a reference more, the arguments ignored
     ++extra_inits_;
+    ++references_;
     return 0;
   }
   read_environment_once();
@@ -977,6 +978,7 @@ int EmulatedShmem::init(const std::string& unique_id, int rank, int world) {
     if (is_mapped(nullptr, p)) device_.add_peer_mapping(heaps_[p], heap_bytes_);
   }
   started_ = true;
+  references_ = 1;
   return 0;
 }
 
@@ -1011,6 +1013,7 @@ void EmulatedShmem::put_signal_on_stream(void* dest, const void* src, size_t byt
   if (stalls) issued_to_stalled_.store(true);
   device_.enqueue(stream, [this, to, src, bytes, word, value, op, stalls, fails, pe] {
     if (fails) throw Error(ErrorCode::kSystem, "emulated nvshmem: a put to PE " + std::to_string(pe) + " failed on the network");
+    if (finalized_) throw Error(ErrorCode::kSystem, "emulated nvshmem: a put after the runtime was finalized (its heap is gone)");
     if (stalls) device_.spin_until([] { return false; }, /*is_stream_wait=*/false);  // never completes
     if (!reached(pe)) return;
     dma_copy(to, src, bytes);
@@ -1027,6 +1030,7 @@ void EmulatedShmem::signal_op_on_stream(uint64_t* signal, uint64_t value, ShmemS
   if (stalls) issued_to_stalled_.store(true);
   device_.enqueue(stream, [this, word, value, op, stalls, fails, pe] {
     if (fails) throw Error(ErrorCode::kSystem, "emulated nvshmem: a signal to PE " + std::to_string(pe) + " failed on the network");
+    if (finalized_) throw Error(ErrorCode::kSystem, "emulated nvshmem: a signal after the runtime was finalized");
     if (stalls) device_.spin_until([] { return false; }, /*is_stream_wait=*/false);  // never completes
     if (!reached(pe)) return;
     deliver(word, value, op);
@@ -1065,6 +1069,14 @@ void EmulatedShmem::quiet_on_stream(Stream stream) {
 bool EmulatedShmem::stalled(int pe) const {
   const auto& s = options_.stalled_pes;
   return std::find(s.begin(), s.end(), pe) != s.end() && !is_mapped_pe(pe);
+}
+
+void EmulatedShmem::finalize() {
+  if (references_ == 0) return;
+  if (--references_ == 0) {
+    started_ = false;
+    finalized_ = true;
+  }
 }
 
 bool EmulatedShmem::failing(int pe) const {

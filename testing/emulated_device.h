@@ -340,6 +340,10 @@ class EmulatedShmem final : public ShmemOps {
   // arguments, as NVSHMEM's does: the runtime keeps the first caller's PE numbering and heap.
   int init(const std::string& unique_id, int rank, int world) override;
   bool running() override { return started_; }
+  int add_reference(int, int) override { return started_ ? init("", 0, 0) : 1; }
+  // One reference less; the last one tears the runtime down: later puts, signals and quiets
+  // fault the context (its heaps are gone on a GPU).
+  void finalize() override;
   int my_pe() override { return rank_; }
   int n_pes() override { return static_cast<int>(heaps_.size()); }
   // init() calls so far that found the runtime running (NVSHMEM's reference count, less one).
@@ -401,8 +405,10 @@ class EmulatedShmem final : public ShmemOps {
   int heap_fd_ = -1;
   std::vector<uint8_t*> heaps_;  // [world] every PE's heap mapped here (ours: own)
   std::vector<pid_t> pids_;      // [world] every PE's process
-  bool started_ = false;         // init() succeeded once
+  bool started_ = false;         // init() succeeded once, and no last finalize() since
+  std::atomic<bool> finalized_{false};  // the last reference was given back (streams read it)
   int extra_inits_ = 0;
+  int references_ = 0;           // init() calls not yet finalized
   size_t used_ = 0;              // bump allocator: the same sequence of malloc on every PE
   std::atomic<size_t> kernels_{0};
   std::atomic<size_t> reordered_{0};
