@@ -832,26 +832,33 @@ TEST(NvshmemEmulatedCoexistence, ASecondCopyOfTheLibraryIsRefusedOnEveryRankNami
 // reference when we join (a second init only counts one) and give it back once the whole group
 // closed cleanly, so the runtime ends when its last user is done, whichever order they finish in.
 TEST(NvshmemEmulatedCoexistence, AnotherUsersFinalizeCannotEndARuntimeWeJoinedAndWeGiveOurReferenceBack) {
-  auto outcomes = run_forked_ranks(2, [](int rank, Bootstrap& bootstrap) -> std::string {
-    EmulatedDevice device(kSmallQueue);
-    EmulatedShmemOptions o;
-    o.network_pes = {1 - rank};  // NVSHMEM's own puts and signals: a torn-down runtime shows
-    EmulatedShmem shmem(device, o);
-    const std::string uid = bootstrap.allgather(rank == 0 ? shmem.unique_id() : "")[0];
-    if (shmem.init(uid, rank, 2) != 0) return "the other user's init failed";
-    auto comm = nvshmem_communicator(bootstrap, small_config(), device, shmem);
-    shmem.finalize();  // the other user is done with NVSHMEM (on every rank)
-    Exchange x(random_counts(2, 300 * 1024, 9), rank);
-    comm->wait(comm->all_to_all(x.send.data(), x.recv.data(), x.layout, 0, false), std::chrono::seconds(20));
-    if (std::string e = x.check(rank); !e.empty()) return e;
-    if (!shmem.running()) return "the runtime ended while our communicator used it";
-    comm->close();
-    bootstrap.allgather("");  // every rank closed
-    comm.reset();
-    if (shmem.running()) return "our reference was not given back after the whole group closed";
-    return "";
-  });
-  expect_all_ok(outcomes);
+  for (bool other_finishes_first : {true, false}) {
+    SCOPED_TRACE(other_finishes_first ? "the other user finishes first" : "we finish first");
+    auto outcomes = run_forked_ranks(2, [other_finishes_first](int rank, Bootstrap& bootstrap) -> std::string {
+      EmulatedDevice device(kSmallQueue);
+      EmulatedShmemOptions o;
+      o.network_pes = {1 - rank};  // NVSHMEM's own puts and signals: a torn-down runtime shows
+      EmulatedShmem shmem(device, o);
+      const std::string uid = bootstrap.allgather(rank == 0 ? shmem.unique_id() : "")[0];
+      if (shmem.init(uid, rank, 2) != 0) return "the other user's init failed";
+      auto comm = nvshmem_communicator(bootstrap, small_config(), device, shmem);
+      if (other_finishes_first) shmem.finalize();  // the other user is done with NVSHMEM (on every rank)
+      Exchange x(random_counts(2, 300 * 1024, 9), rank);
+      comm->wait(comm->all_to_all(x.send.data(), x.recv.data(), x.layout, 0, false), std::chrono::seconds(20));
+      if (std::string e = x.check(rank); !e.empty()) return e;
+      if (!shmem.running()) return "the runtime ended while our communicator used it";
+      comm->close();
+      bootstrap.allgather("");  // every rank closed
+      comm.reset();
+      if (!other_finishes_first) {
+        if (!shmem.running()) return "our finalize ended the other user's runtime";
+        shmem.finalize();
+      }
+      if (shmem.running()) return "the runtime outlived its last user: a reference was not given back";
+      return "";
+    });
+    expect_all_ok(outcomes);
+  }
 }
 
 TEST(NvshmemEmulatedSetup, FailedInitFailsEveryRankTogether) {

@@ -37,9 +37,10 @@ rm -f build-tsan.log
 # 3- and 4-rank soaks (ctest names parameters by value), hundreds of chunks through a 16-deep
 # queue) run in the Release and ASan builds only: under TSan they took minutes of CI (and ran
 # near their op timeouts) for no path the smaller tests there (2-rank soaks, failures, ordering)
-# do not take.
+# do not take. AStalledNetworkPeer... mostly waits out its bounded settles (seconds of wall time);
+# the code it reaches (drain, settle) runs under TSan in every nvshmem test.
 TSAN_OPTIONS=halt_on_error=1 ctest --test-dir build/tsan --output-on-failure \
-  -E 'RandomSplitsFromZeroTo256MiB|Moves64MiBPerPeer|LaterUrgentOp|NvshmemEmulatedStreams.ManyChunks|Emulated.EveryOpHasAllItsBytesWhenItCompletes/[34]$'
+  -E 'RandomSplitsFromZeroTo256MiB|Moves64MiBPerPeer|LaterUrgentOp|NvshmemEmulatedStreams.ManyChunks|Emulated.EveryOpHasAllItsBytesWhenItCompletes/[34]$|AStalledNetworkPeer'
 phase "plain pip install"
 bash scripts/check_plain_install.sh
 phase "pytest"
