@@ -23,21 +23,6 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 
-// Closes a descriptor when it goes out of scope (-1: nothing).
-struct Fd {
-  int fd = -1;
-  explicit Fd(int f = -1) : fd(f) {}
-  ~Fd() {
-    if (fd >= 0) ::close(fd);
-  }
-  Fd(const Fd&) = delete;
-  Fd& operator=(const Fd&) = delete;
-  int release() {
-    int f = fd;
-    fd = -1;
-    return f;
-  }
-};
 
 // An abstract socket address (leading NUL: no file) for `name`.
 sockaddr_un abstract_address(const std::string& name, socklen_t* len) {
@@ -61,15 +46,25 @@ bool ready(int fd, short events, Clock::time_point deadline) {
   }
 }
 
-void send_fd(int conn, int fd) {
+// A one-byte message with room for one descriptor (SCM_RIGHTS), as send_fd and receive_fd use it.
+struct FdMessage {
   char byte = 1;
   iovec iov{&byte, 1};
   alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int))] = {};
   msghdr msg{};
-  msg.msg_iov = &iov;
-  msg.msg_iovlen = 1;
-  msg.msg_control = control;
-  msg.msg_controllen = sizeof control;
+  FdMessage() {
+    msg.msg_iov = &iov;
+    msg.msg_iovlen = 1;
+    msg.msg_control = control;
+    msg.msg_controllen = sizeof control;
+  }
+  FdMessage(const FdMessage&) = delete;  // msg points into it
+  FdMessage& operator=(const FdMessage&) = delete;
+};
+
+void send_fd(int conn, int fd) {
+  FdMessage m;
+  msghdr& msg = m.msg;
   cmsghdr* c = CMSG_FIRSTHDR(&msg);
   c->cmsg_level = SOL_SOCKET;
   c->cmsg_type = SCM_RIGHTS;
@@ -87,14 +82,8 @@ bool from_a_peer(int conn, const std::vector<pid_t>& pids) {
 }
 
 int receive_fd(int conn) {
-  char byte = 0;
-  iovec iov{&byte, 1};
-  alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int))] = {};
-  msghdr msg{};
-  msg.msg_iov = &iov;
-  msg.msg_iovlen = 1;
-  msg.msg_control = control;
-  msg.msg_controllen = sizeof control;
+  FdMessage m;
+  msghdr& msg = m.msg;
   const ssize_t n = ::recvmsg(conn, &msg, MSG_CMSG_CLOEXEC);
   if (n < 0) throw SystemError("recvmsg (receiving a file descriptor)", errno);
   if (n == 0) throw Error(ErrorCode::kSystem, "the peer closed the connection without sending its descriptor");
@@ -110,11 +99,15 @@ int receive_fd(int conn) {
 
 }  // namespace
 
+OwnedFd::~OwnedFd() {
+  if (fd >= 0) ::close(fd);
+}
+
 std::vector<int> exchange_fds(Bootstrap& bootstrap, int fd, std::chrono::milliseconds limit) {
   const int rank = bootstrap.rank(), world = bootstrap.size();
   const auto deadline = Clock::now() + limit;
   std::string error, name;
-  Fd listener;
+  OwnedFd listener;
   if (fd >= 0) {
     try {
       std::random_device rd;
@@ -150,7 +143,7 @@ std::vector<int> exchange_fds(Bootstrap& bootstrap, int fd, std::chrono::millise
       try {
         for (int served = 0; served < world - 1;) {
           if (!ready(listener.fd, POLLIN, deadline)) throw Error(ErrorCode::kSystem, "a peer did not connect in time");
-          Fd conn(::accept4(listener.fd, nullptr, nullptr, SOCK_CLOEXEC));
+          OwnedFd conn(::accept4(listener.fd, nullptr, nullptr, SOCK_CLOEXEC));
           if (conn.fd < 0) throw SystemError("accept", errno);
           // Abstract sockets have no permissions: only our peers get device memory.
           if (!from_a_peer(conn.fd, peers)) continue;
@@ -172,7 +165,7 @@ std::vector<int> exchange_fds(Bootstrap& bootstrap, int fd, std::chrono::millise
         if (out[p] < 0) throw SystemError("dup", errno);
         continue;
       }
-      Fd conn(::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0));
+      OwnedFd conn(::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0));
       if (conn.fd < 0) throw SystemError("socket(AF_UNIX)", errno);
       socklen_t len = 0;
       sockaddr_un addr = abstract_address(names[p], &len);

@@ -12,6 +12,15 @@
 
 namespace freescale {
 
+// A file descriptor closed when this goes out of scope (-1: none).
+struct OwnedFd {
+  int fd = -1;
+  explicit OwnedFd(int f = -1) : fd(f) {}
+  ~OwnedFd();
+  OwnedFd(const OwnedFd&) = delete;
+  OwnedFd& operator=(const OwnedFd&) = delete;
+};
+
 // Collective over `bootstrap` (every rank of one host): rank r offers `fd` (-1: none). Returns,
 // for each rank p, a descriptor of this process for what p offered (a dup of ours for this rank;
 // -1 where p offered none); the caller closes them. Throws Error(kSystem) naming the rank and

@@ -11,6 +11,7 @@
 #include <thread>
 
 #include "cpp/errors.h"
+#include "cpp/peer_liveness.h"
 
 namespace freescale::testing {
 namespace {
@@ -152,6 +153,15 @@ std::vector<RankOutcome> run_forked_ranks(int world, const RankFn& fn, std::chro
     close(results[r][0]);
   }
   return out;
+}
+
+bool wait_until_gone(int pid, std::chrono::milliseconds limit) {
+  const auto until = std::chrono::steady_clock::now() + limit;
+  while (process_alive(ProcessId{pid, 0})) {
+    if (std::chrono::steady_clock::now() >= until) return false;
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
+  return true;
 }
 
 std::vector<std::string> leftover_segments(const std::vector<RankOutcome>& ranks) {

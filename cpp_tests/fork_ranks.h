@@ -43,6 +43,10 @@ std::vector<RankOutcome> run_forked_ranks(int world, const RankFn& fn,
 // once, as a training script that dies on an exception does (no destructors, no close()).
 [[noreturn]] void exit_rank_now(const std::string& message);
 
+// In a rank function: waits until process `pid` is gone or a zombie (process_alive), at most
+// `limit`. True if it is.
+bool wait_until_gone(int pid, std::chrono::milliseconds limit = std::chrono::milliseconds(10000));
+
 // Names in /dev/shm of segments these ranks created ("freescale-<pid>-..."): other tests may
 // run beside this one.
 std::vector<std::string> leftover_segments(const std::vector<RankOutcome>& ranks);

@@ -286,13 +286,7 @@ CeTransport::CeTransport(Bootstrap& bootstrap, const Config& config, DeviceOps& 
 void CeTransport::setup(Bootstrap& bootstrap, const Config& config) {
   // Local setup; a failure is announced so that every rank fails together instead of hanging.
   std::string error, handle;
-  int arena_fd = -1;  // our arena's exported descriptor, until peers have theirs
-  struct CloseFd {
-    int& fd;
-    ~CloseFd() {
-      if (fd >= 0) ::close(fd);
-    }
-  } close_arena_fd{arena_fd};
+  OwnedFd arena_fd;  // our arena's exported descriptor, until peers have theirs
   CeArenaLayout mine = CeArenaLayout::plan(world_, rank_, config.chunk_bytes, config.arena_bytes);
   std::optional<DeviceGuard> guard;  // the caller's device comes back when setup ends
   try {
@@ -312,7 +306,7 @@ void CeTransport::setup(Bootstrap& bootstrap, const Config& config) {
     join_ = ops_.create_stream();
     gate_.reserve(kPooledEvents);  // flushes and completions take only these (flush())
     if (mine.num_bytes() > 0) {
-      arena_ptr_[rank_] = static_cast<uint8_t*>(ops_.shareable_alloc(mine.num_bytes(), &arena_fd));
+      arena_ptr_[rank_] = static_cast<uint8_t*>(ops_.shareable_alloc(mine.num_bytes(), &arena_fd.fd));
       handle = "fd";  // passed below (exchange_fds)
     }
     for (int p = 0; p < world_; ++p) {  // counters the device writes: our heads, peers' tails
@@ -347,7 +341,7 @@ void CeTransport::setup(Bootstrap& bootstrap, const Config& config) {
   // Every rank got here (announcements agree): pass the arenas' descriptors, then map them.
   std::vector<int> fds;
   try {
-    fds = exchange_fds(bootstrap, arena_fd);
+    fds = exchange_fds(bootstrap, arena_fd.fd);
   } catch (const CommError&) {  // the bootstrap failed (a peer died...): not a refusal
     throw;
   } catch (const Error& e) {  // every rank throws alike
@@ -431,20 +425,9 @@ void CeTransport::quiesce() {
   // as it is, and what it may touch is never freed.
   if (stuck_) return;  // an earlier call gave up on a lane already
   const auto deadline = std::chrono::steady_clock::now() + std::min(timeout_, kQuiesceAtMost);
-  auto drained = [&](Stream s) {
-    try {
-      while (s != 0 && !ops_.stream_idle(s)) {
-        release_waits();
-        if (std::chrono::steady_clock::now() > deadline) return false;
-        std::this_thread::sleep_for(std::chrono::microseconds(200));
-      }
-    } catch (...) {
-      // A failed stream runs nothing more.
-    }
-    return true;
-  };
-  for (const Lane& lane : lanes_) stuck_ = !drained(lane.stream) || stuck_;
-  stuck_ = !drained(join_) || stuck_;
+  std::vector<Stream> streams{join_};
+  for (const Lane& lane : lanes_) streams.push_back(lane.stream);
+  stuck_ = !drain_streams(ops_, streams, deadline, nullptr, [this] { release_waits(); }).empty() || stuck_;
   // Chunks peers copy straight into our registered buffers: each is followed on the peer's lane
   // by its head write, so our buffers are the callers' again once every live peer's head reached
   // what it enqueued.

@@ -1,6 +1,7 @@
 #include "cuda/device_util.h"
 
 #include <new>
+#include <thread>
 #include <string>
 
 #include "cpp/errors.h"
@@ -53,6 +54,26 @@ std::string missing_capability(DeviceOps& ops, int device, const char* transport
            std::to_string(device) + " does not support";
   }
   return "";
+}
+
+std::vector<Stream> drain_streams(DeviceOps& ops, std::vector<Stream> streams,
+                                  std::chrono::steady_clock::time_point deadline, bool* failed,
+                                  const std::function<void()>& while_busy) {
+  while (true) {
+    for (auto it = streams.begin(); it != streams.end();) {
+      bool idle = true;
+      try {
+        idle = *it == 0 || ops.stream_idle(*it);
+      } catch (...) {
+        if (failed != nullptr) *failed = true;  // a failed stream runs nothing more
+      }
+      it = idle ? streams.erase(it) : std::next(it);
+    }
+    if (streams.empty()) return streams;
+    if (while_busy) while_busy();
+    if (std::chrono::steady_clock::now() >= deadline) return streams;
+    std::this_thread::sleep_for(std::chrono::microseconds(100));
+  }
 }
 
 bool shareable_memory_supported(DeviceOps& ops, int device) {

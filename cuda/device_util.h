@@ -1,9 +1,12 @@
 // Helpers the CUDA transports share, over the DeviceOps seam (plain C++, no CUDA headers).
 #pragma once
 
+#include <chrono>
 #include <cstdint>
+#include <functional>
 #include <initializer_list>
 #include <string>
+#include <vector>
 
 #include "cuda/device_ops.h"
 
@@ -17,6 +20,13 @@ void check_device(DeviceOps& ops, int device, const char* transport);
 // Error(kUnsupported) naming the first of `attrs` that `device` lacks, "" message if none.
 // Returns that message (empty if every attribute is supported): callers announce it to every
 // rank, so that all refuse together (and the backend falls back to NCCL) instead of hanging.
+// Polls until each of `streams` ran out or failed (a faulted context runs nothing more), at most
+// until `deadline`; `while_busy` runs before each wait for the ones still running. Returns those
+// still running at the deadline; *failed: whether one failed. Throws only what while_busy throws.
+std::vector<Stream> drain_streams(DeviceOps& ops, std::vector<Stream> streams,
+                                  std::chrono::steady_clock::time_point deadline, bool* failed = nullptr,
+                                  const std::function<void()>& while_busy = nullptr);
+
 // Whether `device` can allocate memory that outlives its owner for peers (DeviceOps::shareable_alloc).
 bool shareable_memory_supported(DeviceOps& ops, int device);
 

@@ -154,10 +154,6 @@ class NvshmemTransport final : public Transport {
   // nothing more. False if a stream failed or still runs (its work may still hold the mirrors).
   // Never throws.
   bool settle_streams();
-  // Waits until each of `streams` ran out or failed (a faulted context runs nothing more), at
-  // most until `deadline`. Returns those still running then. *failed: whether one failed. Never throws.
-  std::vector<Stream> drain(const std::vector<Stream>& streams, std::chrono::steady_clock::time_point deadline,
-                            bool* failed = nullptr);
   std::chrono::steady_clock::time_point settle_deadline() const {
     return std::chrono::steady_clock::now() + (stuck_ ? std::chrono::milliseconds(0) : settle_limit_);
   }
@@ -446,7 +442,7 @@ bool NvshmemTransport::group_closed() {
   if (!closed_cleanly_ || health_stream_ == 0) return false;
   try {
     copy_notices(health_stream_);
-    if (!drain({health_stream_}, settle_deadline()).empty()) return false;
+    if (!drain_streams(ops_, {health_stream_}, settle_deadline()).empty()) return false;
   } catch (...) {
     return false;
   }
@@ -488,27 +484,9 @@ bool NvshmemTransport::settle_streams() {
   settled_ = true;
   DeviceGuard guard(ops_, device_, std::nothrow);
   bool failed = false;
-  const bool ran_out = drain(all_streams(), settle_deadline(), &failed).empty();
+  const bool ran_out = drain_streams(ops_, all_streams(), settle_deadline(), &failed).empty();
   stuck_ = stuck_ || !ran_out;
   return ran_out && !failed;
-}
-
-std::vector<Stream> NvshmemTransport::drain(const std::vector<Stream>& streams,
-                                            std::chrono::steady_clock::time_point deadline, bool* failed) {
-  std::vector<Stream> busy = streams;
-  while (true) {
-    for (auto it = busy.begin(); it != busy.end();) {
-      bool idle = true;
-      try {
-        idle = ops_.stream_idle(*it);
-      } catch (...) {
-        if (failed != nullptr) *failed = true;  // a failed stream runs nothing more
-      }
-      it = idle ? busy.erase(it) : std::next(it);
-    }
-    if (busy.empty() || std::chrono::steady_clock::now() >= deadline) return busy;
-    std::this_thread::sleep_for(std::chrono::microseconds(100));
-  }
 }
 
 Stream NvshmemTransport::stream_of(std::vector<Stream>& streams, size_t index) {
@@ -742,9 +720,9 @@ void NvshmemTransport::check_peers() {
   if (dead >= 0) {
     // The copy in flight may have started before the dead peer's notice landed: read afresh
     // (copies of our own arena: they run out; bounded all the same).
-    if (drain({health_stream_}, settle_deadline()).empty()) {
+    if (drain_streams(ops_, {health_stream_}, settle_deadline()).empty()) {
       copy_notices(health_stream_);
-      drain({health_stream_}, settle_deadline());
+      drain_streams(ops_, {health_stream_}, settle_deadline());
     }
   }
   // Liveness was read first, the notices now: a dead peer's notice is in view (root_cause.h).
@@ -786,7 +764,7 @@ void NvshmemTransport::settle_for_closed_peers(std::vector<PeerSight>& sight) {
   // shows them. Our streams never wait on a peer: they run out. Rounds: the stale mirror copy,
   // a fresh one, the copies out it allows, our receipts to ourselves.
   for (int round = 0; round < 5 && !settled_ && blames(); ++round) {
-    if (!drain(all_streams(), settle_deadline()).empty()) break;  // a stalled network peer: blame it
+    if (!drain_streams(ops_, all_streams(), settle_deadline()).empty()) break;  // a stalled network peer: blame it
     poll();
   }
 }
@@ -823,7 +801,7 @@ void NvshmemTransport::notify_peers(uint64_t notice, bool closing) {
     // Landed before we return: a failing process often exits right after, and a notice still
     // queued then is lost (peers would report our death, not its cause). Bounded: a network peer
     // that stopped answering never completes its signal (the mapped ones were first).
-    drain({notice_stream_}, settle_deadline());
+    drain_streams(ops_, {notice_stream_}, settle_deadline());
   } catch (...) {
     // Best effort: peers that miss the notice fail by timeout.
   }

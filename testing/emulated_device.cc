@@ -16,6 +16,7 @@
 #include <thread>
 
 #include "cpp/errors.h"
+#include "cpp/peer_liveness.h"
 
 namespace freescale {
 namespace {
@@ -58,20 +59,6 @@ constexpr size_t kPage = 4096;
 size_t mapped_bytes(size_t bytes) { return (std::max<size_t>(bytes, 1) + kPage - 1) / kPage * kPage + kPage; }
 std::atomic<uint64_t>* owner_word(void* base, size_t bytes) {
   return reinterpret_cast<std::atomic<uint64_t>*>(static_cast<uint8_t*>(base) + mapped_bytes(bytes) - kPage);
-}
-
-// Whether process `pid` still runs (a zombie does not: its CUDA context is gone).
-bool pid_running(pid_t pid) {
-  std::FILE* f = std::fopen(("/proc/" + std::to_string(pid) + "/stat").c_str(), "r");
-  if (f == nullptr) return false;
-  char buf[512];
-  size_t n = std::fread(buf, 1, sizeof buf - 1, f);
-  std::fclose(f);
-  buf[n] = '\0';
-  const char* close_paren = std::strrchr(buf, ')');  // "pid (comm) S ...": comm may hold spaces
-  if (close_paren == nullptr || close_paren[1] == '\0') return false;
-  const char state = close_paren[2];
-  return state != 'Z' && state != 'X';
 }
 
 // This process's memfd `fd` of `bytes` as a handle a peer opens with open_peer_fd: "pid:fd:bytes".
@@ -668,7 +655,7 @@ void EmulatedDevice::copy_batch(Stream stream, const CopyBatch& batch) {
   enqueue(stream, [this, batch, sm_copies, imported] {
     for (const Imported& m : imported) {
       const bool freed = m.owned->load(std::memory_order_acquire) == 0;
-      if (freed || !pid_running(m.owner)) {
+      if (freed || !process_alive(ProcessId{m.owner, 0})) {
         throw Error(ErrorCode::kSystem, "emulated illegal address (an MMU fault, sticky): a copy touched an IPC mapping of "
                                         "an allocation whose owner (pid " + std::to_string(m.owner) + ") " +
                                         (freed ? "freed it" : "exited"));
@@ -1009,13 +996,9 @@ void EmulatedShmem::put_signal_on_stream(void* dest, const void* src, size_t byt
   if (options_.limited_mpg) std::_Exit(86);  // what NVSHMEM 3.8 may do (ShmemOps::fully_initialized)
   if (op == ShmemSignalOp::kAdd || !is_mapped(dest, pe)) kernels_.fetch_add(1);  // NVSHMEM's kernels
   if (op == ShmemSignalOp::kSet && is_mapped(signal, pe)) set_from_pageable_memory(stream);
-  const bool stalls = stalled(pe), fails = failing(pe);
-  if (stalls) issued_to_stalled_.store(true);
-  device_.enqueue(stream, [this, to, src, bytes, word, value, op, stalls, fails, pe] {
-    if (fails) throw Error(ErrorCode::kSystem, "emulated nvshmem: a put to PE " + std::to_string(pe) + " failed on the network");
-    if (finalized_) throw Error(ErrorCode::kSystem, "emulated nvshmem: a put after the runtime was finalized (its heap is gone)");
-    if (stalls) device_.spin_until([] { return false; }, /*is_stream_wait=*/false);  // never completes
-    if (!reached(pe)) return;
+  const Link link = link_to(pe);
+  device_.enqueue(stream, [this, to, src, bytes, word, value, op, link, pe] {
+    if (!arrives("a put", pe, link)) return;
     dma_copy(to, src, bytes);
     deliver(word, value, op);
   });
@@ -1026,13 +1009,9 @@ void EmulatedShmem::signal_op_on_stream(uint64_t* signal, uint64_t value, ShmemS
   if (options_.limited_mpg) std::_Exit(86);
   if (op == ShmemSignalOp::kAdd || !is_mapped(signal, pe)) kernels_.fetch_add(1);
   if (op == ShmemSignalOp::kSet && is_mapped(signal, pe)) set_from_pageable_memory(stream);
-  const bool stalls = stalled(pe), fails = failing(pe);
-  if (stalls) issued_to_stalled_.store(true);
-  device_.enqueue(stream, [this, word, value, op, stalls, fails, pe] {
-    if (fails) throw Error(ErrorCode::kSystem, "emulated nvshmem: a signal to PE " + std::to_string(pe) + " failed on the network");
-    if (finalized_) throw Error(ErrorCode::kSystem, "emulated nvshmem: a signal after the runtime was finalized");
-    if (stalls) device_.spin_until([] { return false; }, /*is_stream_wait=*/false);  // never completes
-    if (!reached(pe)) return;
+  const Link link = link_to(pe);
+  device_.enqueue(stream, [this, word, value, op, link, pe] {
+    if (!arrives("a signal", pe, link)) return;
     deliver(word, value, op);
   });
 }
@@ -1066,9 +1045,20 @@ void EmulatedShmem::quiet_on_stream(Stream stream) {
   });
 }
 
-bool EmulatedShmem::stalled(int pe) const {
-  const auto& s = options_.stalled_pes;
-  return std::find(s.begin(), s.end(), pe) != s.end() && !is_mapped_pe(pe);
+EmulatedShmem::Link EmulatedShmem::link_to(int pe) {
+  auto network_pe_in = [&](const std::vector<int>& list) {
+    return !is_mapped_pe(pe) && std::find(list.begin(), list.end(), pe) != list.end();
+  };
+  Link link{network_pe_in(options_.stalled_pes), network_pe_in(options_.failing_pes)};
+  if (link.stalls) issued_to_stalled_.store(true);
+  return link;
+}
+
+bool EmulatedShmem::arrives(const char* what, int pe, Link link) {
+  if (link.fails) throw Error(ErrorCode::kSystem, std::string("emulated nvshmem: ") + what + " to PE " + std::to_string(pe) + " failed on the network");
+  if (finalized_) throw Error(ErrorCode::kSystem, std::string("emulated nvshmem: ") + what + " after the runtime was finalized (its heap is gone)");
+  if (link.stalls) device_.spin_until([] { return false; }, /*is_stream_wait=*/false);  // never completes
+  return reached(pe);
 }
 
 void EmulatedShmem::finalize() {
@@ -1079,13 +1069,8 @@ void EmulatedShmem::finalize() {
   }
 }
 
-bool EmulatedShmem::failing(int pe) const {
-  const auto& f = options_.failing_pes;
-  return std::find(f.begin(), f.end(), pe) != f.end() && !is_mapped_pe(pe);
-}
-
 bool EmulatedShmem::reached(int pe) {
-  if (is_mapped_pe(pe) || pe == rank_ || pe < 0 || pe >= static_cast<int>(pids_.size()) || pid_running(pids_[pe])) {
+  if (is_mapped_pe(pe) || pe == rank_ || pe < 0 || pe >= static_cast<int>(pids_.size()) || process_alive(ProcessId{pids_[pe], 0})) {
     return true;
   }
   failed_completion_.store(true);  // the work request fails; the proxy reports it at the next quiet
@@ -1096,9 +1081,7 @@ bool EmulatedShmem::is_mapped_pe(int pe) const {
   return std::find(options_.network_pes.begin(), options_.network_pes.end(), pe) == options_.network_pes.end();
 }
 
-bool EmulatedShmem::is_mapped(const void*, int pe) {
-  return std::find(options_.network_pes.begin(), options_.network_pes.end(), pe) == options_.network_pes.end();
-}
+bool EmulatedShmem::is_mapped(const void*, int pe) { return is_mapped_pe(pe); }
 
 void EmulatedShmem::deliver(std::atomic<uint64_t>* word, uint64_t value, ShmemSignalOp op) {
   if (options_.reorder_signals.count() == 0) {

@@ -379,8 +379,14 @@ class EmulatedShmem final : public ShmemOps {
 
  private:
   void read_environment_once();
-  bool stalled(int pe) const;  // a network PE of stalled_pes
-  bool failing(int pe) const;  // a network PE of failing_pes
+  // How a put or signal to `pe` fares on its way (network PEs of stalled_pes / failing_pes).
+  struct Link {
+    bool stalls = false, fails = false;
+  };
+  Link link_to(int pe);  // at issue (notes a put to a stalled PE, which quiets then wait for)
+  // On the stream, as `what` ("a put", "a signal") to `pe` runs: throws if it fails or the runtime
+  // was finalized, never returns if it stalls; false if `pe` is dead (reached()).
+  bool arrives(const char* what, int pe, Link link);
   // A put or signal to network PE `pe` ran: false (and the next quiet exits) if its process is gone.
   bool reached(int pe);
   bool is_mapped_pe(int pe) const;
