@@ -170,10 +170,14 @@ def _exit_at_once_round(info, scenario: str, round_: int, report_fd: int) -> Non
     from freescale_comm._bootstrap import StoreBootstrap
 
     world, rank = info.world_size, info.rank
-    store = dist.TCPStore(info.master_addr, info.master_port, world, is_master=False,
-                          timeout=datetime.timedelta(seconds=60))
-    bootstrap = StoreBootstrap(dist.PrefixStore(f"exit-at-once/{scenario}/{round_}/", store), rank, world)
-    comm = fc.Communicator._over(bootstrap, datetime.timedelta(seconds=30))
+    try:
+        store = dist.TCPStore(info.master_addr, info.master_port, world, is_master=False,
+                              timeout=datetime.timedelta(seconds=60))
+        bootstrap = StoreBootstrap(dist.PrefixStore(f"exit-at-once/{scenario}/{round_}/", store), rank, world)
+        comm = fc.Communicator._over(bootstrap, datetime.timedelta(seconds=30))
+    except Exception as e:  # reported (the round then fails its assertion naming why), not lost
+        os.write(report_fd, json.dumps({"code": "setup failed", "message": repr(e)}).encode())
+        os._exit(0)
     in_splits, out_splits = [2] * world, [2] * world
     if scenario == "mismatch" and rank == 1:
         out_splits[0] = 3  # rank 0 sends 2 rows
@@ -188,6 +192,8 @@ def _exit_at_once_round(info, scenario: str, round_: int, report_fd: int) -> Non
         report = {"code": "no error"}
     except fc.CommError as e:
         report = {"code": e.code, "culprit": e.culprit, "message": str(e)}
+    except Exception as e:  # not a CommError: reported with its reason instead of "no report"
+        report = {"code": "not a CommError", "message": repr(e)}
     os.write(report_fd, json.dumps(report).encode())
     os._exit(0)
 
