@@ -786,6 +786,50 @@ TEST(NvshmemEmulatedCoexistence, AdoptsARunningNvshmemNumberedAsTheGroupAndRefus
   }
 }
 
+// A 2-rank bootstrap over one half ({0,1} or {2,3}) of a 4-rank one. Both halves run the same
+// program, so each allgather of one half meets one of the other in the full bootstrap.
+class HalfBootstrap : public Bootstrap {
+ public:
+  explicit HalfBootstrap(Bootstrap& full) : full_(full) {}
+  int rank() const override { return full_.rank() % 2; }
+  int size() const override { return 2; }
+  std::vector<std::string> allgather(const std::string& mine) override {
+    std::vector<std::string> all = full_.allgather(mine);
+    const size_t first = static_cast<size_t>(full_.rank() / 2 * 2);
+    return {all[first], all[first + 1]};
+  }
+
+ private:
+  Bootstrap& full_;
+};
+
+// Issue 43 item 1, a subgroup: "torch" started NVSHMEM over all 4 processes (PE = global rank),
+// and our communicators span halves of them. Even the half whose group ranks equal their PEs
+// ({0,1}: PEs 0 and 1 of 4) cannot use that runtime (its allocations are collective over all 4
+// PEs, and the other half's puts would target PEs outside it): every rank of both halves
+// refuses, naming its half's numbering, before any byte moves.
+TEST(NvshmemEmulatedCoexistence, ASubgroupOfARunningNvshmemIsRefusedOnEveryRankNamingItsNumbering) {
+  auto outcomes = run_forked_ranks(4, [](int rank, Bootstrap& full) -> std::string {
+    unsetenv("NVSHMEM_SYMMETRIC_SIZE");
+    EmulatedDevice device(kSmallQueue);
+    EmulatedShmem shmem(device);
+    const std::string uid = full.allgather(rank == 0 ? shmem.unique_id() : "")[0];
+    if (shmem.init(uid, rank, 4) != 0) return "the other user's init failed";
+    HalfBootstrap half(full);
+    try {
+      auto comm = nvshmem_communicator(half, small_config(), device, shmem);
+      return "joined a runtime over 4 PEs with a group of 2";
+    } catch (const InvalidArgument& e) {
+      const std::string numbering = rank < 2 ? "0->0 of 4, 1->1 of 4" : "0->2 of 4, 1->3 of 4";
+      if (std::string(e.what()).find(numbering) == std::string::npos) return "the numbering is not named: " + std::string(e.what());
+    }
+    if (shmem.extra_inits() != 0) return "took a reference on a runtime it refused";
+    if (std::getenv("NVSHMEM_SYMMETRIC_SIZE") != nullptr) return "set NVSHMEM's environment after NVSHMEM read it";
+    return "";
+  });
+  expect_all_ok(outcomes);
+}
+
 // Issue 43 item 1: a second copy of libnvshmem_host in the process (torch's or nvshmem4py's, from
 // another file) is a second NVSHMEM runtime on the same GPU. Setup went on; now it refuses on every
 // rank (kUnsupported: the backend falls back to NCCL) naming both files, even when one rank sees it.
