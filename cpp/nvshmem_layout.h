@@ -18,6 +18,8 @@
 //                                          (reused in the pair-lane's stream order)
 //   notice  [src]             uint64       src's state, written by src: 0 running, 1 closed,
 //                                          2 + ErrorCode aborted
+//   kept    [src]             uint64       1 once src closed and kept its NVSHMEM reference
+//                                          (it stopped waiting for the group's close)
 // Every signal word has one writer, and each SET to it is issued only after its reader saw the
 // previous one (a slot is refilled only once freed, freed again only once refilled; an op's
 // window entry is reused only once every rank confirmed the op before it): no two signals to one
@@ -96,7 +98,8 @@ struct NvshmemArenaLayout {
     return words_offset() + 8 * (3 * window_words() + lane_word(dst, lane));
   }
   uint64_t notice(int src) const { return words_offset() + 8 * (3 * window_words() + lane_words() + src); }
-  uint64_t num_bytes() const { return words_offset() + 8 * (3 * window_words() + lane_words() + world); }
+  uint64_t kept(int src) const { return notice(world) + 8 * static_cast<uint64_t>(src); }  // after the notices
+  uint64_t num_bytes() const { return words_offset() + 8 * (3 * window_words() + lane_words() + 2 * world); }
   // Every word from ready on: what the transport's host mirror copies.
   uint64_t signal_bytes() const { return num_bytes() - signals_offset(); }
 

@@ -867,10 +867,18 @@ TEST(NvshmemEmulatedCoexistence, ASecondCopyOfTheLibraryIsRefusedOnEveryRankNami
 // reference) tore it down under our communicator: NVSHMEM's puts then faulted. Now we take a
 // reference when we join (a second init only counts one) and give it back once the whole group
 // closed cleanly, so the runtime ends when its last user is done, whichever order they finish in.
+// The last finalize is collective (the emulator ends a PE whose peers never join it): each rank
+// decided alone, from the notices it had when its communicator was destroyed, so a rank that
+// closed later than its peer finalized alone and hung (rank 1 closes 300 ms late below).
 TEST(NvshmemEmulatedCoexistence, AnotherUsersFinalizeCannotEndARuntimeWeJoinedAndWeGiveOurReferenceBack) {
-  for (bool other_finishes_first : {true, false}) {
-    SCOPED_TRACE(other_finishes_first ? "the other user finishes first" : "we finish first");
-    auto outcomes = run_forked_ranks(2, [other_finishes_first](int rank, Bootstrap& bootstrap) -> std::string {
+  struct Case {
+    bool other_finishes_first;
+    std::chrono::milliseconds rank1_closes_later;
+  };
+  for (Case c : {Case{true, 0ms}, Case{false, 0ms}, Case{true, 300ms}}) {
+    SCOPED_TRACE(std::string(c.other_finishes_first ? "the other user finishes first" : "we finish first") +
+                 ", rank 1 closes " + std::to_string(c.rank1_closes_later.count()) + " ms later");
+    auto outcomes = run_forked_ranks(2, [c](int rank, Bootstrap& bootstrap) -> std::string {
       EmulatedDevice device(kSmallQueue);
       EmulatedShmemOptions o;
       o.network_pes = {1 - rank};  // NVSHMEM's own puts and signals: a torn-down runtime shows
@@ -878,19 +886,67 @@ TEST(NvshmemEmulatedCoexistence, AnotherUsersFinalizeCannotEndARuntimeWeJoinedAn
       const std::string uid = bootstrap.allgather(rank == 0 ? shmem.unique_id() : "")[0];
       if (shmem.init(uid, rank, 2) != 0) return "the other user's init failed";
       auto comm = nvshmem_communicator(bootstrap, small_config(), device, shmem);
-      if (other_finishes_first) shmem.finalize();  // the other user is done with NVSHMEM (on every rank)
+      if (c.other_finishes_first) shmem.finalize();  // the other user is done with NVSHMEM (on every rank)
       Exchange x(random_counts(2, 300 * 1024, 9), rank);
       comm->wait(comm->all_to_all(x.send.data(), x.recv.data(), x.layout, 0, false), std::chrono::seconds(20));
       if (std::string e = x.check(rank); !e.empty()) return e;
       if (!shmem.running()) return "the runtime ended while our communicator used it";
+      if (rank == 1) std::this_thread::sleep_for(c.rank1_closes_later);
       comm->close();
-      bootstrap.allgather("");  // every rank closed
       comm.reset();
-      if (!other_finishes_first) {
+      if (!c.other_finishes_first) {
         if (!shmem.running()) return "our finalize ended the other user's runtime";
         shmem.finalize();
       }
       if (shmem.running()) return "the runtime outlived its last user: a reference was not given back";
+      return "";
+    });
+    expect_all_ok(outcomes);
+  }
+}
+
+// Issue 43 item 3: a rank that closes after its peers stopped waiting for the group's close (the
+// settle limit: here the 1 s op timeout) must keep its reference as they did: it gave the last one
+// back alone and hung in NVSHMEM's collective teardown. The runtime then stays, on every rank.
+TEST(NvshmemEmulatedCoexistence, ARankClosingAfterItsPeersStoppedWaitingKeepsItsReferenceAsTheyDo) {
+  auto outcomes = run_forked_ranks(2, [](int rank, Bootstrap& bootstrap) -> std::string {
+    EmulatedDevice device(kSmallQueue);
+    EmulatedShmem shmem(device);
+    const std::string uid = bootstrap.allgather(rank == 0 ? shmem.unique_id() : "")[0];
+    if (shmem.init(uid, rank, 2) != 0) return "the other user's init failed";
+    auto comm = nvshmem_communicator(bootstrap, small_config(1000), device, shmem);
+    shmem.finalize();  // the other user is done: ours is the last reference
+    Exchange x(uniform_counts(2, 64 * 1024), rank);
+    comm->wait(comm->all_to_all(x.send.data(), x.recv.data(), x.layout, 0, false), std::chrono::seconds(20));
+    if (std::string e = x.check(rank); !e.empty()) return e;
+    if (rank == 1) std::this_thread::sleep_for(1500ms);
+    comm->close();
+    comm.reset();
+    if (!shmem.running()) return "gave the last reference back while a peer kept its own";
+    return "";
+  });
+  expect_all_ok(outcomes);
+}
+
+// Issue 43 item 3: a runtime we started stayed for the life of the process; with peers on other
+// hosts its network transport's atexit handler (IBRC's) faults unless NVSHMEM was finalized first
+// (pytorch#194146). Now close() finalizes it in step with the group; within a host it stays.
+TEST(NvshmemEmulatedCoexistence, ARuntimeWeStartedAcrossHostsIsFinalizedAtCloseAndOneWithinAHostStays) {
+  for (bool across_hosts : {true, false}) {
+    SCOPED_TRACE(across_hosts ? "across hosts" : "within a host");
+    auto outcomes = run_forked_ranks(2, [across_hosts](int rank, Bootstrap& bootstrap) -> std::string {
+      EmulatedDevice device(kSmallQueue);
+      EmulatedShmemOptions o;
+      if (across_hosts) o.network_pes = {1 - rank};
+      EmulatedShmem shmem(device, o);
+      auto comm = nvshmem_communicator(bootstrap, small_config(), device, shmem);
+      Exchange x(uniform_counts(2, 64 * 1024), rank);
+      comm->wait(comm->all_to_all(x.send.data(), x.recv.data(), x.layout, 0, false), std::chrono::seconds(20));
+      if (std::string e = x.check(rank); !e.empty()) return e;
+      if (rank == 1) std::this_thread::sleep_for(200ms);  // the ranks close apart
+      comm->close();
+      if (across_hosts && shmem.running()) return "NVSHMEM still runs after close: its atexit handlers would race it";
+      if (!across_hosts && !shmem.running()) return "a runtime within a host was finalized at close";
       return "";
     });
     expect_all_ok(outcomes);

@@ -47,6 +47,7 @@ TEST(NvshmemLayout, SlotsAndSignalsAreAlignedDisjointAndInside) {
         EXPECT_EQ(l.audit(peer, seq), l.audit(peer, seq + l.window));
       }
       EXPECT_TRUE(words.insert(l.notice(peer)).second);
+      EXPECT_TRUE(words.insert(l.kept(peer)).second);
     }
     for (uint64_t at : slots) {
       EXPECT_EQ(at % NvshmemArenaLayout::kSlotAlign, 0u);

@@ -158,12 +158,19 @@ class NvshmemTransport final : public Transport {
     return std::chrono::steady_clock::now() + (stuck_ ? std::chrono::milliseconds(0) : settle_limit_);
   }
   std::vector<Stream> all_streams() const;
-  // True if this rank closed and every peer's closed notice is in our arena (read afresh).
-  bool group_closed();
+  // How the group's close stands, from the peers' notices in our arena (read afresh).
+  enum class GroupClose { kPending, kAllClosed, kNotAll };  // kNotAll: a peer kept, aborted or died
+  GroupClose group_close_state();
+  // Gives our reference on a runtime we joined back in step with the group (close()).
+  void give_back_reference() noexcept;
+  // Signals `value` into word `offset` of every peer's arena (each word has one such signal),
+  // landed before it returns (bounded). Never throws.
+  void send_notice(uint64_t offset, uint64_t value, bool closing);
   // A failed setup: frees what it made but NVSHMEM and the arena (collective to free, as in the
   // destructor). Nothing was enqueued yet. Never throws.
   void release_setup() noexcept;
-  // Queues on `s` a copy of the notices peers wrote into our arena into notice_mirror_.
+  // Queues on `s` a copy of the notices and kept words peers wrote into our arena into
+  // notice_mirror_.
   void copy_notices(Stream s);
   bool any_busy() const;
   // A peer on this host whose process is gone (peers on other hosts cannot be seen dead here).
@@ -198,7 +205,11 @@ class NvshmemTransport final : public Transport {
   std::string data_path_;
   bool took_ = false;         // this transport holds the process's NVSHMEM
   bool adopted_ = false;      // NVSHMEM ran already (another user started it): we joined it
-  bool reference_held_ = false;  // adopted_, with a reference of ours on the runtime
+  // A reference of ours that close() gives back in step with the group: the one we took on a
+  // runtime we joined, or the one of a runtime we started where some rank proxies to a network
+  // peer (its network transport's atexit handler faults unless NVSHMEM was finalized first,
+  // pytorch#194146). One we started within a host stays for the life of the process, as torch's.
+  bool reference_held_ = false;
 
   std::vector<Stream> send_, recv_;  // [pair], created on first use
   Stream receipt_stream_ = 0;        // our receipts (SETs)
@@ -206,7 +217,7 @@ class NvshmemTransport final : public Transport {
   Stream health_stream_ = 0;         // the notice copies
   Stream notice_stream_ = 0;         // our notices to peers
   uint64_t* signal_mirror_ = nullptr;  // mapped host: our arena's signal words (layout_.signal_bytes())
-  uint64_t* notice_mirror_ = nullptr;  // mapped host: [world] notices copied from the arena
+  uint64_t* notice_mirror_ = nullptr;  // mapped host: [2][world] notices, then kept words, from the arena
   DevicePtr mirror_device_ = 0, notice_mirror_device_ = 0;
   std::atomic<bool> notified_{false};
   bool closed_cleanly_ = false;  // close() sent our closed notice (no abort before)
@@ -309,8 +320,8 @@ NvshmemTransport::NvshmemTransport(Bootstrap& bootstrap, const Config& config, D
     if (shmem_.running()) running = std::to_string(shmem_.my_pe()) + " " + std::to_string(shmem_.n_pes());
     signal_mirror_ = static_cast<uint64_t*>(ops_.host_alloc_mapped(layout_.signal_bytes(), &mirror_device_));
     std::fill(signal_mirror_, signal_mirror_ + layout_.signal_bytes() / sizeof(uint64_t), 0);
-    notice_mirror_ = static_cast<uint64_t*>(ops_.host_alloc_mapped(sizeof(uint64_t) * world_, &notice_mirror_device_));
-    std::fill(notice_mirror_, notice_mirror_ + world_, 0);
+    notice_mirror_ = static_cast<uint64_t*>(ops_.host_alloc_mapped(sizeof(uint64_t) * 2 * world_, &notice_mirror_device_));
+    std::fill(notice_mirror_, notice_mirror_ + 2 * world_, 0);
   } catch (const std::exception& e) {
     error = e.what();
   }
@@ -408,7 +419,10 @@ NvshmemTransport::NvshmemTransport(Bootstrap& bootstrap, const Config& config, D
   } catch (const std::exception& e) {
     error = e.what();
   }
-  announce(code, error, "");
+  const std::vector<std::string> proxies = announce(code, error, network_peer_ ? "1" : "0");
+  // A runtime we started is finalized at close where any rank proxies to a network peer (a
+  // decision every rank takes alike: the last finalize is collective).
+  if (!adopted_) reference_held_ = std::find(proxies.begin(), proxies.end(), "1") != proxies.end();
 }
 
 NvshmemTransport::~NvshmemTransport() {
@@ -422,10 +436,8 @@ NvshmemTransport::~NvshmemTransport() {
     }
   };
   bool settled = settle_streams();
-  // Our reference on an adopted runtime goes back only after a clean close of the whole group: a
-  // last reference tears NVSHMEM down collectively, so every rank must be here too (else it is
-  // kept: the runtime then outlives us, as one we started does).
-  if (reference_held_ && settled && group_closed()) quietly([&] { shmem_.finalize(); });
+  // A reference still held here (no clean close of the whole group) is kept: the runtime then
+  // outlives us, as one we started does (NVSHMEM's last finalize is collective).
   for (Stream s : all_streams()) quietly([&] { ops_.destroy_stream(s); });
   for (Landing& l : landing_) quietly([&] { ops_.destroy_event(l.event); });
   if (watching_) quietly([&] { ops_.destroy_event(*watching_); });
@@ -438,18 +450,52 @@ NvshmemTransport::~NvshmemTransport() {
   }
 }
 
-bool NvshmemTransport::group_closed() {
-  if (!closed_cleanly_ || health_stream_ == 0) return false;
+NvshmemTransport::GroupClose NvshmemTransport::group_close_state() {
+  if (health_stream_ == 0 || any_peer_dead()) return GroupClose::kNotAll;
   try {
     copy_notices(health_stream_);
-    if (!drain_streams(ops_, {health_stream_}, settle_deadline()).empty()) return false;
+    if (!drain_streams(ops_, {health_stream_}, settle_deadline()).empty()) return GroupClose::kNotAll;
   } catch (...) {
-    return false;
+    return GroupClose::kNotAll;
   }
+  GroupClose state = GroupClose::kAllClosed;
   for (int p = 0; p < world_; ++p) {
-    if (p != rank_ && read_mapped_word(notice_mirror_ + p) != kNvshmemNoticeClosed) return false;
+    if (p == rank_) continue;
+    const uint64_t notice = read_mapped_word(notice_mirror_ + p);
+    if (read_mapped_word(notice_mirror_ + world_ + p) != 0) return GroupClose::kNotAll;  // p kept its reference
+    if (notice == 0) {
+      state = GroupClose::kPending;
+    } else if (notice != kNvshmemNoticeClosed) {
+      return GroupClose::kNotAll;
+    }
   }
-  return true;
+  return state;
+}
+
+// NVSHMEM's last finalize tears it down collectively: every PE must call it, or those that did
+// hang. So our reference (reference_held_) goes back only where every rank gives its own back:
+// each waits (at most settle_limit_) for every peer's closed notice; one that stops waiting keeps
+// its reference and says so (its kept word), and a rank that sees that keeps its own. Left open:
+// a rank that reads a peer's closed notice just as that peer stops waiting (it finalizes alone).
+void NvshmemTransport::give_back_reference() noexcept {
+  if (!reference_held_ || !closed_cleanly_) return;
+  DeviceGuard guard(ops_, device_, std::nothrow);
+  const auto deadline = std::chrono::steady_clock::now() + settle_limit_;
+  GroupClose state = group_close_state();
+  while (state == GroupClose::kPending && std::chrono::steady_clock::now() < deadline) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    state = group_close_state();
+  }
+  if (state != GroupClose::kAllClosed) {
+    send_notice(layout_.kept(rank_), 1, false);
+    return;
+  }
+  reference_held_ = false;
+  try {
+    shmem_.finalize();
+  } catch (...) {
+    // Best effort: the runtime then stays for the life of the process.
+  }
 }
 
 void NvshmemTransport::release_setup() noexcept {
@@ -747,6 +793,7 @@ void NvshmemTransport::close() {
   if (arena_ != nullptr) settle_streams();
   closed_cleanly_ = !notified_.load();  // not after an abort's notice
   notify_peers(kNvshmemNoticeClosed, true);
+  give_back_reference();
 }
 
 void NvshmemTransport::settle_for_closed_peers(std::vector<PeerSight>& sight) {
@@ -776,17 +823,22 @@ bool NvshmemTransport::still_needs(const OpState& op, int p) const {
 
 void NvshmemTransport::copy_notices(Stream s) {
   CopyBatch batch;
-  batch.add(notice_mirror_, word(layout_.notice(0)), sizeof(uint64_t) * world_);
+  batch.add(notice_mirror_, word(layout_.notice(0)), sizeof(uint64_t) * 2 * world_);  // notices, kept words
   ops_.copy_batch(s, batch);
 }
 
 void NvshmemTransport::notify_peers(uint64_t notice, bool closing) {
   if (notified_.exchange(true) || arena_ == nullptr) return;
+  send_notice(layout_.notice(rank_), notice, closing);
+}
+
+void NvshmemTransport::send_notice(uint64_t offset, uint64_t value, bool closing) {
+  if (arena_ == nullptr) return;
   try {
     // Mapped peers first: our own stream writes, which cannot stall behind a network peer (and on
     // close our streams ran out before, so what we wrote them landed before the notice).
     for (int p = 0; p < world_; ++p) {
-      if (p != rank_ && mapped_arena_[p] != nullptr) set_signal(layout_.notice(rank_), notice, p, notice_stream_);
+      if (p != rank_ && mapped_arena_[p] != nullptr) set_signal(offset, value, p, notice_stream_);
     }
     if (network_peer_) {
       // What we signalled before lands first. NVSHMEM's proxy exits the process when a quiet meets
@@ -795,7 +847,7 @@ void NvshmemTransport::notify_peers(uint64_t notice, bool closing) {
       // that closed and exited meanwhile fails its notice, and a quiet then would end this process.
       if (closing && !any_peer_dead()) shmem_.quiet_on_stream(notice_stream_);
       for (int p = 0; p < world_; ++p) {
-        if (p != rank_ && mapped_arena_[p] == nullptr) set_signal(layout_.notice(rank_), notice, p, notice_stream_);
+        if (p != rank_ && mapped_arena_[p] == nullptr) set_signal(offset, value, p, notice_stream_);
       }
     }
     // Landed before we return: a failing process often exits right after, and a notice still

@@ -221,31 +221,73 @@ def _read_until_eof(fd: int, deadline_s: float) -> tuple[bytes, bool]:
         os.close(fd)
 
 
-def exit_at_once_rounds(info, scenario: str, rounds: int) -> list[dict]:
-    """Issue 28, `rounds` times: each rank forks a child that runs _exit_at_once_round (scenario
-    "mismatch": rank 1 expects 3 rows from rank 0, which sends 2; "killed": rank 3 SIGKILLs
-    itself mid-op), and collects what it raised ({"code": "killed"} for a child killed by a
-    signal). Forking keeps a round cheap (no new interpreter). Returns one report per round."""
+def _round_zygote(info, scenario: str, commands: int, reports: int) -> None:
+    """A rank's single-threaded helper: for each round number read from `commands`, forks a child
+    that runs _exit_at_once_round, and writes one JSON report line to `reports` ({"code":
+    "killed"} for a child killed by a signal, "hung: ..." for one that outlived CHILD_DEADLINE_S)."""
     import json
 
+    with os.fdopen(commands, "r") as rounds, os.fdopen(reports, "w") as out:
+        for line in rounds:
+            round_ = int(line)
+            read_fd, write_fd = os.pipe()
+            pid = os.fork()
+            if pid == 0:
+                try:
+                    os.close(read_fd)
+                    _exit_at_once_round(info, scenario, round_, write_fd)
+                finally:
+                    os._exit(1)
+            os.close(write_fd)
+            blob, hung = _read_until_eof(read_fd, CHILD_DEADLINE_S)
+            if hung:  # well past the child's 30 s op and 60 s store timeouts: fail this round, not the suite's clock
+                os.kill(pid, signal.SIGKILL)
+            _, status = os.waitpid(pid, 0)
+            if hung:
+                report = {"code": f"hung: no report within {CHILD_DEADLINE_S} s (round {round_})"}
+            else:
+                report = json.loads(blob) if blob else {"code": "killed" if os.WIFSIGNALED(status) else "no report"}
+            out.write(json.dumps(report) + "\n")
+            out.flush()
+
+
+def exit_at_once_rounds(info, scenario: str, rounds: int) -> list[dict]:
+    """Issue 28, `rounds` times: each rank's child runs _exit_at_once_round (scenario "mismatch":
+    rank 1 expects 3 rows from rank 0, which sends 2; "killed": rank 3 SIGKILLs itself mid-op), and
+    reports what it raised. Forking keeps a round cheap (no new interpreter). The children fork
+    from a zygote this rank forks before it has any thread: forked beside the gloo group's threads
+    (and rank 0's TCPStore server thread, busy with the other children), a child could inherit a
+    lock one of them held and hang before its first store write, as CI saw. Run with backend=None:
+    the rank starts its gloo group itself, after the zygote. Returns one report per round."""
+    import datetime
+    import json
+
+    commands_r, commands_w = os.pipe()
+    reports_r, reports_w = os.pipe()
+    zygote = os.fork()
+    if zygote == 0:
+        try:
+            os.close(commands_w)
+            os.close(reports_r)
+            _round_zygote(info, scenario, commands_r, reports_w)
+        finally:
+            os._exit(0)
+    os.close(commands_r)
+    os.close(reports_w)
     reports = []
-    for round_ in range(rounds):
-        read_fd, write_fd = os.pipe()
-        pid = os.fork()
-        if pid == 0:
-            try:
-                os.close(read_fd)
-                _exit_at_once_round(info, scenario, round_, write_fd)
-            finally:
-                os._exit(1)
-        os.close(write_fd)
-        blob, hung = _read_until_eof(read_fd, CHILD_DEADLINE_S)
-        if hung:  # well past the child's 30 s op and 60 s store timeouts: fail this round, not the suite's clock
-            os.kill(pid, signal.SIGKILL)
-        _, status = os.waitpid(pid, 0)
-        if hung:
-            reports.append({"code": f"hung: no report within {CHILD_DEADLINE_S} s (round {round_})"})
-        else:
-            reports.append(json.loads(blob) if blob else {"code": "killed" if os.WIFSIGNALED(status) else "no report"})
-        dist.barrier()  # every rank's child is gone before the next round starts
+    with os.fdopen(commands_w, "w") as commands, os.fdopen(reports_r, "r") as answers:
+        try:
+            dist.init_process_group("gloo", init_method=f"tcp://{info.master_addr}:{info.master_port}",
+                                    rank=info.rank, world_size=info.world_size,
+                                    timeout=datetime.timedelta(seconds=120))
+            for round_ in range(rounds):
+                commands.write(f"{round_}\n")
+                commands.flush()
+                reports.append(json.loads(answers.readline() or '{"code": "the zygote died"}'))
+                dist.barrier()  # every rank's child is gone before the next round starts
+        finally:
+            commands.close()  # the zygote leaves at end of input
+            os.waitpid(zygote, 0)
+            if dist.is_initialized():
+                dist.destroy_process_group()
     return reports

@@ -81,7 +81,7 @@ EXIT_AT_ONCE_ROUNDS = 20
 def test_every_survivor_names_the_mismatch_when_the_rank_that_saw_it_exits_at_once():
     """Issue 28: rank 1 expects 3 rows from rank 0, which sends 2; each rank leaves with
     os._exit(0) right after its error. Survivors that saw rank 1 dead used to name its death."""
-    results = run_ranks(exit_at_once_rounds, 4, "mismatch", EXIT_AT_ONCE_ROUNDS, timeout_s=200)
+    results = run_ranks(exit_at_once_rounds, 4, "mismatch", EXIT_AT_ONCE_ROUNDS, backend=None, timeout_s=200)
     assert all(r.error is None for r in results), [r.error for r in results]
     for round_, reports in enumerate(zip(*(r.value for r in results))):
         assert reports[1]["code"] == "SIZE_MISMATCH", (round_, reports[1])
@@ -95,7 +95,7 @@ def test_every_survivor_names_the_mismatch_when_the_rank_that_saw_it_exits_at_on
 def test_every_survivor_names_a_killed_rank_when_the_rank_that_saw_it_exits_at_once():
     """Issue 28: rank 3 is SIGKILLed mid-op; each survivor leaves with os._exit(0) right after
     its error. Survivors that saw the first of them dead used to name that rank."""
-    results = run_ranks(exit_at_once_rounds, 4, "killed", EXIT_AT_ONCE_ROUNDS, timeout_s=200)
+    results = run_ranks(exit_at_once_rounds, 4, "killed", EXIT_AT_ONCE_ROUNDS, backend=None, timeout_s=200)
     assert all(r.error is None for r in results), [r.error for r in results]
     for round_, reports in enumerate(zip(*(r.value for r in results))):
         assert reports[3] == {"code": "killed"}, (round_, reports[3])

@@ -879,6 +879,7 @@ void apply_signal(std::atomic<uint64_t>* word, uint64_t value, ShmemSignalOp op)
 
 struct Rendezvous {
   std::atomic<uint32_t> joined;
+  std::atomic<uint32_t> finalized;  // PEs that gave back their last reference (teardown is collective)
   char handles[kMaxPes][kHandleChars];
 };
 
@@ -1063,9 +1064,23 @@ bool EmulatedShmem::arrives(const char* what, int pe, Link link) {
 
 void EmulatedShmem::finalize() {
   if (references_ == 0) return;
-  if (--references_ == 0) {
-    started_ = false;
-    finalized_ = true;
+  if (--references_ > 0) return;
+  started_ = false;
+  finalized_ = true;
+  // NVSHMEM's teardown (the last reference) is collective: it returns once every PE is in it, and
+  // hangs where one never comes. Emulated: a PE still waiting after options_.finalize_hang_after
+  // ends its process (kFinalizeHangExit), naming the wait a GPU run would never leave.
+  auto* meet = static_cast<Rendezvous*>(rendezvous_);
+  const auto pes = static_cast<uint32_t>(heaps_.size());
+  meet->finalized.fetch_add(1);
+  const auto deadline = std::chrono::steady_clock::now() + options_.finalize_hang_after;
+  while (meet->finalized.load() < pes) {
+    if (std::chrono::steady_clock::now() > deadline) {
+      std::fprintf(stderr, "emulated NVSHMEM: PE %d's last finalize waits for %u of %u PEs (NVSHMEM hangs here)\n",
+                   rank_, pes - meet->finalized.load(), pes);
+      std::_Exit(kFinalizeHangExit);
+    }
+    std::this_thread::sleep_for(std::chrono::microseconds(100));
   }
 }
 

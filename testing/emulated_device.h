@@ -324,7 +324,13 @@ struct EmulatedShmemOptions {
   // that has none held back is held back until the next signal to the same word arrives (that
   // one lands first, then the held one) or for at most this long. 0: signals land in order.
   std::chrono::microseconds reorder_signals{0};
+  // NVSHMEM's last finalize waits for every PE's; a PE whose peers do not come within this long
+  // (a GPU run would hang there) ends its process with kFinalizeHangExit.
+  std::chrono::milliseconds finalize_hang_after{5000};
 };
+
+// Exit code of an emulated process whose last NVSHMEM finalize would hang (its peers never came).
+constexpr int kFinalizeHangExit = 86;
 
 class EmulatedShmem final : public ShmemOps {
  public:
@@ -341,8 +347,8 @@ class EmulatedShmem final : public ShmemOps {
   int init(const std::string& unique_id, int rank, int world) override;
   bool running() override { return started_; }
   int add_reference(int, int) override { return started_ ? init("", 0, 0) : 1; }
-  // One reference less; the last one tears the runtime down: later puts, signals and quiets
-  // fault the context (its heaps are gone on a GPU).
+  // One reference less; the last one tears the runtime down, collectively (it waits for every
+  // PE's last finalize): later puts, signals and quiets fault the context (its heaps are gone).
   void finalize() override;
   int my_pe() override { return rank_; }
   int n_pes() override { return static_cast<int>(heaps_.size()); }
