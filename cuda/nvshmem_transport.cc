@@ -161,11 +161,13 @@ class NvshmemTransport final : public Transport {
   // How the group's close stands, from the peers' notices in our arena (read afresh).
   enum class GroupClose { kPending, kAllClosed, kNotAll };  // kNotAll: a peer kept, aborted or died
   GroupClose group_close_state();
-  // Gives our reference on a runtime we joined back in step with the group (close()).
+  // Gives our reference (reference_held_) back in step with the group, or keeps it (close()).
   void give_back_reference() noexcept;
   // Signals `value` into word `offset` of every peer's arena (each word has one such signal),
-  // landed before it returns (bounded). Never throws.
-  void send_notice(uint64_t offset, uint64_t value, bool closing);
+  // landed before it returns (bounded). False if it may not have landed. Never throws.
+  bool send_notice(uint64_t offset, uint64_t value, bool closing);
+  // Keeps our reference for good and sets our kept word in every peer's arena (once).
+  void keep_reference() noexcept;
   // A failed setup: frees what it made but NVSHMEM and the arena (collective to free, as in the
   // destructor). Nothing was enqueued yet. Never throws.
   void release_setup() noexcept;
@@ -221,6 +223,8 @@ class NvshmemTransport final : public Transport {
   DevicePtr mirror_device_ = 0, notice_mirror_device_ = 0;
   std::atomic<bool> notified_{false};
   bool closed_cleanly_ = false;  // close() sent our closed notice (no abort before)
+  bool notice_landed_ = false;   // ... and it landed in every peer's arena
+  bool keeping_ = false;         // we keep our reference for good (our kept word was sent)
   SubmitGate gate_;  // callers' streams: start gate, events
 
   // Progress thread only.
@@ -426,8 +430,8 @@ NvshmemTransport::NvshmemTransport(Bootstrap& bootstrap, const Config& config, D
 }
 
 NvshmemTransport::~NvshmemTransport() {
-  // Best effort, never throws. NVSHMEM's teardown and nvshmem_free are collective (a closing rank
-  // cannot count on its peers): the arena and NVSHMEM stay for the life of the process.
+  // Best effort, never throws. nvshmem_free is collective (a closing rank cannot count on its
+  // peers): the arena stays while NVSHMEM runs; close() gave our reference back or kept it.
   DeviceGuard guard(ops_, device_, std::nothrow);
   auto quietly = [](auto&& fn) {
     try {
@@ -454,7 +458,8 @@ NvshmemTransport::GroupClose NvshmemTransport::group_close_state() {
   if (health_stream_ == 0 || any_peer_dead()) return GroupClose::kNotAll;
   try {
     copy_notices(health_stream_);
-    if (!drain_streams(ops_, {health_stream_}, settle_deadline()).empty()) return GroupClose::kNotAll;
+    bool failed = false;  // a failed copy leaves the mirror as it was: stale
+    if (!drain_streams(ops_, {health_stream_}, settle_deadline(), &failed).empty() || failed) return GroupClose::kNotAll;
   } catch (...) {
     return GroupClose::kNotAll;
   }
@@ -478,7 +483,11 @@ NvshmemTransport::GroupClose NvshmemTransport::group_close_state() {
 // its reference and says so (its kept word), and a rank that sees that keeps its own. Left open:
 // a rank that reads a peer's closed notice just as that peer stops waiting (it finalizes alone).
 void NvshmemTransport::give_back_reference() noexcept {
-  if (!reference_held_ || !closed_cleanly_) return;
+  if (!reference_held_ || keeping_ || !closed_cleanly_) return;
+  if (!notice_landed_) {  // a peer may never see us closed: it would keep, and we would finalize alone
+    keep_reference();
+    return;
+  }
   DeviceGuard guard(ops_, device_, std::nothrow);
   const auto deadline = std::chrono::steady_clock::now() + settle_limit_;
   GroupClose state = group_close_state();
@@ -487,7 +496,7 @@ void NvshmemTransport::give_back_reference() noexcept {
     state = group_close_state();
   }
   if (state != GroupClose::kAllClosed) {
-    send_notice(layout_.kept(rank_), 1, false);
+    keep_reference();
     return;
   }
   reference_held_ = false;
@@ -496,6 +505,12 @@ void NvshmemTransport::give_back_reference() noexcept {
   } catch (...) {
     // Best effort: the runtime then stays for the life of the process.
   }
+}
+
+void NvshmemTransport::keep_reference() noexcept {
+  if (keeping_) return;
+  keeping_ = true;
+  send_notice(layout_.kept(rank_), 1, false);
 }
 
 void NvshmemTransport::release_setup() noexcept {
@@ -790,8 +805,11 @@ void NvshmemTransport::check_peers() {
 }
 
 void NvshmemTransport::close() {
-  if (arena_ != nullptr) settle_streams();
+  const bool settled = arena_ != nullptr && settle_streams();
   closed_cleanly_ = !notified_.load();  // not after an abort's notice
+  // Reasons of our own to keep the reference are said before the closed notice: a peer that read
+  // that notice with no kept word beside it could finalize without us.
+  if (reference_held_ && closed_cleanly_ && (!settled || any_peer_dead())) keep_reference();
   notify_peers(kNvshmemNoticeClosed, true);
   give_back_reference();
 }
@@ -829,11 +847,11 @@ void NvshmemTransport::copy_notices(Stream s) {
 
 void NvshmemTransport::notify_peers(uint64_t notice, bool closing) {
   if (notified_.exchange(true) || arena_ == nullptr) return;
-  send_notice(layout_.notice(rank_), notice, closing);
+  notice_landed_ = send_notice(layout_.notice(rank_), notice, closing);
 }
 
-void NvshmemTransport::send_notice(uint64_t offset, uint64_t value, bool closing) {
-  if (arena_ == nullptr) return;
+bool NvshmemTransport::send_notice(uint64_t offset, uint64_t value, bool closing) {
+  if (arena_ == nullptr) return false;
   try {
     // Mapped peers first: our own stream writes, which cannot stall behind a network peer (and on
     // close our streams ran out before, so what we wrote them landed before the notice).
@@ -853,9 +871,10 @@ void NvshmemTransport::send_notice(uint64_t offset, uint64_t value, bool closing
     // Landed before we return: a failing process often exits right after, and a notice still
     // queued then is lost (peers would report our death, not its cause). Bounded: a network peer
     // that stopped answering never completes its signal (the mapped ones were first).
-    drain_streams(ops_, {notice_stream_}, settle_deadline());
+    bool failed = false;
+    return drain_streams(ops_, {notice_stream_}, settle_deadline(), &failed).empty() && !failed;
   } catch (...) {
-    // Best effort: peers that miss the notice fail by timeout.
+    return false;  // best effort: peers that miss the notice fail by timeout
   }
 }
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import atexit
 import datetime
+import logging
 import math
 import operator
 import os
@@ -20,6 +21,8 @@ from freescale_comm import _core
 from freescale_comm._bootstrap import GroupBootstrap
 from freescale_comm._capture import refuse_capture
 from freescale_comm.work import Work
+
+logger = logging.getLogger("freescale_comm")
 
 SplitSizes = Optional[Union[Sequence[int], torch.Tensor]]
 
@@ -291,6 +294,9 @@ class Communicator:
             config = _core.Config.from_env()
             config.timeout_ms, config.cuda_device = self._timeout_ms, index
             core = self._cuda_cores[index] = _core.Communicator(self._bootstrap, config)
+            # What serves this GPU (the nvshmem transport names NVSHMEM's version and library file,
+            # and whether it joined a runtime another user started), as NCCL_DEBUG=INFO says its own.
+            logger.info("freescale cuda:%d: %s", index, core.data_path)
         return core
 
     def _submit(self, output: torch.Tensor, input: torch.Tensor, layout: Any, priority: int, async_op: bool,
