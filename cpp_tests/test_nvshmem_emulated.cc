@@ -830,6 +830,36 @@ TEST(NvshmemEmulatedCoexistence, ASubgroupOfARunningNvshmemIsRefusedOnEveryRankN
   expect_all_ok(outcomes);
 }
 
+// Issue 43 item 2: a runtime another user started has its heap size (read when it started) and
+// its allocations in it. Our arena not fitting was reported as "raise NVSHMEM_SYMMETRIC_SIZE",
+// which changes nothing then, and the failed setup kept the reference it took (the runtime outlived
+// its user): now every rank is told whose heap it is and when to size it, and gives it back.
+TEST(NvshmemEmulatedCoexistence, AnArenaThatDoesNotFitAnotherUsersHeapNamesWhenToSizeIt) {
+  auto outcomes = run_forked_ranks(2, [](int rank, Bootstrap& bootstrap) -> std::string {
+    unsetenv("NVSHMEM_SYMMETRIC_SIZE");
+    EmulatedDevice device(kSmallQueue);
+    EmulatedShmemOptions o;
+    o.heap_bytes = 4ull << 20;
+    EmulatedShmem shmem(device, o);
+    const std::string uid = bootstrap.allgather(rank == 0 ? shmem.unique_id() : "")[0];
+    if (shmem.init(uid, rank, 2) != 0) return "the other user's init failed";
+    if (shmem.malloc((4ull << 20) - (64 << 10)) == nullptr) return "the other user's allocation failed";
+    try {
+      auto comm = nvshmem_communicator(bootstrap, small_config(), device, shmem);
+      return "our arena fit in what the other user left";
+    } catch (const Error& e) {
+      const std::string what = e.what();
+      if (what.find("started by another user") == std::string::npos ||
+          what.find("NVSHMEM_SYMMETRIC_SIZE") == std::string::npos || what.find("before it starts") == std::string::npos)
+        return "the fix is not named: " + what;
+    }
+    shmem.finalize();  // the other user is done: the runtime ends (the failed setup kept no reference)
+    if (shmem.running()) return "a failed setup kept its reference on the other user's runtime";
+    return "";
+  });
+  expect_all_ok(outcomes);
+}
+
 // Issue 43 item 1: a second copy of libnvshmem_host in the process (torch's or nvshmem4py's, from
 // another file) is a second NVSHMEM runtime on the same GPU. Setup went on; now it refuses on every
 // rank (kUnsupported: the backend falls back to NCCL) naming both files, even when one rank sees it.

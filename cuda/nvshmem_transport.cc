@@ -169,7 +169,8 @@ class NvshmemTransport final : public Transport {
   // Keeps our reference for good and sets our kept word in every peer's arena (once).
   void keep_reference() noexcept;
   // A failed setup: frees what it made but NVSHMEM and the arena (collective to free, as in the
-  // destructor). Nothing was enqueued yet. Never throws.
+  // destructor), and gives back a reference it took on a running NVSHMEM. Nothing was enqueued
+  // yet. Never throws.
   void release_setup() noexcept;
   // Queues on `s` a copy of the notices and kept words peers wrote into our arena into
   // notice_mirror_.
@@ -404,8 +405,16 @@ NvshmemTransport::NvshmemTransport(Bootstrap& bootstrap, const Config& config, D
   try {
     arena_ = static_cast<uint8_t*>(shmem_.malloc(layout_.num_bytes()));
     if (arena_ == nullptr) {
-      throw Error(code, "nvshmem_malloc of " + std::to_string(layout_.num_bytes()) +
-                            " bytes failed (raise NVSHMEM_SYMMETRIC_SIZE)");
+      // An adopted runtime read NVSHMEM_SYMMETRIC_SIZE when its user started it: raising it now
+      // changes nothing.
+      const std::string bytes = std::to_string(layout_.num_bytes());
+      throw Error(code, "nvshmem_malloc of our arena (" + bytes + " bytes) failed: " +
+                            (adopted_ ? "NVSHMEM was started by another user (torch's symmetric memory, nvshmem4py), "
+                                        "whose heap size rules and whose allocations share that heap; set "
+                                        "NVSHMEM_SYMMETRIC_SIZE to what both need (" + bytes + " bytes more for ours) "
+                                        "before it starts NVSHMEM, or use a smaller FREESCALE_CHUNK_BYTES"
+                                      : "raise NVSHMEM_SYMMETRIC_SIZE (set before the first communicator), or use a "
+                                        "smaller FREESCALE_CHUNK_BYTES"));
     }
     notice_stream_ = ops_.create_stream();
     receipt_stream_ = ops_.create_stream();
@@ -515,6 +524,13 @@ void NvshmemTransport::keep_reference() noexcept {
 
 void NvshmemTransport::release_setup() noexcept {
   DeviceGuard guard(ops_, device_, std::nothrow);
+  if (reference_held_) {  // a failed step fails every rank alike: our references go back together
+    reference_held_ = false;
+    try {
+      shmem_.finalize();
+    } catch (...) {
+    }
+  }
   for (Stream s : all_streams()) {
     try {
       ops_.destroy_stream(s);
