@@ -369,12 +369,26 @@ struct OnePe {
   EmulatedShmem shmem;
   uint64_t* words;
   explicit OnePe(EmulatedDeviceOptions d = {}, EmulatedShmemOptions o = {}) : device(d), shmem(device, o) {
+    device.set_device(0);  // NVSHMEM's init needs the CUDA context
     EXPECT_EQ(shmem.init(shmem.unique_id(), 0, 1), 0);
     words = static_cast<uint64_t*>(shmem.malloc(4 * sizeof(uint64_t)));
     std::memset(words, 0, 4 * sizeof(uint64_t));
   }
   uint64_t load(int i) { return reinterpret_cast<std::atomic<uint64_t>*>(words + i)->load(); }
 };
+
+// NVSHMEM's init in a process with no CUDA context fails (pytorch#161232); cudaSetDevice (CUDA
+// 12.0+) or any call that reaches the device makes one.
+TEST(EmulatedShmem, InitNeedsACudaContext) {
+  EmulatedDevice device;
+  EmulatedShmem shmem(device);
+  const std::string uid = shmem.unique_id();
+  EXPECT_FALSE(device.has_context());
+  EXPECT_EQ(shmem.init(uid, 0, 1), kNoContextInit);
+  device.destroy_stream(device.create_stream());
+  EXPECT_TRUE(device.has_context());
+  EXPECT_EQ(shmem.init(uid, 0, 1), 0);
+}
 
 TEST(EmulatedShmem, ReorderedSignalsLandTheLaterOneFirstAndAHeldOneLandsAlone) {
   EmulatedShmemOptions o;

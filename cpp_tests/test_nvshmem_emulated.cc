@@ -762,6 +762,7 @@ TEST(NvshmemEmulatedCoexistence, AdoptsARunningNvshmemNumberedAsTheGroupAndRefus
       EmulatedShmem shmem(device);
       // "torch" starts NVSHMEM first, over its own numbering.
       const std::string uid = bootstrap.allgather(rank == 0 ? shmem.unique_id() : "")[0];
+      device.set_device(0);  // the other user's CUDA context
       if (shmem.init(uid, permuted ? 1 - rank : rank, 2) != 0) return "the other user's init failed";
       try {
         auto comm = nvshmem_communicator(bootstrap, small_config(), device, shmem);
@@ -814,6 +815,7 @@ TEST(NvshmemEmulatedCoexistence, ASubgroupOfARunningNvshmemIsRefusedOnEveryRankN
     EmulatedDevice device(kSmallQueue);
     EmulatedShmem shmem(device);
     const std::string uid = full.allgather(rank == 0 ? shmem.unique_id() : "")[0];
+    device.set_device(0);  // the other user's CUDA context
     if (shmem.init(uid, rank, 4) != 0) return "the other user's init failed";
     HalfBootstrap half(full);
     try {
@@ -842,6 +844,7 @@ TEST(NvshmemEmulatedCoexistence, AnArenaThatDoesNotFitAnotherUsersHeapNamesWhenT
     o.heap_bytes = 4ull << 20;
     EmulatedShmem shmem(device, o);
     const std::string uid = bootstrap.allgather(rank == 0 ? shmem.unique_id() : "")[0];
+    device.set_device(0);  // the other user's CUDA context
     if (shmem.init(uid, rank, 2) != 0) return "the other user's init failed";
     if (shmem.malloc((4ull << 20) - (64 << 10)) == nullptr) return "the other user's allocation failed";
     try {
@@ -856,6 +859,22 @@ TEST(NvshmemEmulatedCoexistence, AnArenaThatDoesNotFitAnotherUsersHeapNamesWhenT
     shmem.finalize();  // the other user is done: the runtime ends (the failed setup kept no reference)
     if (shmem.running()) return "a failed setup kept its reference on the other user's runtime";
     return "";
+  });
+  expect_all_ok(outcomes);
+}
+
+// Issue 43 item 3: NVSHMEM's init needs the CUDA context (pytorch#161232: it fails in a process
+// that has none yet). A rank whose process never touched the device makes one before NVSHMEM's
+// init: the transport sets its device first (cudaSetDevice creates the primary context).
+TEST(NvshmemEmulatedCoexistence, TheCudaContextExistsBeforeNvshmemsInit) {
+  auto outcomes = run_forked_ranks(2, [](int rank, Bootstrap& bootstrap) -> std::string {
+    EmulatedDevice device(kSmallQueue);
+    EmulatedShmem shmem(device);
+    if (device.has_context()) return "the test's process already had a context";
+    auto comm = nvshmem_communicator(bootstrap, small_config(), device, shmem);
+    Exchange x(uniform_counts(2, 64 * 1024), rank);
+    comm->wait(comm->all_to_all(x.send.data(), x.recv.data(), x.layout, 0, false), std::chrono::seconds(20));
+    return x.check(rank);
   });
   expect_all_ok(outcomes);
 }
@@ -914,6 +933,7 @@ TEST(NvshmemEmulatedCoexistence, AnotherUsersFinalizeCannotEndARuntimeWeJoinedAn
       o.network_pes = {1 - rank};  // NVSHMEM's own puts and signals: a torn-down runtime shows
       EmulatedShmem shmem(device, o);
       const std::string uid = bootstrap.allgather(rank == 0 ? shmem.unique_id() : "")[0];
+      device.set_device(0);  // the other user's CUDA context
       if (shmem.init(uid, rank, 2) != 0) return "the other user's init failed";
       auto comm = nvshmem_communicator(bootstrap, small_config(), device, shmem);
       if (c.other_finishes_first) shmem.finalize();  // the other user is done with NVSHMEM (on every rank)
@@ -944,6 +964,7 @@ TEST(NvshmemEmulatedCoexistence, ARankClosingAfterItsPeersStoppedWaitingKeepsIts
     EmulatedDevice device(kSmallQueue);
     EmulatedShmem shmem(device);
     const std::string uid = bootstrap.allgather(rank == 0 ? shmem.unique_id() : "")[0];
+    device.set_device(0);  // the other user's CUDA context
     if (shmem.init(uid, rank, 2) != 0) return "the other user's init failed";
     auto comm = nvshmem_communicator(bootstrap, small_config(2000), device, shmem);
     shmem.finalize();  // the other user is done: ours is the last reference

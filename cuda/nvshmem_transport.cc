@@ -382,6 +382,7 @@ NvshmemTransport::NvshmemTransport(Bootstrap& bootstrap, const Config& config, D
   try {
     // Adopted: a reference of ours (a second init only counts one), so the other user's
     // finalize cannot tear the runtime down under this communicator.
+    ops_.set_device(device_);  // the primary context before NVSHMEM's init (pytorch#161232)
     int status = adopted_ ? shmem_.add_reference(rank_, world_) : shmem_.init(uid, rank_, world_);
     reference_held_ = adopted_ && status == 0;
     if (status != 0) {

@@ -249,6 +249,7 @@ void EmulatedDevice::raise_fault(const std::string& what) {
 }
 
 void EmulatedDevice::check_no_fault(const char* call) const {
+  context_.store(true, std::memory_order_release);
   if (!faulted_.load(std::memory_order_acquire)) return;
   throw Error(ErrorCode::kSystem, std::string("emulated ") + call + ": an earlier asynchronous error poisoned the context "
                                       "(sticky, every stream of the device): " + fault());
@@ -298,6 +299,7 @@ void EmulatedDevice::set_device(int device) {
     throw Error(ErrorCode::kSystem, "emulated cudaSetDevice(" + std::to_string(device) + "): invalid device ordinal");
   }
   t_device = device;
+  context_.store(true, std::memory_order_release);
 }
 
 int EmulatedDevice::attribute(int device, DeviceAttribute attr) {
@@ -934,6 +936,7 @@ int EmulatedShmem::init(const std::string& unique_id, int rank, int world) {
     ++references_;
     return 0;
   }
+  if (!device_.has_context()) return kNoContextInit;  // NVSHMEM's init fails without one (pytorch#161232)
   read_environment_once();
   if (world > kMaxPes || rank < 0 || rank >= world) return 1;
   if (rendezvous_ == nullptr) {

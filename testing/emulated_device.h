@@ -136,7 +136,11 @@ class EmulatedDevice final : public DeviceOps {
   bool batch_copies() const override { return options_.batch_api; }
   int device_count() override { return options_.devices; }
   int current_device() override;
+  // Creates the primary context, as cudaSetDevice does since CUDA 12.0.
   void set_device(int device) override;
+  // Whether this process has a CUDA context: made by set_device or by the first call that reaches
+  // the device (as the CUDA runtime makes one then). NVSHMEM's init needs one (pytorch#161232).
+  bool has_context() const { return context_.load(std::memory_order_acquire); }
   int attribute(int device, DeviceAttribute attr) override;
   void prepare_progress_thread(int device) override { set_device(device); }
   bool is_capturing(Stream) override { return false; }
@@ -234,7 +238,9 @@ class EmulatedDevice final : public DeviceOps {
   struct HwQueue;
   void run_queue(HwQueue& q);
   void raise_fault(const std::string& what);
+  // Every runtime call that reaches the device: makes the context; throws if a fault poisoned it.
   void check_no_fault(const char* call) const;
+  mutable std::atomic<bool> context_{false};
   void block_creation_while_waiting();
   void count_call(size_t DriverCalls::*kind);
   // cudaDeviceSynchronize as cudaFree and cudaFreeHost imply it: waits until
@@ -331,6 +337,8 @@ struct EmulatedShmemOptions {
 
 // Exit code of an emulated process whose last NVSHMEM finalize would hang (its peers never came).
 constexpr int kFinalizeHangExit = 86;
+// What the emulated NVSHMEM's init returns in a process with no CUDA context yet.
+constexpr int kNoContextInit = 9;
 
 class EmulatedShmem final : public ShmemOps {
  public:
