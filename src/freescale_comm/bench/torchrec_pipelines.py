@@ -278,6 +278,23 @@ def _build(cfg: PipelineBenchConfig, pg: Any) -> tuple[Any, Any]:
     return dmp, CombinedOptimizer([dmp.fused_optimizer, dense])
 
 
+def torchrec_pec_class() -> Optional[type]:
+    """TorchRec's own TrainPipelinePEC, None where the installed TorchRec has none. TorchRec 1.9
+    defines it in train_pipeline.pec_train_pipeline and exports it from neither the package nor
+    train_pipelines."""
+    import importlib
+
+    for module in ("torchrec.distributed.train_pipeline", "torchrec.distributed.train_pipeline.train_pipelines",
+                   "torchrec.distributed.train_pipeline.pec_train_pipeline"):
+        try:
+            cls = getattr(importlib.import_module(module), "TrainPipelinePEC", None)
+        except ImportError:
+            continue
+        if cls is not None:
+            return cls
+    return None
+
+
 def _pipeline(name: str, dmp: Any, opt: Any, pg: Any) -> Optional[Any]:
     import torchrec.distributed.train_pipeline as tp
     from torchrec.distributed.train_pipeline import train_pipelines
@@ -288,7 +305,7 @@ def _pipeline(name: str, dmp: Any, opt: Any, pg: Any) -> Optional[Any]:
     if name == "semi_sync":
         return train_pipelines.TrainPipelineSemiSync(dmp, opt, device, start_batch=0)
     if name == "torchrec_pec":
-        cls = getattr(tp, "TrainPipelinePEC", None) or getattr(train_pipelines, "TrainPipelinePEC", None)
+        cls = torchrec_pec_class()
         return None if cls is None else cls(dmp, opt, device)
     import freescale_comm as fc
     from freescale_comm.planner import CostModel
