@@ -76,6 +76,27 @@ def test_a_ranks_env_is_there_when_its_interpreter_starts():
     assert name not in os.environ  # the parent's environment is restored
 
 
+def _environment_of(info, names):
+    return {name: os.environ.get(name) for name in names}
+
+
+# Set while tests are collected, before any test starts ranks: in the forkserver's environment.
+os.environ.setdefault("FREESCALE_TEST_SERVER_ENV", "there when the forkserver started")
+
+
+def test_ranks_see_the_launchers_environment_as_it_is_at_the_call(monkeypatch):
+    """Ranks fork from a forkserver whose environment is the launcher's when the server started:
+    a variable set or removed since must be so in every rank too, as with spawned ranks."""
+    run_ranks(_environment_of, 1, [], backend=None, timeout_s=60)  # the forkserver runs from here on
+    monkeypatch.setenv("FREESCALE_TEST_LATE_ENV", "set after the server started")
+    monkeypatch.delenv("FREESCALE_TEST_SERVER_ENV")
+    results = run_ranks(_environment_of, 2, ["FREESCALE_TEST_LATE_ENV", "FREESCALE_TEST_SERVER_ENV"], backend=None,
+                        timeout_s=60)
+    for r in results:
+        assert r.ok, r.error
+        assert r.value == {"FREESCALE_TEST_LATE_ENV": "set after the server started", "FREESCALE_TEST_SERVER_ENV": None}
+
+
 def test_device_like_env_keeps_freed_memory_and_the_users_tunables_win():
     env = placement.device_like_env({"GLIBC_TUNABLES": "glibc.malloc.arena_max=2"})
     tunables = env["GLIBC_TUNABLES"].split(":")
