@@ -748,6 +748,14 @@ TEST(NvshmemEmulatedSetup, SetupNeverWaitsForAUsersStream) {
   expect_all_ok(outcomes);
 }
 
+// "Another user" (torch's symmetric memory, nvshmem4py) starts NVSHMEM in this rank's process as
+// PE `pe` of `pes`: its CUDA context first, then the collective init. True if it started.
+bool another_user_starts_nvshmem(Bootstrap& bootstrap, EmulatedDevice& device, EmulatedShmem& shmem, int pe, int pes) {
+  const std::string uid = bootstrap.allgather(bootstrap.rank() == 0 ? shmem.unique_id() : "")[0];
+  device.set_device(0);
+  return shmem.init(uid, pe, pes) == 0;
+}
+
 // Issue 43 item 1: NVSHMEM may already run in the process, started by another user (torch's
 // symmetric memory, nvshmem4py) over its own PE numbering; a second init only counts a reference
 // and ignores ours. The transport initialized blindly: with that numbering permuted, its puts went
@@ -761,9 +769,8 @@ TEST(NvshmemEmulatedCoexistence, AdoptsARunningNvshmemNumberedAsTheGroupAndRefus
       EmulatedDevice device(kSmallQueue);
       EmulatedShmem shmem(device);
       // "torch" starts NVSHMEM first, over its own numbering.
-      const std::string uid = bootstrap.allgather(rank == 0 ? shmem.unique_id() : "")[0];
-      device.set_device(0);  // the other user's CUDA context
-      if (shmem.init(uid, permuted ? 1 - rank : rank, 2) != 0) return "the other user's init failed";
+      if (!another_user_starts_nvshmem(bootstrap, device, shmem, permuted ? 1 - rank : rank, 2))
+        return "the other user's init failed";
       try {
         auto comm = nvshmem_communicator(bootstrap, small_config(), device, shmem);
         if (permuted) return "joined a runtime whose PEs are not the group's ranks";
@@ -814,9 +821,7 @@ TEST(NvshmemEmulatedCoexistence, ASubgroupOfARunningNvshmemIsRefusedOnEveryRankN
     unsetenv("NVSHMEM_SYMMETRIC_SIZE");
     EmulatedDevice device(kSmallQueue);
     EmulatedShmem shmem(device);
-    const std::string uid = full.allgather(rank == 0 ? shmem.unique_id() : "")[0];
-    device.set_device(0);  // the other user's CUDA context
-    if (shmem.init(uid, rank, 4) != 0) return "the other user's init failed";
+    if (!another_user_starts_nvshmem(full, device, shmem, rank, 4)) return "the other user's init failed";
     HalfBootstrap half(full);
     try {
       auto comm = nvshmem_communicator(half, small_config(), device, shmem);
@@ -843,9 +848,7 @@ TEST(NvshmemEmulatedCoexistence, AnArenaThatDoesNotFitAnotherUsersHeapNamesWhenT
     EmulatedShmemOptions o;
     o.heap_bytes = 4ull << 20;
     EmulatedShmem shmem(device, o);
-    const std::string uid = bootstrap.allgather(rank == 0 ? shmem.unique_id() : "")[0];
-    device.set_device(0);  // the other user's CUDA context
-    if (shmem.init(uid, rank, 2) != 0) return "the other user's init failed";
+    if (!another_user_starts_nvshmem(bootstrap, device, shmem, rank, 2)) return "the other user's init failed";
     if (shmem.malloc((4ull << 20) - (64 << 10)) == nullptr) return "the other user's allocation failed";
     try {
       auto comm = nvshmem_communicator(bootstrap, small_config(), device, shmem);
@@ -932,9 +935,7 @@ TEST(NvshmemEmulatedCoexistence, AnotherUsersFinalizeCannotEndARuntimeWeJoinedAn
       EmulatedShmemOptions o;
       o.network_pes = {1 - rank};  // NVSHMEM's own puts and signals: a torn-down runtime shows
       EmulatedShmem shmem(device, o);
-      const std::string uid = bootstrap.allgather(rank == 0 ? shmem.unique_id() : "")[0];
-      device.set_device(0);  // the other user's CUDA context
-      if (shmem.init(uid, rank, 2) != 0) return "the other user's init failed";
+      if (!another_user_starts_nvshmem(bootstrap, device, shmem, rank, 2)) return "the other user's init failed";
       auto comm = nvshmem_communicator(bootstrap, small_config(), device, shmem);
       if (c.other_finishes_first) shmem.finalize();  // the other user is done with NVSHMEM (on every rank)
       Exchange x(random_counts(2, 300 * 1024, 9), rank);
@@ -963,9 +964,7 @@ TEST(NvshmemEmulatedCoexistence, ARankClosingAfterItsPeersStoppedWaitingKeepsIts
   auto outcomes = run_forked_ranks(2, [](int rank, Bootstrap& bootstrap) -> std::string {
     EmulatedDevice device(kSmallQueue);
     EmulatedShmem shmem(device);
-    const std::string uid = bootstrap.allgather(rank == 0 ? shmem.unique_id() : "")[0];
-    device.set_device(0);  // the other user's CUDA context
-    if (shmem.init(uid, rank, 2) != 0) return "the other user's init failed";
+    if (!another_user_starts_nvshmem(bootstrap, device, shmem, rank, 2)) return "the other user's init failed";
     auto comm = nvshmem_communicator(bootstrap, small_config(2000), device, shmem);
     shmem.finalize();  // the other user is done: ours is the last reference
     Exchange x(uniform_counts(2, 64 * 1024), rank);

@@ -879,6 +879,18 @@ void apply_signal(std::atomic<uint64_t>* word, uint64_t value, ShmemSignalOp op)
   }
 }
 
+// A collective step among the PEs that share a Rendezvous: counts this PE in `arrived`, then waits
+// until all `pes` are, at most `limit`. False if some never came.
+bool everyone_arrives(std::atomic<uint32_t>& arrived, uint32_t pes, std::chrono::milliseconds limit) {
+  arrived.fetch_add(1);
+  const auto deadline = std::chrono::steady_clock::now() + limit;
+  while (arrived.load() < pes) {
+    if (std::chrono::steady_clock::now() > deadline) return false;
+    std::this_thread::sleep_for(std::chrono::microseconds(100));
+  }
+  return true;
+}
+
 struct Rendezvous {
   std::atomic<uint32_t> joined;
   std::atomic<uint32_t> finalized;  // PEs that gave back their last reference (teardown is collective)
@@ -951,12 +963,7 @@ int EmulatedShmem::init(const std::string& unique_id, int rank, int world) {
   heaps_.assign(static_cast<size_t>(world), nullptr);
   heaps_[rank] = static_cast<uint8_t*>(map_fd(heap_fd_, heap_bytes_));
   std::snprintf(meet->handles[rank], kHandleChars, "%d:%d:%zu", static_cast<int>(getpid()), heap_fd_, heap_bytes_);
-  meet->joined.fetch_add(1);
-  auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(30);
-  while (meet->joined.load() < static_cast<uint32_t>(world)) {  // collective, like nvshmem init
-    if (std::chrono::steady_clock::now() > deadline) return 2;
-    std::this_thread::sleep_for(std::chrono::microseconds(100));
-  }
+  if (!everyone_arrives(meet->joined, static_cast<uint32_t>(world), std::chrono::seconds(30))) return 2;  // collective
   if (options_.init_status != 0) return options_.init_status;  // failed after the collective part
   pids_.assign(static_cast<size_t>(world), 0);
   for (int p = 0; p < world; ++p) {
@@ -1075,15 +1082,10 @@ void EmulatedShmem::finalize() {
   // ends its process (kFinalizeHangExit), naming the wait a GPU run would never leave.
   auto* meet = static_cast<Rendezvous*>(rendezvous_);
   const auto pes = static_cast<uint32_t>(heaps_.size());
-  meet->finalized.fetch_add(1);
-  const auto deadline = std::chrono::steady_clock::now() + options_.finalize_hang_after;
-  while (meet->finalized.load() < pes) {
-    if (std::chrono::steady_clock::now() > deadline) {
-      std::fprintf(stderr, "emulated NVSHMEM: PE %d's last finalize waits for %u of %u PEs (NVSHMEM hangs here)\n",
-                   rank_, pes - meet->finalized.load(), pes);
-      std::_Exit(kFinalizeHangExit);
-    }
-    std::this_thread::sleep_for(std::chrono::microseconds(100));
+  if (!everyone_arrives(meet->finalized, pes, options_.finalize_hang_after)) {
+    std::fprintf(stderr, "emulated NVSHMEM: PE %d's last finalize waits for %u of %u PEs (NVSHMEM hangs here)\n", rank_,
+                 pes - meet->finalized.load(), pes);
+    std::_Exit(kFinalizeHangExit);
   }
 }
 
