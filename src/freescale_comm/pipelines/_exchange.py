@@ -60,7 +60,6 @@ class Asks:
     grad_ol: list[Optional[torch.Tensor]] = field(default_factory=list)  # per slot: bool [n_s] or None (all)
     step: int = 0
     micro: Optional[list["MicroAsk"]] = None  # frozen-window micro-batches (rows micro-batch-major), or None
-    _micro_index: dict[int, torch.Tensor] = field(default_factory=dict)  # slot -> micro_index(slot), cached
 
     def micro_counts(self, slot: int) -> list[int]:
         """Rows per micro-batch of one slot (micro-batch m's are rows[start_m : start_m + count_m])."""
@@ -69,13 +68,6 @@ class Asks:
     def micro_slices(self, per_slot: list[torch.Tensor], m: int) -> list[torch.Tensor]:
         """Micro-batch m's rows of per-slot tensors aligned with `rows`."""
         return [t[a:a + n] for t, a, n in zip(per_slot, self.micro[m].start, self.micro[m].count)]
-
-    def micro_index(self, slot: int) -> torch.Tensor:
-        """int64 [n_s]: the micro-batch of each row of one slot."""
-        if slot not in self._micro_index:
-            counts = torch.tensor(self.micro_counts(slot), dtype=torch.int64)
-            self._micro_index[slot] = torch.repeat_interleave(torch.arange(len(self.micro)), counts).to(self.rows[slot].device)
-        return self._micro_index[slot]
 
 
 @dataclass
@@ -98,6 +90,13 @@ class Served:
     fetch_ol: dict[int, list[torch.Tensor]] = field(default_factory=dict)  # slot -> [world] bool
     grad_ol: Optional[dict[int, list[torch.Tensor]]] = None  # slot -> [world] bool; None: all OL
     micro: Optional[dict[int, list[torch.Tensor]]] = None  # slot -> [world] int64 micro-batch per row (FWP)
+    # FWP: slot -> [world] offsets [M + 1] of each micro-batch's rows in asked[slot][r] (rows come
+    # micro-batch-major), so a micro-batch's round touches its own rows only, not the batch's
+    micro_bounds: Optional[dict[int, list[list[int]]]] = None
+
+    def micro_range(self, slot: int, requester: int, m: int) -> slice:
+        bounds = self.micro_bounds[slot][requester]
+        return slice(bounds[m], bounds[m + 1])
 
 
 @dataclass
@@ -225,6 +224,7 @@ class PecExchange:
         self._a2a(out, torch.cat(send), recv_splits, send_splits, self.low).wait()
         asked: dict[int, list[torch.Tensor]] = {s: [] for s in self.owned}
         micro: Optional[dict[int, list[torch.Tensor]]] = {s: [] for s in self.owned} if per_micro else None
+        bounds: Optional[dict[int, list[list[int]]]] = {s: [] for s in self.owned} if per_micro else None
         tails = []
         for r, block in enumerate(out.split(recv_splits)):
             for s, rows in zip(self.owned, block[:ids_from[r]].split(counts[r].tolist())):
@@ -233,12 +233,13 @@ class PecExchange:
                 sizes = block[ids_from[r]:ids_from[r] + extra].view(len(self.owned), per_micro).cpu()
                 for s, row_counts in zip(self.owned, sizes):
                     micro[s].append(torch.repeat_interleave(torch.arange(per_micro), row_counts).to(self.device))
+                    bounds[s].append([0] + row_counts.cumsum(0).tolist())
             tails.append(block[ids_from[r] + extra:])
         touched: dict[tuple, list[torch.Tensor]] = {}
         for s in self.owned:
             touched.setdefault(self._slot(s).key, []).extend(asked[s])
         self.asked.append((asks, Served(asked, {k: torch.unique(torch.cat(v)) for k, v in touched.items()},
-                                        micro=micro)))
+                                        micro=micro, micro_bounds=bounds)))
         return self._take_counts(torch.stack(tails).cpu())
 
     def prepare(self) -> None:
@@ -334,28 +335,40 @@ class PecExchange:
 
     def _rows(self, asks: Asks, served: Served, which: str, micro: Optional[int] = None) -> None:
         """Looks up and exchanges N+1's rows: "ol", "nol" or "all" of them (of micro-batch `micro`
-        only, if given); places them in asks.pieces."""
-        def chosen(fetch_ol: torch.Tensor, micro_of: Optional[torch.Tensor]) -> torch.Tensor:
-            mask = fetch_ol if which == "ol" else ~fetch_ol if which == "nol" else torch.ones_like(fetch_ol)
-            return mask if micro is None else mask & (micro_of == micro)
+        only, if given: then only its own range of rows is read, on both sides); places them in
+        asks.pieces."""
+        def chosen(fetch_ol: torch.Tensor) -> Optional[torch.Tensor]:  # None: every row
+            return fetch_ol if which == "ol" else ~fetch_ol if which == "nol" else None
 
         send, send_splits = [], []
         for r in range(self.world):
             n = 0
             for s in self.owned:
-                mask = chosen(served.fetch_ol[s][r], served.micro[s][r] if micro is not None else None)
-                rows = served.asked[s][r][mask]
+                rows, fetch_ol = served.asked[s][r], served.fetch_ol[s][r]
+                if micro is not None:
+                    part = served.micro_range(s, r, micro)
+                    rows, fetch_ol = rows[part], fetch_ol[part]
+                mask = chosen(fetch_ol)
+                if mask is not None:
+                    rows = rows[mask]
                 block = self.catalog.local[self._slot(s).key].weight.index_select(0, rows)
                 send.append(block.reshape(-1))
                 n += block.numel()
             send_splits.append(n)
-        masks = [chosen(asks.fetch_ol[s], asks.micro_index(s) if micro is not None else None)
-                 for s in range(len(self.catalog.slots))]
+        # per slot: (first row, rows, which of them) of what arrives
+        wanted: list[tuple[int, int, Optional[torch.Tensor]]] = []
+        for s in range(len(self.catalog.slots)):
+            if micro is None:
+                first, count = 0, asks.rows[s].numel()
+            else:
+                first, count = asks.micro[micro].start[s], asks.micro[micro].count[s]
+            wanted.append((first, count, chosen(asks.fetch_ol[s][first:first + count])))
         recv_splits = []
         for o in range(self.world):
             n = 0
             for s in self.owned_by[o]:
-                n += int(masks[s].sum()) * self.cols[s]
+                _, count, mask = wanted[s]
+                n += (count if mask is None else int(mask.sum())) * self.cols[s]
             recv_splits.append(n)
         recv = torch.empty(sum(recv_splits), device=self.device)
         inp = torch.cat(send) if send else torch.empty(0, device=self.device)
@@ -364,12 +377,16 @@ class PecExchange:
         offset = 0
         for o in range(self.world):
             for s in self.owned_by[o]:
-                mask = masks[s]
-                n = int(mask.sum())
+                first, count, mask = wanted[s]
+                n = count if mask is None else int(mask.sum())
                 block = recv[offset:offset + n * self.cols[s]].view(n, self.cols[s])
                 offset += n * self.cols[s]
                 if n:
-                    asks.pieces[s][mask] = block
+                    target = asks.pieces[s][first:first + count]  # a view: writes land in pieces
+                    if mask is None:
+                        target.copy_(block)
+                    else:
+                        target[mask] = block
 
     # -- gradients ---------------------------------------------------------------------------------
     def stream_gradients(self, micro: int, grads: list[torch.Tensor], lrs: dict[int, float],
@@ -460,16 +477,18 @@ class PecExchange:
         for r in range(self.world):
             n = 0
             for s in self.owned:
-                mask = None
-                if served.grad_ol is not None:
-                    mask = served.grad_ol[s][r] if first else ~served.grad_ol[s][r]
-                if micro is not None:
-                    mine = served.micro[s][r] == micro
-                    mask = mine if mask is None else mask & mine
-                rows = served.asked[s][r] if mask is None else served.asked[s][r][mask]
+                rows, of = served.asked[s][r], served.micro[s][r] if micro_of is not None else None
+                grad_ol = served.grad_ol[s][r] if served.grad_ol is not None else None
+                if micro is not None:  # its own range of rows only
+                    part = served.micro_range(s, r, micro)
+                    rows, of = rows[part], of[part]
+                    grad_ol = grad_ol[part] if grad_ol is not None else None
+                if grad_ol is not None:
+                    mask = grad_ol if first else ~grad_ol
+                    rows, of = rows[mask], of[mask] if of is not None else None
                 rows_of.setdefault(s, []).append(rows)
                 if micro_of is not None:
-                    micro_of.setdefault(s, []).append(served.micro[s][r] if mask is None else served.micro[s][r][mask])
+                    micro_of.setdefault(s, []).append(of)
                 n += rows.numel() * self.cols[s]
             recv_splits.append(n)
         buffer = torch.empty(sum(recv_splits), device=self.device)
@@ -513,8 +532,11 @@ class PecExchange:
             shard = self.catalog.local[slot.key]
             rows, grads = torch.cat(rows_of[s]), torch.cat(grads_of[s])
             if micro_of[s]:
-                order = torch.argsort(torch.cat(micro_of[s]), stable=True)
-                rows, grads = rows[order], grads[order]
+                micro = torch.cat(micro_of[s])
+                # one flight per micro-batch, in order (streamed), is in order already: no gather
+                if bool((micro[1:] < micro[:-1]).any()):
+                    order = torch.argsort(micro, stable=True)
+                    rows, grads = rows[order], grads[order]
             per_tbe.setdefault(id(shard.tbe), {})[shard.tbe_features[slot.feature]] = (rows, grads)
         start = time.perf_counter()
         for tbe in self.tbes:
