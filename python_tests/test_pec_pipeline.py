@@ -90,16 +90,25 @@ def test_what_the_pipeline_cannot_prioritize_is_refused_clearly():
         assert "failed at step" in out["after_failure"], out
 
 
-def test_the_torchrec_pec_benchmark_writes_a_row_per_pipeline_and_rate(tmp_path):
-    """The command runs and reports (its figures are for benchmarks, never asserted here)."""
+def test_the_torchrec_pec_benchmark_writes_a_row_per_pipeline_and_rate(tmp_path, monkeypatch, capsys):
+    """The command runs and reports (its figures are for benchmarks, never asserted here). Its ranks
+    stand for one device each, as the e2e demo's: every thread of a rank on the rank's core; with
+    more ranks than usable cores (one, here) they share, and a line above the table says so."""
     import json
 
+    from freescale_comm.bench import placement
     from freescale_comm.bench.cli import main
 
+    core = placement.usable_cores()[-1]
+    monkeypatch.setattr(placement, "usable_cores", lambda: [core])
     out, png = tmp_path / "rows.json", tmp_path / "plot.png"
     assert main(["torchrec-pec", "--ranks", "2", "--rates", "0", "1", "--steps", "1", "--warmup", "0", "--rounds", "1", "--samples", "8",
                  "--pipelines", "sparse_dist", "pec", "--json", str(out), "--plot", str(png)]) == 0
-    rows = json.loads(out.read_text())["rows"]
+    printed = capsys.readouterr().out
+    assert "# oversubscribed: 2 ranks share 1 CPU cores" in printed and "(sharing cores)" in printed, printed
+    report = json.loads(out.read_text())
+    assert report["placement"]["rank_cores"] == [[core], [core]], report["placement"]
+    rows = report["rows"]
     assert [(r["pipeline"], r["collision_rate"]) for r in rows] == [
         ("sparse_dist", 0.0), ("pec", 0.0), ("sparse_dist", 1.0), ("pec", 1.0)], rows
     for r in rows:

@@ -97,6 +97,7 @@ def _parser() -> argparse.ArgumentParser:
                     "fwp4_random fwp8_random nestpipe")
     tp.add_argument("--nestpipe", action="store_true", help="NestPipe's modes with sparse_dist and pec (the "
                     "pipelines above from dbp on)")
+    _pin_arg(tp)
     tp.add_argument("--plot", metavar="PNG", default="torchrec-pec.png", help="where to draw (default torchrec-pec.png)")
     _outputs(tp, progress=False)
     si = sub.add_parser("simulate", help="the e2e step at scale (up to 4096 ranks) on a cost + network model")
@@ -270,8 +271,7 @@ def _step_args(e: argparse.ArgumentParser, dim: int = 64, layers: int = 2, steps
     e.add_argument("--ranks", type=int, default=None,
                    help="processes on this host, each on a CPU core of its own (default: one per usable core, "
                         f"2 to {DEFAULT_MEASURED_RANKS}; here {default_ranks()})")
-    e.add_argument("--no-pin", action="store_true",
-                   help="leave the ranks unpinned (default: each on its own core, standing for one device per rank)")
+    _pin_arg(e)
     e.add_argument("--steps", type=int, default=steps, help=f"measured steps per mode (default {steps})")
     e.add_argument("--warmup", type=int, default=1, help="unmeasured steps before them (default 1)")
     e.add_argument("--samples", type=int, default=8, help="samples per rank and step (default 8)")
@@ -330,6 +330,11 @@ def run_pec_sweep(args: argparse.Namespace) -> int:
     return 0
 
 
+def _pin_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--no-pin", action="store_true",
+                   help="leave the ranks unpinned (default: each on its own core, standing for one device per rank)")
+
+
 def _e2e_args(e: argparse.ArgumentParser) -> None:
     _step_args(e)
     e.add_argument("--collision-rate", type=float, default=None,
@@ -344,7 +349,7 @@ def run_e2e(args: argparse.Namespace) -> int:
     import dataclasses
 
     from freescale_comm.bench import e2e
-    from freescale_comm.bench.placement import oversubscription_note
+    from freescale_comm.bench.placement import oversubscription_note, placement_json, placement_words
     from freescale_comm.bench.report import (bubble_summary, busy_note, compute_line, overlap_note, step_table,
                                              write_json)
 
@@ -355,8 +360,7 @@ def run_e2e(args: argparse.Namespace) -> int:
         print(f"freescale-bench e2e: {err}", file=sys.stderr)
         return 2
     res = e2e.run(cfg, progress=not args.no_progress)
-    pinned = "each on its own core" if cfg.pin_cores and not res.placement.oversubscribed else (
-        "sharing cores" if cfg.pin_cores else "unpinned")
+    pinned = placement_words(res.placement, cfg.pin_cores)
     title = (f"e2e, {cfg.ranks} ranks ({pinned}) x {cfg.samples} samples, {cfg.workload} x "
              f"{cfg.length_scale:.3g}, dim {cfg.dim}, {cfg.device}, {platform.node()}; "
              f"ms per step, mean of {cfg.steps}")
@@ -373,8 +377,7 @@ def run_e2e(args: argparse.Namespace) -> int:
     if args.json:
         write_json(args.json, "e2e", res.rows, config=dataclasses.asdict(cfg),
                    cost_model=dataclasses.asdict(res.cost_model), losses=res.losses, reduction=res.reduction(),
-                   placement={"cores": list(res.placement.cores), "usable_cores": res.placement.available,
-                              "oversubscribed": res.placement.oversubscribed, "rank_cores": res.rank_cores})
+                   placement=placement_json(res.placement, res.rank_cores))
     return 0
 
 
@@ -556,7 +559,7 @@ def run_torchrec_pec(args: argparse.Namespace) -> int:
     from freescale_comm.bench.report import write_json
 
     cfg = tp.PipelineBenchConfig(ranks=args.ranks, rates=tuple(args.rates), steps=args.steps, warmup=args.warmup,
-                                 rounds=args.rounds, samples=args.samples,
+                                 rounds=args.rounds, samples=args.samples, pin_cores=not args.no_pin,
                                  pipelines=tuple(args.pipelines or (("sparse_dist", "pec") + tp.NESTPIPE if args.nestpipe
                                                                     else tp.PIPELINES)))
     try:
@@ -564,14 +567,22 @@ def run_torchrec_pec(args: argparse.Namespace) -> int:
     except ValueError as err:
         print(f"freescale-bench torchrec-pec: {err}", file=sys.stderr)
         return 2
-    rows = tp.run(cfg)
-    title = (f"torchrec-pec, {cfg.ranks} CPU ranks x {cfg.samples} samples, dim {cfg.dim}, {platform.node()}; "
-             f"ms per step, median of {cfg.rounds} rounds of {cfg.steps} steps")
+    from freescale_comm.bench.placement import oversubscription_note, placement_json, placement_words
+
+    res = tp.run(cfg)
+    rows = res.rows
+    pinned = placement_words(res.placement, cfg.pin_cores)
+    title = (f"torchrec-pec, {cfg.ranks} CPU ranks ({pinned}) x {cfg.samples} samples, dim {cfg.dim}, "
+             f"{platform.node()}; ms per step, median of {cfg.rounds} rounds of {cfg.steps} steps")
+    note = oversubscription_note(res.placement)
+    if note:
+        print(note)
     print(tp.table(rows, title))
     print(tp.summary(rows))
     print("# wrote " + tp.plot(rows, args.plot, title))
     if args.json:
-        write_json(args.json, "torchrec-pec", rows, config=dataclasses.asdict(cfg))
+        write_json(args.json, "torchrec-pec", rows, config=dataclasses.asdict(cfg),
+                   placement=placement_json(res.placement, res.rank_cores))
     return 0
 
 

@@ -18,7 +18,8 @@ from dataclasses import dataclass
 from typing import Iterator, Optional
 
 __all__ = ["usable_cores", "default_ranks", "RankPlacement", "place_ranks", "pin_this_process", "hold_core",
-           "thread_cores", "device_like_env", "oversubscription_note", "DEFAULT_MEASURED_RANKS"]
+           "thread_cores", "device_like_env", "oversubscription_note", "placement_words", "placement_json",
+           "DEFAULT_MEASURED_RANKS"]
 
 DEFAULT_MEASURED_RANKS = 4  # what the demo runs when the machine has a core for each
 
@@ -144,3 +145,17 @@ def oversubscription_note(placement: RankPlacement) -> str:
             f"{placement.shared} per core), so a rank that waits lends its core to the others: the same work "
             f"computes slower in modes that keep every rank busy (balance), and step times and bubbles do not "
             f"stand for one device per rank; use --ranks {placement.available} or fewer for that")
+
+
+def placement_words(placement: RankPlacement, pinned: bool) -> str:
+    """How a measured run's ranks ran, for its table's title."""
+    if not pinned:
+        return "unpinned"
+    return "sharing cores" if placement.oversubscribed else "each on its own core"
+
+
+def placement_json(placement: RankPlacement, rank_cores: list[list[int]]) -> dict:
+    """A measured run's placement for its --json: the cores planned, and per rank the cores its
+    threads could run on, read at its end."""
+    return {"cores": list(placement.cores), "usable_cores": placement.available,
+            "oversubscribed": placement.oversubscribed, "rank_cores": rank_cores}

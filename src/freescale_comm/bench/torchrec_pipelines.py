@@ -22,7 +22,10 @@ runs its update inside backward, uncounted too). ids_sent: embedding rows a rank
 (ours only): every id of the batch, or with micro-batches each one's distinct ids.
 bubble_ms = step_ms
 minus the mean rank's time not blocked on embedding communication (idle ranks and exposed comm).
-CPU ranks share cores: timings on a busy machine say little, and none come from a GPU."""
+Each rank stands for one device: its threads run on its own core (bench/placement.py: pinned, the
+core held while the rank waits, malloc keeping freed memory), round robin when there are more ranks
+than cores, and then the CLI says so above the table (`--no-pin`: unpinned). Timings on a busy
+machine say little, and none come from a GPU."""
 
 from __future__ import annotations
 
@@ -40,6 +43,8 @@ from torch import nn
 from torchrec import EmbeddingBagCollection, EmbeddingCollection, KeyedJaggedTensor
 from torchrec.modules.embedding_configs import EmbeddingBagConfig, EmbeddingConfig
 from torchrec.streamable import Pipelineable
+
+from freescale_comm.bench.placement import RankPlacement, device_like_env, place_ranks
 
 PIPELINES = ("sparse_dist", "semi_sync", "torchrec_pec", "pec", "pec_balance")
 # NestPipe's modes (all fc.TrainPipelinePEC): dbp = prefetch="dual_buffer"; fwpM = M frozen-window
@@ -65,6 +70,9 @@ class PipelineBenchConfig:
     hidden: int = 512  # MLP width
     seed: int = 0
     pipelines: tuple[str, ...] = PIPELINES
+    # each rank's threads on its own core (round robin past the cores), held while it waits, and malloc
+    # keeping freed memory: one device per rank, as the e2e demo (bench/placement.py)
+    pin_cores: bool = True
 
     def check(self) -> None:
         if self.ranks < 2 or self.steps < 1 or self.warmup < 0 or self.samples < 1 or self.rounds < 1:
@@ -385,12 +393,21 @@ def _train(cfg: PipelineBenchConfig, name: str, rate: float, pg: Any, rank: int,
     return {"steps": steps, "cpu": cpu, "exposed": exposed, "rows_asked": rows_asked, "updates": updates}
 
 
-def rank_program(info: Any, cfg: PipelineBenchConfig) -> list[dict[str, Any]]:
+def rank_program(info: Any, cfg: PipelineBenchConfig, cores: Optional[tuple[int, ...]]) -> dict[str, Any]:
+    """One rank's trainings ("results") and the cores its threads could run on, read at its end."""
+    from freescale_comm.bench.e2e import measured_rank
+    from freescale_comm.bench.placement import thread_cores
+
+    with measured_rank(info, cores):  # one compute thread; pinned and held where `cores` says
+        results = _measure(cfg)
+        return {"results": results, "cores": thread_cores()}
+
+
+def _measure(cfg: PipelineBenchConfig) -> list[dict[str, Any]]:
     import torch.distributed as dist
 
     from freescale_comm.bench.e2e import rotated
 
-    torch.set_num_threads(1)
     pg = dist.group.WORLD
     rank, world = dist.get_rank(), dist.get_world_size()
     results = []
@@ -406,15 +423,25 @@ def rank_program(info: Any, cfg: PipelineBenchConfig) -> list[dict[str, Any]]:
     return results
 
 
-def run(cfg: PipelineBenchConfig, timeout_s: float = 1800.0) -> list[dict[str, Any]]:
-    """Spawns cfg.ranks gloo ranks, trains every pipeline at every rate cfg.rounds times; one row per
-    (pipeline, rate). step_ms: the median over rounds of the slowest rank's mean step; round_spread:
-    (slowest - fastest round) / step_ms, how much the machine moved the same measurement; the
-    exposed and bubble figures are means over rounds, steps and ranks."""
+@dataclass(frozen=True)
+class PipelineBenchResult:
+    rows: list[dict[str, Any]]  # one per (pipeline, rate): see run()
+    placement: RankPlacement  # rank -> core (pinned there if config.pin_cores)
+    rank_cores: list[list[int]]  # [rank]: the cores its threads could run on, read at its end
+
+
+def run(cfg: PipelineBenchConfig, timeout_s: float = 1800.0) -> PipelineBenchResult:
+    """Spawns cfg.ranks gloo ranks, placed as cfg.pin_cores says, trains every pipeline at every
+    rate cfg.rounds times; one row per (pipeline, rate). step_ms: the median over rounds of the
+    slowest rank's mean step; round_spread: (slowest - fastest round) / step_ms, how much the machine
+    moved the same measurement; the exposed and bubble figures are means over rounds, steps and ranks."""
     from freescale_comm.testing import spawn
 
     cfg.check()
-    per_rank = spawn(rank_program, cfg.ranks, cfg, backend="gloo", timeout_s=timeout_s)
+    placement = place_ranks(cfg.ranks)
+    ran = spawn(rank_program, cfg.ranks, cfg, placement.cores if cfg.pin_cores else None, backend="gloo",
+                timeout_s=timeout_s, env=device_like_env() if cfg.pin_cores else {})
+    per_rank = [r["results"] for r in ran]
     groups: dict[tuple[str, float], list[list[dict[str, Any]]]] = {}
     for i, first in enumerate(per_rank[0]):
         groups.setdefault((first["pipeline"], first["collision_rate"]), []).append([r[i] for r in per_rank])
@@ -445,7 +472,7 @@ def run(cfg: PipelineBenchConfig, timeout_s: float = 1800.0) -> list[dict[str, A
                        exposed_comm_ms=exposed, **{f"exposed_{p}_ms": v for p, v in phases.items()},
                        bubble_ms=statistics.fmean(per_round) - (own - exposed), rounds=len(rounds))
             rows.append(row)
-    return rows
+    return PipelineBenchResult(rows, placement, [r["cores"] for r in ran])
 
 
 def table(rows: list[dict[str, Any]], title: str) -> str:
