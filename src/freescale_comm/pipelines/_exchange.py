@@ -38,6 +38,7 @@ time: the pipeline's worker, or the caller's while the worker is idle."""
 from __future__ import annotations
 
 import collections
+import itertools
 import time
 from dataclasses import dataclass, field
 from typing import Optional
@@ -83,20 +84,40 @@ class MicroAsk:
 
 @dataclass
 class Served:
-    """One batch as owner: per owned slot and requester, the shard rows asked."""
+    """One batch as owner: per owned slot, the shard rows every requester asked, requester after
+    requester in one tensor, so a round costs a few tensor ops per slot, not per slot and rank."""
 
-    asked: dict[int, list[torch.Tensor]]  # slot index -> [world] int64 rows
+    rows: dict[int, torch.Tensor]  # slot index -> int64 [asked by all]: requester 0's, then 1's...
+    counts: dict[int, list[int]]  # slot index -> [world] rows each requester asked
     touched: dict[tuple, torch.Tensor]  # table shard -> unique rows read by anyone
-    fetch_ol: dict[int, list[torch.Tensor]] = field(default_factory=dict)  # slot -> [world] bool
-    grad_ol: Optional[dict[int, list[torch.Tensor]]] = None  # slot -> [world] bool; None: all OL
-    micro: Optional[dict[int, list[torch.Tensor]]] = None  # slot -> [world] int64 micro-batch per row (FWP)
-    # FWP: slot -> [world] offsets [M + 1] of each micro-batch's rows in asked[slot][r] (rows come
+    fetch_ol: dict[int, torch.Tensor] = field(default_factory=dict)  # slot -> bool [asked by all]
+    grad_ol: Optional[dict[int, torch.Tensor]] = None  # slot -> bool [asked by all]; None: all OL
+    micro: Optional[dict[int, torch.Tensor]] = None  # slot -> int64 [asked by all] micro-batch per row (FWP)
+    # FWP: slot -> [world] offsets [M + 1] of each micro-batch's rows in a requester's rows (they come
     # micro-batch-major), so a micro-batch's round touches its own rows only, not the batch's
     micro_bounds: Optional[dict[int, list[list[int]]]] = None
 
-    def micro_range(self, slot: int, requester: int, m: int) -> slice:
-        bounds = self.micro_bounds[slot][requester]
-        return slice(bounds[m], bounds[m + 1])
+    def parts(self, slot: int, micro: Optional[int]) -> Optional[list[slice]]:
+        """Per requester, where micro-batch `micro`'s rows lie in rows[slot] (None: every row)."""
+        if micro is None:
+            return None
+        out, start = [], 0
+        for count, bounds in zip(self.counts[slot], self.micro_bounds[slot]):
+            out.append(slice(start + bounds[micro], start + bounds[micro + 1]))
+            start += count
+        return out
+
+
+def _take(values: torch.Tensor, parts: Optional[list[slice]]) -> torch.Tensor:
+    """values' entries in `parts` (ranges), one after another; all of them if parts is None."""
+    return values if parts is None else torch.cat([values[p] for p in parts])
+
+
+def _selected(mask: torch.Tensor, counts: list[int]) -> list[int]:
+    """How many of each consecutive segment of `mask` (lengths `counts`) are True."""
+    ends = torch.tensor(list(itertools.accumulate(counts)), dtype=torch.int64, device=mask.device)
+    upto = torch.cat([mask.new_zeros(1, dtype=torch.int64), mask.cumsum(0)])  # [n + 1]: True before i
+    return torch.diff(upto[ends], prepend=upto[:1]).tolist()
 
 
 @dataclass
@@ -106,11 +127,12 @@ class _InFlight:
     work: object
     buffer: torch.Tensor
     splits: list[int]
-    rows_of: dict[int, list[torch.Tensor]]  # owned slot -> [world] int64: the shard rows they are for
+    rows_of: dict[int, torch.Tensor]  # owned slot -> int64: the shard rows they are for, requester after requester
+    counts_of: dict[int, list[int]]  # owned slot -> [world] rows from each requester
     step: int
     lrs: dict[int, float]
     divisor: int  # TorchRec divides embedding gradients by the world size (comm_ops.GRADIENT_DIVISION)
-    micro_of: Optional[dict[int, list[torch.Tensor]]] = None  # owned slot -> [world] micro-batch of each row
+    micro_of: Optional[dict[int, torch.Tensor]] = None  # owned slot -> micro-batch of each row (as rows_of)
 
 
 PREFETCH = ("pec", "dual_buffer", "ids")
@@ -223,23 +245,26 @@ class PecExchange:
         out = torch.empty(sum(recv_splits), dtype=torch.int64, device=self.device)
         self._a2a(out, torch.cat(send), recv_splits, send_splits, self.low).wait()
         asked: dict[int, list[torch.Tensor]] = {s: [] for s in self.owned}
-        micro: Optional[dict[int, list[torch.Tensor]]] = {s: [] for s in self.owned} if per_micro else None
-        bounds: Optional[dict[int, list[list[int]]]] = {s: [] for s in self.owned} if per_micro else None
-        tails = []
+        sizes, tails = [], []  # per requester: [owned slots, M] rows per micro-batch (FWP); its counts
         for r, block in enumerate(out.split(recv_splits)):
             for s, rows in zip(self.owned, block[:ids_from[r]].split(counts[r].tolist())):
                 asked[s].append(rows)
-            if per_micro:
-                sizes = block[ids_from[r]:ids_from[r] + extra].view(len(self.owned), per_micro).cpu()
-                for s, row_counts in zip(self.owned, sizes):
-                    micro[s].append(torch.repeat_interleave(torch.arange(per_micro), row_counts).to(self.device))
-                    bounds[s].append([0] + row_counts.cumsum(0).tolist())
+            sizes.append(block[ids_from[r]:ids_from[r] + extra])
             tails.append(block[ids_from[r] + extra:])
+        rows_of = {s: torch.cat(asked[s]) for s in self.owned}
         touched: dict[tuple, list[torch.Tensor]] = {}
         for s in self.owned:
-            touched.setdefault(self._slot(s).key, []).extend(asked[s])
-        self.asked.append((asks, Served(asked, {k: torch.unique(torch.cat(v)) for k, v in touched.items()},
-                                        micro=micro, micro_bounds=bounds)))
+            touched.setdefault(self._slot(s).key, []).append(rows_of[s])
+        served = Served(rows_of, {s: counts[:, i].tolist() for i, s in enumerate(self.owned)},
+                        {k: torch.unique(torch.cat(v)) for k, v in touched.items()})
+        if per_micro:  # [requester, owned slot, micro-batch]
+            per = torch.stack(sizes).view(self.world, len(self.owned), per_micro).cpu()
+            served.micro, served.micro_bounds = {}, {}
+            for i, s in enumerate(self.owned):
+                served.micro[s] = torch.repeat_interleave(torch.arange(per_micro).repeat(self.world),
+                                                          per[:, i].reshape(-1)).to(self.device)
+                served.micro_bounds[s] = [[0] + c for c in per[:, i].cumsum(1).tolist()]
+        self.asked.append((asks, served))
         return self._take_counts(torch.stack(tails).cpu())
 
     def prepare(self) -> None:
@@ -273,8 +298,8 @@ class PecExchange:
         """prefetch="ids": every row of N+1 waits for N's update, every gradient of N goes first;
         no flags cross (every rank knows). Returns whether NOL rows move now (the first batch)."""
         for s in self.owned:
-            served.fetch_ol[s] = [torch.full((rows.numel(),), prev is not None, dtype=torch.bool, device=self.device)
-                                  for rows in served.asked[s]]
+            served.fetch_ol[s] = torch.full((served.rows[s].numel(),), prev is not None, dtype=torch.bool,
+                                            device=self.device)
         asks.fetch_ol = [torch.full((rows.numel(),), prev is not None, dtype=torch.bool, device=self.device)
                          for rows in asks.rows]
         if prev is not None:
@@ -286,28 +311,27 @@ class PecExchange:
     def _flags(self, asks: Asks, served: Served, prev: Optional[tuple[Asks, Served]]) -> bool:
         """The flags round: which of N's gradients go first, which of N+1's rows wait (both sides
         learn both). Sets any_overlap; returns whether any rank has NOL rows to send now."""
-        asked = served.asked
         for s in self.owned:
             key = self._slot(s).key
             before = prev[1].touched.get(key) if prev is not None else None
-            served.fetch_ol[s] = [torch.isin(rows, before) if before is not None and not self.early_overlap_reads
-                                  else torch.zeros(rows.numel(), dtype=torch.bool, device=self.device) for rows in asked[s]]
+            served.fetch_ol[s] = torch.isin(served.rows[s], before) if before is not None and not self.early_overlap_reads \
+                else torch.zeros(served.rows[s].numel(), dtype=torch.bool, device=self.device)
             if prev is not None:
                 if prev[1].grad_ol is None:
                     prev[1].grad_ol = {}
-                prev[1].grad_ol[s] = [torch.isin(rows, served.touched[key]) for rows in prev[1].asked[s]]
+                prev[1].grad_ol[s] = torch.isin(prev[1].rows[s], served.touched[key])
         # two bytes more per block: does this owner serve any OL row or OL gradient, any NOL row (every
         # requester gets the same bytes, so every rank ORs the same ones: all agree on skipping an
         # exchange no rank has anything for)
-        any_ol = any(bool(f.any()) for s in self.owned for f in served.fetch_ol[s]) or (
-            prev is not None and any(bool(f.any()) for s in self.owned for f in prev[1].grad_ol[s]))
-        any_nol = any(not bool(f.all()) for s in self.owned for f in served.fetch_ol[s])
-        flags_out, flags_send_splits = [], []
-        for r in range(self.world):
-            block = ([prev[1].grad_ol[s][r] for s in self.owned] if prev is not None else []) + \
-                [served.fetch_ol[s][r] for s in self.owned] + [torch.tensor([any_ol, any_nol], device=self.device)]
-            flags_out += block
-            flags_send_splits.append(sum(f.numel() for f in block))
+        any_ol = any(bool(served.fetch_ol[s].any()) for s in self.owned) or (
+            prev is not None and any(bool(prev[1].grad_ol[s].any()) for s in self.owned))
+        any_nol = any(not bool(served.fetch_ol[s].all()) for s in self.owned)
+        tail = torch.tensor([any_ol, any_nol], device=self.device)
+        # per requester: N's gradient flags, then N+1's fetch flags, of every slot I own, then the tail
+        fetch = [served.fetch_ol[s].split(served.counts[s]) for s in self.owned]
+        grad = [prev[1].grad_ol[s].split(prev[1].counts[s]) for s in self.owned] if prev is not None else []
+        flags_out = [f[r] for r in range(self.world) for f in grad + fetch + [[tail] * self.world]]
+        flags_send_splits = [sum(f[r].numel() for f in grad + fetch) + 2 for r in range(self.world)]
         flags_in_splits = [(0 if prev is None else sum(prev[0].rows[s].numel() for s in self.owned_by[o]))
                            + sum(asks.rows[s].numel() for s in self.owned_by[o]) + 2 for o in range(self.world)]
         flags_in = torch.empty(sum(flags_in_splits), dtype=torch.uint8, device=self.device)
@@ -315,23 +339,23 @@ class PecExchange:
         if prev is not None:
             prev[0].grad_ol = [None] * len(self.catalog.slots)
         asks.fetch_ol = [None] * len(self.catalog.slots)
-        offset = 0
-        any_anywhere = nol_anywhere = False
+        flags = flags_in.bool()
+        offset, tails = 0, []
         for o in range(self.world):
             if prev is not None:
                 for s in self.owned_by[o]:
                     n = prev[0].rows[s].numel()
-                    prev[0].grad_ol[s] = flags_in[offset:offset + n].bool()
+                    prev[0].grad_ol[s] = flags[offset:offset + n]
                     offset += n
             for s in self.owned_by[o]:
                 n = asks.rows[s].numel()
-                asks.fetch_ol[s] = flags_in[offset:offset + n].bool()
+                asks.fetch_ol[s] = flags[offset:offset + n]
                 offset += n
-            any_anywhere |= bool(flags_in[offset])
-            nol_anywhere |= bool(flags_in[offset + 1])
+            tails.append(offset)
             offset += 2
-        self.any_overlap = any_anywhere  # OL gradients of N or OL rows of N+1 somewhere
-        return nol_anywhere
+        tail_at = torch.tensor(tails, dtype=torch.int64, device=self.device)
+        self.any_overlap = bool(flags[tail_at].any())  # OL gradients of N or OL rows of N+1 somewhere
+        return bool(flags[tail_at + 1].any())
 
     def _rows(self, asks: Asks, served: Served, which: str, micro: Optional[int] = None) -> None:
         """Looks up and exchanges N+1's rows: "ol", "nol" or "all" of them (of micro-batch `micro`
@@ -340,21 +364,19 @@ class PecExchange:
         def chosen(fetch_ol: torch.Tensor) -> Optional[torch.Tensor]:  # None: every row
             return fetch_ol if which == "ol" else ~fetch_ol if which == "nol" else None
 
-        send, send_splits = [], []
-        for r in range(self.world):
-            n = 0
-            for s in self.owned:
-                rows, fetch_ol = served.asked[s][r], served.fetch_ol[s][r]
-                if micro is not None:
-                    part = served.micro_range(s, r, micro)
-                    rows, fetch_ol = rows[part], fetch_ol[part]
-                mask = chosen(fetch_ol)
-                if mask is not None:
-                    rows = rows[mask]
-                block = self.catalog.local[self._slot(s).key].weight.index_select(0, rows)
-                send.append(block.reshape(-1))
-                n += block.numel()
-            send_splits.append(n)
+        blocks, sizes = [], []  # per owned slot: its rows' values, split by requester; their numels
+        for s in self.owned:
+            parts = served.parts(s, micro)
+            rows, fetch_ol = _take(served.rows[s], parts), _take(served.fetch_ol[s], parts)
+            counts = served.counts[s] if parts is None else [p.stop - p.start for p in parts]
+            mask = chosen(fetch_ol)
+            if mask is not None:
+                rows, counts = rows[mask], _selected(mask, counts)
+            numels = [c * self.cols[s] for c in counts]
+            blocks.append(self.catalog.local[self._slot(s).key].weight.index_select(0, rows).reshape(-1).split(numels))
+            sizes.append(numels)
+        send = [block[r] for r in range(self.world) for block in blocks]  # requester-major
+        send_splits = [sum(n[r] for n in sizes) for r in range(self.world)]
         # per slot: (first row, rows, which of them) of what arrives
         wanted: list[tuple[int, int, Optional[torch.Tensor]]] = []
         for s in range(len(self.catalog.slots)):
@@ -471,33 +493,30 @@ class PecExchange:
                 send.append(g.reshape(-1))
                 n += g.numel()
             send_splits.append(n)
-        rows_of: dict[int, list[torch.Tensor]] = {}
-        micro_of: Optional[dict[int, list[torch.Tensor]]] = {} if served.micro is not None else None
-        recv_splits = []
-        for r in range(self.world):
-            n = 0
-            for s in self.owned:
-                rows, of = served.asked[s][r], served.micro[s][r] if micro_of is not None else None
-                grad_ol = served.grad_ol[s][r] if served.grad_ol is not None else None
-                if micro is not None:  # its own range of rows only
-                    part = served.micro_range(s, r, micro)
-                    rows, of = rows[part], of[part]
-                    grad_ol = grad_ol[part] if grad_ol is not None else None
-                if grad_ol is not None:
-                    mask = grad_ol if first else ~grad_ol
-                    rows, of = rows[mask], of[mask] if of is not None else None
-                rows_of.setdefault(s, []).append(rows)
-                if micro_of is not None:
-                    micro_of.setdefault(s, []).append(of)
-                n += rows.numel() * self.cols[s]
-            recv_splits.append(n)
+        rows_of: dict[int, torch.Tensor] = {}
+        counts_of: dict[int, list[int]] = {}
+        micro_of: Optional[dict[int, torch.Tensor]] = {} if served.micro is not None else None
+        for s in self.owned:
+            parts = served.parts(s, micro)  # its own range of rows only
+            rows = _take(served.rows[s], parts)
+            of = _take(served.micro[s], parts) if micro_of is not None else None
+            counts = served.counts[s] if parts is None else [p.stop - p.start for p in parts]
+            if served.grad_ol is not None:
+                grad_ol = _take(served.grad_ol[s], parts)
+                mask = grad_ol if first else ~grad_ol
+                rows, counts = rows[mask], _selected(mask, counts)
+                of = of[mask] if of is not None else None
+            rows_of[s], counts_of[s] = rows, counts
+            if micro_of is not None:
+                micro_of[s] = of
+        recv_splits = [sum(counts_of[s][r] * self.cols[s] for s in self.owned) for r in range(self.world)]
         buffer = torch.empty(sum(recv_splits), device=self.device)
         inp = torch.cat(send) if send else torch.empty(0, device=self.device)
         priority = self.deferred if not first else self.high if micro is None or micro == len(asks.micro) - 1 \
             else self.micro_gradient_priority
         work = self._a2a(buffer, inp, recv_splits, send_splits, priority)
-        return _InFlight(work, buffer, recv_splits, rows_of, asks.step, lrs, self.world if _gradient_division() else 1,
-                         micro_of)
+        return _InFlight(work, buffer, recv_splits, rows_of, counts_of, asks.step, lrs,
+                         self.world if _gradient_division() else 1, micro_of)
 
     def apply_deferred(self) -> None:
         """Applies the deferred gradients in flight, if any (every rank sent them already)."""
@@ -516,16 +535,17 @@ class PecExchange:
             flight.work.wait()
             if flight.divisor != 1:
                 flight.buffer.div_(flight.divisor)  # as TorchRec's AllToAll backward does, after the exchange
-            for r, block in enumerate(flight.buffer.split(flight.splits)):
+            for r, block in enumerate(flight.buffer.split(flight.splits)):  # requester r's, slot after slot
                 offset = 0
                 for s in self.owned:
-                    rows = flight.rows_of[s][r]
-                    n = rows.numel() * self.cols[s]
-                    rows_of[s].append(rows)
-                    grads_of[s].append(block[offset:offset + n].view(rows.numel(), self.cols[s]))
-                    if flight.micro_of is not None:
-                        micro_of[s].append(flight.micro_of[s][r])
+                    count = flight.counts_of[s][r]
+                    n = count * self.cols[s]
+                    grads_of[s].append(block[offset:offset + n].view(count, self.cols[s]))
                     offset += n
+            for s in self.owned:
+                rows_of[s].append(flight.rows_of[s])
+                if flight.micro_of is not None:
+                    micro_of[s].append(flight.micro_of[s])
         per_tbe: dict[int, dict[int, tuple[torch.Tensor, torch.Tensor]]] = {}
         for s in self.owned:
             slot = self._slot(s)
