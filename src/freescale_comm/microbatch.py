@@ -42,12 +42,12 @@ class MicroBatchPlan:
 def _sample_keys(ids: np.ndarray, lengths: np.ndarray) -> tuple[list[np.ndarray], np.ndarray]:
     """Per sample: its distinct ids as dense key indices; and per key, how many samples hold it."""
     keys, dense = np.unique(ids, return_inverse=True)
-    bounds = np.concatenate([[0], np.cumsum(lengths)])
-    per_sample = [np.unique(dense[bounds[i]:bounds[i + 1]]) for i in range(lengths.size)]
-    holders = np.zeros(keys.size, dtype=np.int64)
-    for k in per_sample:
-        holders[k] += 1
-    return per_sample, holders
+    # every distinct (sample, key) pair at once, sample-major with keys ascending (as a per-sample unique)
+    pairs = np.unique(np.repeat(np.arange(lengths.size, dtype=np.int64), lengths) * keys.size + dense.reshape(-1))
+    sample_of, key_of = np.divmod(pairs, max(keys.size, 1))
+    per_sample = np.split(key_of, np.cumsum(np.bincount(sample_of, minlength=lengths.size))[:-1]) \
+        if lengths.size else []
+    return per_sample, np.bincount(key_of, minlength=keys.size).astype(np.int64)
 
 
 def _check(ids: object, lengths: object, micro_batches: object, costs: object) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
