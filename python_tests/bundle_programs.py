@@ -4,6 +4,9 @@ plan, through LoadBalancer.dispatch_bundle / combine_bundle and the fc.balance h
 
 from __future__ import annotations
 
+import contextlib
+from typing import Iterator
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -103,6 +106,59 @@ def hooks_balance_a_sequence_module(info, seed: int, alike_on: int = -1) -> dict
     plan = fc.LoadBalancer(COST).plan(sequences["items"].lengths())
     return {"samples_home": labels.numel(), "samples_computed": computed_here,
             "imbalance_before": float(plan.imbalance_before), "imbalance_after": float(plan.imbalance_after)}
+
+
+_COLLECTIVES = ("all_gather", "all_gather_object", "all_gather_into_tensor", "all_to_all", "all_to_all_single",
+                "all_reduce", "broadcast", "broadcast_object_list", "gather", "scatter", "reduce_scatter", "barrier")
+
+
+@contextlib.contextmanager
+def _group_refuses_host_tensors() -> Iterator[None]:
+    """Every torch.distributed collective raises what an NCCL-only group raises for host tensors."""
+    def refuse(*args, **kwargs):
+        raise RuntimeError("No backend type associated with device type cpu")
+    saved = {name: getattr(dist, name) for name in _COLLECTIVES}
+    for name in _COLLECTIVES:
+        setattr(dist, name, refuse)
+    try:
+        yield
+    finally:
+        for name, fn in saved.items():
+            setattr(dist, name, fn)
+
+
+def balancing_needs_no_collective_from_the_group(info, seed: int) -> int:
+    """fc.balance (a bundle) and LoadBalancer.dispatch move their plan's lengths, the features'
+    shared-counts agreement and the samples on freescale's own communicator for the group: once it
+    exists (built through the group's object collectives, which an NCCL group runs on the GPU),
+    they need no torch.distributed collective, which an NCCL group refuses for host tensors.
+    Outputs and gradients equal the unbalanced module's. Returns the samples computed here."""
+    from freescale_comm.dispatch import communicator_for
+
+    module = SequenceModule()
+    sequences, labels, num_targets = make_inputs(info.rank, seed)
+    ref = module(sequences, labels, num_targets=num_targets)
+    _loss(ref).backward()
+    ref_grads = {k: jt.values().grad.clone() for k, jt in sequences.items()}
+    for jt in sequences.values():
+        jt.values().grad = None
+    fc.balance(module, COST)
+    communicator_for(None)  # as on first use
+    items = sequences["items"]
+    with _group_refuses_host_tensors():
+        out = module(sequences, labels, num_targets=num_targets)
+        computed_here = module.seen_samples
+        _loss(out).backward()
+        balancer = fc.LoadBalancer(COST)
+        batch = balancer.dispatch(items.values().detach(), items.lengths())
+        back = balancer.combine(batch.values, batch.handle)
+    assert torch.equal(out["user"], ref["user"]) and torch.equal(out["extra"], ref["extra"])
+    assert torch.equal(out["cats"].values(), ref["cats"].values())
+    for k, jt in sequences.items():
+        assert torch.equal(jt.values().grad, ref_grads[k]), f"gradient of {k} differs"
+    assert torch.equal(back, items.values().detach())
+    module.freescale_balance.remove()
+    return computed_here
 
 
 def kjt_bundle_round_trip(info, seed: int) -> int:

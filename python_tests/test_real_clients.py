@@ -109,6 +109,19 @@ def test_balancing_when_features_are_alike_on_one_rank_only():
     assert any(r["samples_computed"] != r["samples_home"] for r in results), results
 
 
+def test_balancing_needs_no_collective_from_a_group_that_refuses_host_tensors():
+    """An NCCL group refuses collectives on host tensors; fc.balance all-gathered its plan's
+    lengths (and agreed on shared counts) through the group with host tensors, so it failed there
+    ("No backend type associated with device type cpu"). Over gloo, with every torch.distributed
+    collective refusing as NCCL does once freescale's communicator exists, balancing still runs
+    and equals the unbalanced module."""
+    _need("torchrec")
+    from bundle_programs import balancing_needs_no_collective_from_the_group
+
+    computed = spawn(balancing_needs_no_collective_from_the_group, 2, 11)
+    assert sum(computed) == 5 + 6 and computed != [5, 6], computed  # every sample computed once; some moved
+
+
 def test_a_keyed_jagged_bundle_with_per_sample_tensors_goes_and_comes_home():
     _need("torchrec")
     from bundle_programs import kjt_bundle_round_trip

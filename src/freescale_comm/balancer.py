@@ -2,7 +2,8 @@
 
 Stage 1 (after the embedding AllToAll): every rank all-gathers the lengths of its samples (a few
 bytes each), all ranks compute the same plan (fc.planner.plan_rebalance), and the samples move
-with fc.dispatch. Stage 2 (after forward): outputs go home with fc.combine. Stage 3 (backward):
+with fc.dispatch. The lengths move on freescale's own communicator for the group, as the samples
+do: no collective goes through the group's backend, which may refuse host tensors (NCCL's does). Stage 2 (after forward): outputs go home with fc.combine. Stage 3 (backward):
 gradients follow through autograd, the backward of each being the other.
 """
 
@@ -19,14 +20,16 @@ import torch.distributed as dist
 
 from freescale_comm.bundle import (
     BalancedBundle,
+    agreed_shares,
     combine_bundle,
     dispatch_bundle,
     has_rows_per_sample,
     is_keyed_jagged,
     is_sequence_batch,
+    local_shares,
     resolved,
 )
-from freescale_comm.dispatch import DispatchHandle, check_jagged_batch, combine, dispatch
+from freescale_comm.dispatch import DispatchHandle, check_jagged_batch, combine, communicator_for, dispatch
 from freescale_comm.planner import CostModel, RebalancePlan, plan_rebalance
 
 __all__ = ["BalancedBatch", "BalancedBundle", "LoadBalancer", "balance"]
@@ -61,20 +64,22 @@ class LoadBalancer:
 
     def plan(self, lengths: torch.Tensor, bytes_per_item: int = 1) -> RebalancePlan:
         """Collective: all-gathers every rank's sample lengths and plans (same plan on all)."""
+        return self._plan(lengths, bytes_per_item, [])[0]
+
+    def _plan(self, lengths: torch.Tensor, bytes_per_item: int, extra: list[int]) -> tuple[RebalancePlan, list[list[int]]]:
+        """plan(), with `extra` (ints, as many on every rank) riding on the same exchange; returns
+        the plan and every rank's extra."""
         if not dist.is_initialized():
             raise RuntimeError("LoadBalancer needs torch.distributed: call dist.init_process_group(...) first")
-        world = dist.get_world_size(self.group)
-        count = torch.tensor([lengths.numel()], dtype=torch.int64)
-        counts = [torch.zeros(1, dtype=torch.int64) for _ in range(world)]
-        dist.all_gather(counts, count, group=self.group)
-        widest = max(int(c) for c in counts)
-        padded = torch.zeros(widest, dtype=torch.int64)
-        padded[: lengths.numel()] = lengths
-        gathered = [torch.zeros(widest, dtype=torch.int64) for _ in range(world)]
-        dist.all_gather(gathered, padded, group=self.group)
-        per_rank = [g[: int(c)].numpy() for g, c in zip(gathered, counts)]
-        return plan_rebalance(per_rank, cost_model=self.cost_model, bytes_per_item=bytes_per_item,
-                              tolerance=self.tolerance)
+        mine = torch.cat([torch.tensor([len(extra), *extra], dtype=torch.int64), lengths.to(torch.int64).cpu()])
+        per_rank = _all_gather_host(communicator_for(self.group), mine)
+        widths = [int(v[0]) for v in per_rank]
+        if any(w != len(extra) for w in widths):
+            raise ValueError(f"ranks balance {widths} features: every rank's batch needs the same features")
+        extras = [v[1:1 + len(extra)].tolist() for v in per_rank]
+        plan = plan_rebalance([v[1 + len(extra):].numpy() for v in per_rank], cost_model=self.cost_model,
+                              bytes_per_item=bytes_per_item, tolerance=self.tolerance)
+        return plan, extras
 
     def dispatch(self, values: torch.Tensor, lengths: torch.Tensor, *, priority: int = 0) -> BalancedBatch:
         """Stage 1. Collective. `values`: rows of this rank's samples back to back; `lengths`:
@@ -134,15 +139,30 @@ class LoadBalancer:
             cost = lengths
             if not isinstance(cost, torch.Tensor) or cost.dtype != torch.int64 or cost.shape != (batch,):
                 raise ValueError(f"lengths must be an int64 tensor of shape ({batch},) (a cost length per sample)")
-        plan = self.plan(cost.cpu(), self.bytes_per_item if self.bytes_per_item is not None else item_bytes)
+        # which features can reuse an earlier one's dispatch (equal lengths): every rank must agree,
+        # so each rank's view rides on the plan's exchange
+        plan, per_rank = self._plan(cost.cpu(), self.bytes_per_item if self.bytes_per_item is not None else item_bytes,
+                                    local_shares([jt.lengths().long() for jt in jts.values()]))
         dest = torch.from_numpy(np.ascontiguousarray(plan.dest[dist.get_rank(self.group)])).to(cost.device)
-        return dispatch_bundle(sequences, per_sample, cost, dest, plan, self.group, priority)
+        return dispatch_bundle(sequences, per_sample, cost, dest, plan, self.group, priority, agreed_shares(per_rank))
 
     def combine_bundle(self, output: Any, bundle: BalancedBundle, *, priority: int = 0) -> Any:
         """Stage 2 for dispatch_bundle: sends `output` home. Tensors with one row per sample,
         JaggedTensors laid out as a feature, and dicts/lists/tuples of them (see
         freescale_comm.bundle.combine_bundle)."""
         return combine_bundle(output, bundle, priority)
+
+
+def _all_gather_host(comm: Any, vector: torch.Tensor) -> list[torch.Tensor]:
+    """Every rank's int64 host vector (lengths may differ), in rank order: its length, then the
+    vectors, on `comm` (two AllToAlls)."""
+    world, n = comm.world_size, vector.numel()
+    sizes = torch.empty(world, dtype=torch.int64)
+    comm.all_to_all_single(sizes, torch.full((world,), n, dtype=torch.int64))
+    counts = sizes.tolist()
+    out = torch.empty(sum(counts), dtype=torch.int64)
+    comm.all_to_all_single(out, vector.repeat(world), counts, [n] * world)
+    return list(out.split(counts))
 
 
 class _BalancedDict(dict):

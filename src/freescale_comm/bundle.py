@@ -13,7 +13,6 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
-import torch.distributed as dist
 
 from freescale_comm.dispatch import DispatchHandle, combine, dispatch, dispatch_like
 from freescale_comm.planner import RebalancePlan
@@ -70,29 +69,27 @@ class BalancedBundle:
         return self.source_ranks.numel()
 
 
-def _shared_counts(lengths: list[torch.Tensor], group: Any) -> list[int]:
-    """Per feature: the earlier feature whose dispatch (counts, layout) it reuses, or -1 for its own.
-    Reuse needs equal lengths on EVERY rank: a local match alone would make ranks issue different
-    collectives (a rank whose features are all empty sees them equal, its peers may not)."""
-    local = torch.tensor([next((j for j in range(i) if torch.equal(lengths[j], lengths[i])), -1)
-                          for i in range(len(lengths))], dtype=torch.int64)
-    if len(lengths) < 2 or dist.get_world_size(group) == 1:
-        return local.tolist()
-    device = lengths[0].device
-    mine = local.to(device)
-    gathered = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(gathered, mine, group=group)
-    agreed = torch.stack(gathered).cpu()
-    return [int(local[i]) if bool((agreed[:, i] == local[i]).all()) else -1 for i in range(len(lengths))]
+def local_shares(lengths: list[torch.Tensor]) -> list[int]:
+    """Per feature: the first earlier feature with equal lengths here, or -1."""
+    return [next((j for j in range(i) if torch.equal(lengths[j], lengths[i])), -1) for i in range(len(lengths))]
+
+
+def agreed_shares(per_rank: list[list[int]]) -> list[int]:
+    """Per feature: the earlier feature whose dispatch (counts, layout) it reuses, or -1 for its
+    own, from every rank's local_shares. Reuse needs equal lengths on EVERY rank: a local match
+    alone would make ranks issue different collectives (a rank whose features are all empty sees
+    them equal, its peers may not)."""
+    mine = per_rank[0]
+    return [s if all(r[i] == s for r in per_rank) else -1 for i, s in enumerate(mine)]
 
 
 def dispatch_bundle(sequences: Any, per_sample: dict[str, torch.Tensor], cost_lengths: torch.Tensor,
-                    dest: torch.Tensor, plan: RebalancePlan, group: Any, priority: int) -> BalancedBundle:
+                    dest: torch.Tensor, plan: RebalancePlan, group: Any, priority: int,
+                    shares: list[int]) -> BalancedBundle:
     """Moves every feature of `sequences` and every per-sample tensor to `dest` (int64 [samples]).
-    Features with equal lengths share one dispatch's counts; weights and per-sample tensors ride
-    on handles already made (one AllToAll each)."""
+    Features with equal lengths on every rank (`shares`, see agreed_shares) share one dispatch's
+    counts; weights and per-sample tensors ride on handles already made (one AllToAll each)."""
     jts = sequences.to_dict() if is_keyed_jagged(sequences) else sequences
-    shares = _shared_counts([jt.lengths().long() for jt in jts.values()], group)
     ones = torch.ones(cost_lengths.numel(), dtype=torch.int64, device=cost_lengths.device)
     # The per-sample handle: a dispatch of nothing per sample (only the counts move).
     first = dispatch(torch.empty(ones.numel(), 0, device=cost_lengths.device), ones, dest, group=group,
