@@ -161,6 +161,30 @@ def balancing_needs_no_collective_from_the_group(info, seed: int) -> int:
     return computed_here
 
 
+def messages_of_a_balanced_forward(info, seed: int, alike: bool) -> int:
+    """Operations freescale's communicator runs during one forward of a module balanced by
+    fc.balance: the make_inputs bundle ("items" weighted, "cats" with its lengths, "extra" with
+    lengths of its own unless `alike`, two per-sample tensors)."""
+    from freescale_comm.communicator import Communicator
+
+    module = fc.balance(SequenceModule(), COST)
+    sequences, labels, num_targets = make_inputs(info.rank, seed, alike_on=info.rank if alike else -1)
+    module(sequences, labels, num_targets=num_targets)  # the communicator exists from here on
+    submitted = Communicator._submit
+    count = [0]
+
+    def counting(self, *args, **kwargs):
+        count[0] += 1
+        return submitted(self, *args, **kwargs)
+
+    Communicator._submit = counting
+    try:
+        module(sequences, labels, num_targets=num_targets)
+    finally:
+        Communicator._submit = submitted
+    return count[0]
+
+
 def kjt_bundle_round_trip(info, seed: int) -> int:
     """dispatch_bundle on a KeyedJaggedTensor (1-D values, weights) and per-sample tensors of
     three dtypes; the balanced KJT, returned as the output, comes home equal to the input, and so

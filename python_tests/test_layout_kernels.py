@@ -159,6 +159,20 @@ def test_dispatch_and_combine_through_the_kernels_match_the_cpu_path(world, prog
                  timeout_s=300) == [len(ROW_CASES) * len(PATTERNS)] * world
 
 
+def test_a_balanced_bundle_through_the_kernels_equals_the_unbalanced_module(program_order):
+    """fc.balance on a TorchRec-like bundle with the layout kernels doing the layout work (the
+    CUDA path): the per-sample handle and the features that follow the cost lengths take what
+    each rank receives from the plan (no counts or lengths exchanged), the others exchange them;
+    outputs and gradients equal the unbalanced module's bit for bit."""
+    if program_order != "identity":
+        pytest.skip("the program order is covered by the round trips above")
+    pytest.importorskip("torchrec")
+    from bundle_programs import hooks_balance_a_sequence_module
+
+    results = spawn(hooks_balance_a_sequence_module, 2, 11, env=KERNELS_ON_CPU, timeout_s=300)
+    assert any(r["samples_computed"] != r["samples_home"] for r in results), results  # samples did move
+
+
 def test_a_dispatch_is_five_launches_one_device_op_and_one_host_read(program_order):
     """Counted, not timed: fc.dispatch of device tensors launches the four plan kernels and one
     copy, makes its received (length, source) pairs contiguous (one op) and reads its counts back

@@ -66,9 +66,10 @@ class LoadBalancer:
         """Collective: all-gathers every rank's sample lengths and plans (same plan on all)."""
         return self._plan(lengths, bytes_per_item, [])[0]
 
-    def _plan(self, lengths: torch.Tensor, bytes_per_item: int, extra: list[int]) -> tuple[RebalancePlan, list[list[int]]]:
+    def _plan(self, lengths: torch.Tensor, bytes_per_item: int,
+              extra: list[int]) -> tuple[RebalancePlan, list[list[int]], list[np.ndarray]]:
         """plan(), with `extra` (ints, as many on every rank) riding on the same exchange; returns
-        the plan and every rank's extra."""
+        the plan, every rank's extra and every rank's lengths."""
         if not dist.is_initialized():
             raise RuntimeError("LoadBalancer needs torch.distributed: call dist.init_process_group(...) first")
         mine = torch.cat([torch.tensor([len(extra), *extra], dtype=torch.int64), lengths.to(torch.int64).cpu()])
@@ -77,9 +78,10 @@ class LoadBalancer:
         if any(w != len(extra) for w in widths):
             raise ValueError(f"ranks balance {widths} features: every rank's batch needs the same features")
         extras = [v[1:1 + len(extra)].tolist() for v in per_rank]
-        plan = plan_rebalance([v[1 + len(extra):].numpy() for v in per_rank], cost_model=self.cost_model,
-                              bytes_per_item=bytes_per_item, tolerance=self.tolerance)
-        return plan, extras
+        all_lengths = [v[1 + len(extra):].numpy() for v in per_rank]
+        plan = plan_rebalance(all_lengths, cost_model=self.cost_model, bytes_per_item=bytes_per_item,
+                              tolerance=self.tolerance)
+        return plan, extras, all_lengths
 
     def dispatch(self, values: torch.Tensor, lengths: torch.Tensor, *, priority: int = 0) -> BalancedBatch:
         """Stage 1. Collective. `values`: rows of this rank's samples back to back; `lengths`:
@@ -139,18 +141,34 @@ class LoadBalancer:
             cost = lengths
             if not isinstance(cost, torch.Tensor) or cost.dtype != torch.int64 or cost.shape != (batch,):
                 raise ValueError(f"lengths must be an int64 tensor of shape ({batch},) (a cost length per sample)")
-        # which features can reuse an earlier one's dispatch (equal lengths): every rank must agree,
-        # so each rank's view rides on the plan's exchange
-        plan, per_rank = self._plan(cost.cpu(), self.bytes_per_item if self.bytes_per_item is not None else item_bytes,
-                                    local_shares([jt.lengths().long() for jt in jts.values()]))
-        dest = torch.from_numpy(np.ascontiguousarray(plan.dest[dist.get_rank(self.group)])).to(cost.device)
-        return dispatch_bundle(sequences, per_sample, cost, dest, plan, self.group, priority, agreed_shares(per_rank))
+        # Every rank's view of its features rides on the plan's exchange (all ranks must agree): which
+        # can reuse an earlier one's dispatch (equal lengths), which have the cost lengths (then what
+        # each rank receives of them is known from the plan)
+        feature_lengths = [jt.lengths().long() for jt in jts.values()]
+        mine = local_shares(feature_lengths) + [int(torch.equal(f, cost.to(f.device))) for f in feature_lengths]
+        plan, per_rank, all_costs = self._plan(cost.cpu(), self.bytes_per_item if self.bytes_per_item is not None
+                                               else item_bytes, mine)
+        n = len(feature_lengths)
+        follows_cost = [all(r[n + i] == 1 for r in per_rank) for i in range(n)]
+        rank = dist.get_rank(self.group)
+        dest = torch.from_numpy(np.ascontiguousarray(plan.dest[rank])).to(cost.device)
+        return dispatch_bundle(sequences, per_sample, cost, dest, plan, self.group, priority,
+                               agreed_shares([r[:n] for r in per_rank]), _received(plan, rank, all_costs), follows_cost)
 
     def combine_bundle(self, output: Any, bundle: BalancedBundle, *, priority: int = 0) -> Any:
         """Stage 2 for dispatch_bundle: sends `output` home. Tensors with one row per sample,
         JaggedTensors laid out as a feature, and dicts/lists/tuples of them (see
         freescale_comm.bundle.combine_bundle)."""
         return combine_bundle(output, bundle, priority)
+
+
+def _received(plan: RebalancePlan, rank: int, lengths: list[np.ndarray]) -> tuple[torch.Tensor, torch.Tensor]:
+    """What `rank` receives under `plan`, every rank's `lengths` known: int64 host tensors, the
+    lengths and source ranks of its samples, by source rank, then original order."""
+    picked = [dest == rank for dest in plan.dest]
+    got = np.concatenate([np.asarray(l, dtype=np.int64)[p] for l, p in zip(lengths, picked)])
+    sources = np.concatenate([np.full(int(p.sum()), r, dtype=np.int64) for r, p in enumerate(picked)])
+    return torch.from_numpy(got), torch.from_numpy(sources)
 
 
 def _all_gather_host(comm: Any, vector: torch.Tensor) -> list[torch.Tensor]:

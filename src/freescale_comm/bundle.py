@@ -14,7 +14,7 @@ from typing import Any, Optional
 
 import torch
 
-from freescale_comm.dispatch import DispatchHandle, combine, dispatch, dispatch_like
+from freescale_comm.dispatch import DispatchHandle, Received, combine, dispatch_like, dispatch_received
 from freescale_comm.planner import RebalancePlan
 
 
@@ -85,22 +85,27 @@ def agreed_shares(per_rank: list[list[int]]) -> list[int]:
 
 def dispatch_bundle(sequences: Any, per_sample: dict[str, torch.Tensor], cost_lengths: torch.Tensor,
                     dest: torch.Tensor, plan: RebalancePlan, group: Any, priority: int,
-                    shares: list[int]) -> BalancedBundle:
+                    shares: list[int], cost_received: Received, follows_cost: list[bool]) -> BalancedBundle:
     """Moves every feature of `sequences` and every per-sample tensor to `dest` (int64 [samples]).
     Features with equal lengths on every rank (`shares`, see agreed_shares) share one dispatch's
-    counts; weights and per-sample tensors ride on handles already made (one AllToAll each)."""
+    counts; weights and per-sample tensors ride on handles already made (one AllToAll each).
+    cost_received: the samples this rank receives (their cost lengths, their source ranks), known
+    from the plan: the per-sample handle and every feature whose lengths are the cost lengths on
+    every rank (`follows_cost`) need no counts or lengths exchanged."""
     jts = sequences.to_dict() if is_keyed_jagged(sequences) else sequences
     ones = torch.ones(cost_lengths.numel(), dtype=torch.int64, device=cost_lengths.device)
-    # The per-sample handle: a dispatch of nothing per sample (only the counts move).
-    first = dispatch(torch.empty(ones.numel(), 0, device=cost_lengths.device), ones, dest, group=group,
-                     priority=priority)
+    # The per-sample handle: nothing per sample moves (a handle for per-sample tensors and outputs).
+    first = dispatch_received(torch.empty(ones.numel(), 0, device=cost_lengths.device), ones, dest,
+                              (torch.ones_like(cost_received[0]), cost_received[1]), group=group, priority=priority,
+                              move=False)
     handles: dict[str, DispatchHandle] = {}
     balanced: dict[str, Any] = {}
     made: list[tuple[torch.Tensor, DispatchHandle, torch.Tensor]] = []  # per feature: (lengths, handle, received)
     for i, (name, jt) in enumerate(jts.items()):
         lengths = jt.lengths().long()
         if shares[i] < 0:
-            res = dispatch(jt.values(), lengths, dest, group=group, priority=priority)
+            res = dispatch_received(jt.values(), lengths, dest, cost_received if follows_cost[i] else None,
+                                    group=group, priority=priority)
             found = (lengths, res.handle, res.lengths)
             values = res.values
         else:

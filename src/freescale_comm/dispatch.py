@@ -165,40 +165,60 @@ class _Combine(torch.autograd.Function):
         return _move_rows(grad, ctx.handle, ctx.priority, forward=True), None, None
 
 
+# What a rank receives, when every rank knows it beforehand (a LoadBalancer's plan): int64 host
+# tensors [samples received], their lengths and their source ranks, by source rank, then original order.
+Received = tuple[torch.Tensor, torch.Tensor]
+
+
 def dispatch(values: torch.Tensor, lengths: torch.Tensor, dest_ranks: torch.Tensor, *,
              group: Optional[dist.ProcessGroup] = None, priority: int = 0) -> DispatchResult:
     """Sends sample i (rows lengths[:i].sum() ... + lengths[i] of `values`) to rank dest_ranks[i]
     of `group` (default WORLD). Collective. Returns the samples this rank received, ordered by
     source rank, then by their original order there; their lengths and source ranks; and the
     handle combine needs to send rows back. Autograd flows back through combine's movement."""
+    return dispatch_received(values, lengths, dest_ranks, None, group=group, priority=priority)
+
+
+def dispatch_received(values: torch.Tensor, lengths: torch.Tensor, dest_ranks: torch.Tensor,
+                      received: Optional[Received], *, group: Optional[dist.ProcessGroup] = None,
+                      priority: int = 0, move: bool = True) -> DispatchResult:
+    """fc.dispatch; with `received` (every rank's own, as a plan all ranks computed says), no
+    counts or lengths cross: one AllToAll, the rows'. move=False (rows of zero bytes only): none
+    at all, a handle for dispatch_like and combine."""
     values, lengths = check_jagged_batch(values, lengths)
     dest_ranks = _check_index_tensor(dest_ranks, "dest_ranks", lengths.numel(), values.device)
     priority = check_priority(priority)
     if not dist.is_initialized():
         raise RuntimeError("fc.dispatch needs torch.distributed: call dist.init_process_group(...) first")
+    if not move and _row_bytes(values) != 0:
+        raise ValueError("move=False needs values of zero bytes per row")
     world = dist.get_world_size(group)
     if values.device.type == "cuda" or _device_dispatch.forced_on_cpu():
-        return _dispatch_cuda(values, lengths, dest_ranks, world, group, priority)
+        return _dispatch_cuda(values, lengths, dest_ranks, world, group, priority, received, move)
     # Local checks (ValueError naming a bad length or rank) before anything collective.
     plan = _core.plan_jagged_dispatch(lengths.data_ptr(), dest_ranks.data_ptr(), lengths.numel(), world)
     comm = communicator_for(group)
 
-    # 1. Sample counts, 2. lengths of the samples, in send order; then the rows (in autograd).
-    send_counts = torch.from_numpy(plan.sample_counts)
-    recv_counts = torch.empty(world, dtype=torch.int64)
-    comm.all_to_all_single(recv_counts, send_counts, priority=priority)
-    recv_lengths = torch.empty(int(recv_counts.sum()), dtype=torch.int64)
-    comm.all_to_all_single(recv_lengths, torch.from_numpy(plan.sent_lengths), recv_counts.tolist(),
-                           send_counts.tolist(), priority=priority)
-    source_ranks = torch.repeat_interleave(torch.arange(world, dtype=torch.int64), recv_counts)
+    # 1. Sample counts, 2. lengths of the samples, in send order (unless known); then the rows (in autograd).
+    if received is None:
+        send_counts = torch.from_numpy(plan.sample_counts)
+        recv_counts = torch.empty(world, dtype=torch.int64)
+        comm.all_to_all_single(recv_counts, send_counts, priority=priority)
+        recv_lengths = torch.empty(int(recv_counts.sum()), dtype=torch.int64)
+        comm.all_to_all_single(recv_lengths, torch.from_numpy(plan.sent_lengths), recv_counts.tolist(),
+                               send_counts.tolist(), priority=priority)
+        source_ranks = torch.repeat_interleave(torch.arange(world, dtype=torch.int64), recv_counts)
+    else:
+        recv_lengths, source_ranks = received
     recv_rows = torch.zeros(world, dtype=torch.int64).index_add_(0, source_ranks, recv_lengths)
     handle = DispatchHandle(comm, plan, plan.row_counts.tolist(), recv_rows.tolist(), recv_lengths)
-    out = _Dispatch.apply(values, handle, priority)
+    out = _Dispatch.apply(values, handle, priority) if move else values.new_empty((handle.rows_received, *values.shape[1:]))
     return DispatchResult(out, recv_lengths, source_ranks, handle)
 
 
 def _dispatch_cuda(values: torch.Tensor, lengths: torch.Tensor, dest_ranks: torch.Tensor, world: int,
-                   group: Optional[dist.ProcessGroup], priority: int) -> DispatchResult:
+                   group: Optional[dist.ProcessGroup], priority: int, received: Optional[Received] = None,
+                   move: bool = True) -> DispatchResult:
     """dispatch of CUDA tensors: the plan kernels, one host sync for its counts, the counts over
     the host transport, the lengths and rows over the copy engines. (CPU tensors too, through
     Triton's interpreter, when a test forces the kernels: _device_dispatch.forced_on_cpu.)"""
@@ -206,16 +226,20 @@ def _dispatch_cuda(values: torch.Tensor, lengths: torch.Tensor, dest_ranks: torc
         refuse_capture(values.device, "fc.dispatch")  # before the plan's host sync would invalidate the capture
     plan = _device_dispatch.plan(lengths, dest_ranks.contiguous(), world, dist.get_rank(group), values.shape[0])
     comm = communicator_for(group)  # after the plan's local checks, as for CPU tensors
-    send_counts = torch.tensor(list(zip(plan.sample_counts, plan.row_counts)), dtype=torch.int64)  # host
-    recv_counts = torch.empty(world, 2, dtype=torch.int64)
-    comm.all_to_all_single(recv_counts, send_counts, priority=priority)  # [world, (samples, rows)]
-    recv_samples, recv_rows = recv_counts[:, 0].tolist(), recv_counts[:, 1].tolist()
-    # Each sample's length comes with its sender's rank: one device op makes both contiguous.
-    received = torch.empty(sum(recv_samples), 2, dtype=torch.int64, device=values.device)
-    comm.all_to_all_single(received, plan.sent, recv_samples, plan.sample_counts, priority=priority)
-    recv_lengths, source_ranks = received.T.contiguous()
+    if received is None:
+        send_counts = torch.tensor(list(zip(plan.sample_counts, plan.row_counts)), dtype=torch.int64)  # host
+        recv_counts = torch.empty(world, 2, dtype=torch.int64)
+        comm.all_to_all_single(recv_counts, send_counts, priority=priority)  # [world, (samples, rows)]
+        recv_samples, recv_rows = recv_counts[:, 0].tolist(), recv_counts[:, 1].tolist()
+        # Each sample's length comes with its sender's rank: one device op makes both contiguous.
+        both = torch.empty(sum(recv_samples), 2, dtype=torch.int64, device=values.device)
+        comm.all_to_all_single(both, plan.sent, recv_samples, plan.sample_counts, priority=priority)
+        recv_lengths, source_ranks = both.T.contiguous()
+    else:
+        recv_rows = torch.zeros(world, dtype=torch.int64).index_add_(0, received[1], received[0]).tolist()
+        recv_lengths, source_ranks = (t.to(values.device) for t in received)
     handle = DispatchHandle(comm, plan, plan.row_counts, recv_rows, recv_lengths)
-    out = _Dispatch.apply(values, handle, priority)
+    out = _Dispatch.apply(values, handle, priority) if move else values.new_empty((handle.rows_received, *values.shape[1:]))
     return DispatchResult(out, recv_lengths, source_ranks, handle)
 
 
