@@ -105,3 +105,15 @@ def module_hook_form(info, seed: int, dim: int) -> float:
     again = balanced(values, lengths)  # hooks off: plain local forward
     assert torch.allclose(again, ref.detach(), atol=1e-5)
     return float(out.sum())
+
+
+def balancer_over_an_nccl_group(info) -> bool:
+    """LoadBalancer.dispatch / combine of CUDA tensors over the default group when it is NCCL's,
+    which refuses host tensors: the plan's lengths must not go through it. Whether the samples
+    came home."""
+    torch.cuda.set_device(0)
+    balancer = fc.LoadBalancer(CostModel(quadratic=1.0, linear=0.0, constant=1.0))
+    lengths = torch.tensor([3, 0, 5, 2], device="cuda")
+    values = torch.randn(10, 4, device="cuda")
+    batch = balancer.dispatch(values, lengths)
+    return bool(torch.equal(balancer.combine(batch.values, batch.handle), values))

@@ -7,7 +7,7 @@ import torch
 import freescale_comm as fc
 from freescale_comm import _core, _device_dispatch
 from freescale_comm.testing import spawn
-from balancer_programs import balanced_equals_unbalanced
+from balancer_programs import balanced_equals_unbalanced, balancer_over_an_nccl_group
 from dispatch_programs import PATTERNS, ROW_CASES, bad_inputs_raise_before_communicating, gradients_match_single_process, roundtrip_is_identity
 
 pytestmark = pytest.mark.gpu
@@ -77,6 +77,13 @@ def test_bad_input_on_gpu_raises_before_communication():
 def test_load_balancer_on_gpu_equals_the_unbalanced_step():
     stats = spawn(balanced_equals_unbalanced, 3, 21, 6, "cuda", backend="freescale", timeout_s=300)
     assert stats[0]["moved"] > 0 and all(s == stats[0] for s in stats)
+
+
+def test_load_balancer_over_an_nccl_group():
+    """The plan's lengths went through the group's all_gather on host tensors, which NCCL's
+    refuses ("No backend type associated with device type cpu"); one rank, one GPU (NCCL allows
+    one rank per GPU)."""
+    assert spawn(balancer_over_an_nccl_group, 1, backend="nccl", timeout_s=300) == [True]
 
 
 def test_the_layout_kernels_are_triton_and_the_core_has_no_kernels():
