@@ -185,6 +185,19 @@ def messages_of_a_balanced_forward(info, seed: int, alike: bool) -> int:
     return count[0]
 
 
+def ranks_balance_different_features(info, seed: int) -> str:
+    """Rank 0 balances "items" and "cats", the others also "extra": every rank raises, naming who
+    balanced what (before, the shared-counts all-gather of different sizes broke, or hung)."""
+    sequences, _, _ = make_inputs(info.rank, seed)
+    if info.rank == 0:
+        sequences.pop("extra")
+    try:
+        fc.LoadBalancer(COST).dispatch_bundle(sequences)
+    except Exception as e:  # noqa: BLE001 - the message is the result
+        return f"{type(e).__name__}: {e}"
+    return "no error"
+
+
 def kjt_bundle_round_trip(info, seed: int) -> int:
     """dispatch_bundle on a KeyedJaggedTensor (1-D values, weights) and per-sample tensors of
     three dtypes; the balanced KJT, returned as the output, comes home equal to the input, and so

@@ -139,6 +139,14 @@ def test_a_balanced_forward_exchanges_only_what_the_plan_does_not_tell():
     assert spawn(messages_of_a_balanced_forward, 2, 11, True) == [11, 11]
 
 
+def test_ranks_balancing_different_features_all_raise_naming_them():
+    _need("torchrec")
+    from bundle_programs import ranks_balance_different_features
+
+    for message in spawn(ranks_balance_different_features, 3, 11, timeout_s=120):
+        assert message.startswith("CommError: ranks balanced batches of different features (ranks [0]: 2, ranks [1, 2]: 3)"), message
+
+
 def test_a_keyed_jagged_bundle_with_per_sample_tensors_goes_and_comes_home():
     _need("torchrec")
     from bundle_programs import kjt_bundle_round_trip

@@ -3,8 +3,9 @@
 Stage 1 (after the embedding AllToAll): every rank all-gathers the lengths of its samples (a few
 bytes each), all ranks compute the same plan (fc.planner.plan_rebalance), and the samples move
 with fc.dispatch. The lengths move on freescale's own communicator for the group, as the samples
-do: no collective goes through the group's backend, which may refuse host tensors (NCCL's does). Stage 2 (after forward): outputs go home with fc.combine. Stage 3 (backward):
-gradients follow through autograd, the backward of each being the other.
+do: no collective goes through the group's backend, which may refuse host tensors (NCCL's does).
+Stage 2 (after forward): outputs go home with fc.combine. Stage 3 (backward): gradients follow
+through autograd, the backward of each being the other.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from freescale_comm._core import CommError
 from freescale_comm.bundle import (
     BalancedBundle,
     agreed_shares,
@@ -74,9 +76,13 @@ class LoadBalancer:
             raise RuntimeError("LoadBalancer needs torch.distributed: call dist.init_process_group(...) first")
         mine = torch.cat([torch.tensor([len(extra), *extra], dtype=torch.int64), lengths.to(torch.int64).cpu()])
         per_rank = _all_gather_host(communicator_for(self.group), mine)
-        widths = [int(v[0]) for v in per_rank]
-        if any(w != len(extra) for w in widths):
-            raise ValueError(f"ranks balance {widths} features: every rank's batch needs the same features")
+        widths = [int(v[0]) // 2 for v in per_rank]  # features (a bundle's: two flags each; plain samples: 0)
+        if len(set(widths)) > 1:
+            by = {w: [r for r, x in enumerate(widths) if x == w] for w in sorted(set(widths))}
+            raise CommError("ranks balanced batches of different features (" +
+                            ", ".join(f"ranks {ranks}: {w}" for w, ranks in by.items()) +
+                            "): every rank's batch needs the same features, each through dispatch_bundle or each "
+                            "through dispatch")
         extras = [v[1:1 + len(extra)].tolist() for v in per_rank]
         all_lengths = [v[1 + len(extra):].numpy() for v in per_rank]
         plan = plan_rebalance(all_lengths, cost_model=self.cost_model, bytes_per_item=bytes_per_item,
