@@ -210,10 +210,22 @@ def dispatch_received(values: torch.Tensor, lengths: torch.Tensor, dest_ranks: t
         source_ranks = torch.repeat_interleave(torch.arange(world, dtype=torch.int64), recv_counts)
     else:
         recv_lengths, source_ranks = received
-    recv_rows = torch.zeros(world, dtype=torch.int64).index_add_(0, source_ranks, recv_lengths)
-    handle = DispatchHandle(comm, plan, plan.row_counts.tolist(), recv_rows.tolist(), recv_lengths)
+    handle = DispatchHandle(comm, plan, plan.row_counts.tolist(), _rows_from(recv_lengths, source_ranks, world),
+                            recv_lengths)
+    return _deliver(values, handle, source_ranks, priority, move)
+
+
+def _rows_from(lengths: torch.Tensor, sources: torch.Tensor, world: int) -> list[int]:
+    """[world] rows received from each rank, from the received samples' lengths and sources (host)."""
+    return torch.zeros(world, dtype=torch.int64).index_add_(0, sources, lengths).tolist()
+
+
+def _deliver(values: torch.Tensor, handle: DispatchHandle, source_ranks: torch.Tensor, priority: int,
+             move: bool) -> DispatchResult:
+    """The dispatch's result: its rows moved on `handle` (in autograd), or, not `move` (rows of
+    zero bytes), an empty output of the received rows' count without any message."""
     out = _Dispatch.apply(values, handle, priority) if move else values.new_empty((handle.rows_received, *values.shape[1:]))
-    return DispatchResult(out, recv_lengths, source_ranks, handle)
+    return DispatchResult(out, handle.recv_lengths, source_ranks, handle)
 
 
 def _dispatch_cuda(values: torch.Tensor, lengths: torch.Tensor, dest_ranks: torch.Tensor, world: int,
@@ -236,11 +248,10 @@ def _dispatch_cuda(values: torch.Tensor, lengths: torch.Tensor, dest_ranks: torc
         comm.all_to_all_single(both, plan.sent, recv_samples, plan.sample_counts, priority=priority)
         recv_lengths, source_ranks = both.T.contiguous()
     else:
-        recv_rows = torch.zeros(world, dtype=torch.int64).index_add_(0, received[1], received[0]).tolist()
+        recv_rows = _rows_from(*received, world)
         recv_lengths, source_ranks = (t.to(values.device) for t in received)
     handle = DispatchHandle(comm, plan, plan.row_counts, recv_rows, recv_lengths)
-    out = _Dispatch.apply(values, handle, priority) if move else values.new_empty((handle.rows_received, *values.shape[1:]))
-    return DispatchResult(out, recv_lengths, source_ranks, handle)
+    return _deliver(values, handle, source_ranks, priority, move)
 
 
 def _check_for_handle(values: object, handle: object, priority: object) -> tuple[torch.Tensor, int]:

@@ -107,6 +107,10 @@ class Served:
             start += count
         return out
 
+    def counts_in(self, slot: int, parts: Optional[list[slice]]) -> list[int]:
+        """[world] rows of each requester in `parts` (from parts()); all of them if None."""
+        return self.counts[slot] if parts is None else [p.stop - p.start for p in parts]
+
 
 def _take(values: torch.Tensor, parts: Optional[list[slice]]) -> torch.Tensor:
     """values' entries in `parts` (ranges), one after another; all of them if parts is None."""
@@ -368,7 +372,7 @@ class PecExchange:
         for s in self.owned:
             parts = served.parts(s, micro)
             rows, fetch_ol = _take(served.rows[s], parts), _take(served.fetch_ol[s], parts)
-            counts = served.counts[s] if parts is None else [p.stop - p.start for p in parts]
+            counts = served.counts_in(s, parts)
             mask = chosen(fetch_ol)
             if mask is not None:
                 rows, counts = rows[mask], _selected(mask, counts)
@@ -500,7 +504,7 @@ class PecExchange:
             parts = served.parts(s, micro)  # its own range of rows only
             rows = _take(served.rows[s], parts)
             of = _take(served.micro[s], parts) if micro_of is not None else None
-            counts = served.counts[s] if parts is None else [p.stop - p.start for p in parts]
+            counts = served.counts_in(s, parts)
             if served.grad_ol is not None:
                 grad_ol = _take(served.grad_ol[s], parts)
                 mask = grad_ol if first else ~grad_ol
