@@ -518,3 +518,37 @@ def eval_mode_matches_sparse_dist(info, steps: int) -> int:
 def balance_and_eval(info, steps: int) -> dict:
     return {"balance": pec_and_balance_match_sparse_dist_with_balance(info, steps, 0.5),
             "eval_steps": eval_mode_matches_sparse_dist(info, 4)}
+
+
+# -- host reads (device syncs on CUDA) -------------------------------------------------------------
+EXCHANGE_METHODS = ("announce", "ask", "prepare", "gradients", "fetch_micro", "stream_gradients", "send_deferred",
+                    "apply_deferred", "reset")
+
+
+def exchange_host_reads(info, modes: dict[str, dict], steps: tuple[int, int] = (4, 8)) -> dict:
+    """Per mode (pipeline kwargs): host reads of tensor values inside the exchange's rounds (see
+    host_reads.py: device syncs were the tables on CUDA) per steady-state step: (reads over
+    steps[1] steps - reads over steps[0]) / (steps[1] - steps[0]), collision 0.5, 2 ranks; and
+    what they were, over the longer run."""
+    from host_reads import counting
+
+    pg = dist.group.WORLD
+    rank = dist.get_rank()
+    batches = make_batches(max(steps), dist.get_world_size(), 0.5, seed=5)
+    out = {}
+    for name, kwargs in modes.items():
+        totals = []
+        for n in steps:
+            dmp, opt = build(pg, "rowwise_adagrad")
+            pipe = fc.TrainPipelinePEC(dmp, opt, torch.device("cpu"), group=pg, **dict(kwargs))
+            host = [t for tbe in pipe._exchange.tbes for t in (getattr(tbe, "iter_cpu", None), tbe.learning_rate_tensor)
+                    if t is not None]  # fbgemm keeps these on the host on every device
+            feed = iter([b[rank] for b in batches[:n]])
+            with counting(pipe._exchange, EXCHANGE_METHODS, host) as reads:
+                for _ in range(n):
+                    pipe.progress(feed)
+                totals.append(dict(reads))
+            pipe.close()
+        per_step = (sum(totals[1].values()) - sum(totals[0].values())) / (steps[1] - steps[0])
+        out[name] = {"per_step": per_step, "what": totals[1]}
+    return out

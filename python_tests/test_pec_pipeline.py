@@ -141,3 +141,20 @@ def test_pec_with_balance_and_in_eval_mode_equals_sparse_dist():
     assert any(r["balance"]["computed"] != r["balance"]["home"] for r in results), results
     for r in results:
         assert r["balance"]["same_as_reference"] and r["eval_steps"] == 4, r
+
+
+def test_the_exchange_reads_the_device_once_per_round_that_learns_sizes():
+    """Counted: the exchange's rounds read tensor values on the host (a device sync each, on CUDA:
+    the CPU would stop running ahead of the GPU) only where sizes arrive from the peers: the ids
+    round (the next batch's counts) and the flags round (every later round's sizes, in one read).
+    A steady-state step: 2 reads with PEC or DBP, whole batches or micro-batches; 1 with every row
+    after the update (prefetch="ids": no flags). Before, about 130 per step (a read per slot and
+    round: mask sums, boolean-mask selections, per-slot any())."""
+    from pec_pipeline_programs import exchange_host_reads
+
+    modes = {"pec": {}, "dual_buffer": {"prefetch": "dual_buffer"}, "pec_micro": {"micro_batches": 2},
+             "ids_micro": {"prefetch": "ids", "micro_batches": 2}}
+    for report in spawn(exchange_host_reads, 2, modes, timeout_s=300):
+        expected = {"pec": 2, "dual_buffer": 2, "pec_micro": 2, "ids_micro": 1}
+        for mode, reads in report.items():
+            assert reads["per_step"] == expected[mode], (mode, reads)

@@ -33,7 +33,12 @@ A row of N+1 is OL if any rank read it (through any feature of its table) in N; 
 the same flags, so sizes are known before every exchange. Updates go through the TBE's fused
 backward (the optimizer TorchRec configured), one call per TBE and partition; OL and NOL rows are
 disjoint, so each row gets exactly the update synchronous training gives it. One thread at a
-time: the pipeline's worker, or the caller's while the worker is idle."""
+time: the pipeline's worker, or the caller's while the worker is idle.
+
+Host reads of tensor values (each a device sync on CUDA) happen only where sizes arrive from the
+peers: once per ask() (the next batch's counts, and with micro-batches its rows per micro-batch)
+and once per flags round (every size the later rounds of N and N+1 need, _host_counts.CountBatch);
+selections use those counts (nonzero_static), so no other round waits for the device."""
 
 from __future__ import annotations
 
@@ -48,6 +53,7 @@ import torch
 from freescale_comm.communicator import Communicator
 from freescale_comm._core import CommError
 from freescale_comm.pipelines._catalog import Catalog, LocalShard, Slot
+from freescale_comm.pipelines._host_counts import CountBatch, positions, select
 
 
 @dataclass
@@ -61,6 +67,16 @@ class Asks:
     grad_ol: list[Optional[torch.Tensor]] = field(default_factory=list)  # per slot: bool [n_s] or None (all)
     step: int = 0
     micro: Optional[list["MicroAsk"]] = None  # frozen-window micro-batches (rows micro-batch-major), or None
+    # host counts from the flags round, per slot [M] (M = 1 for whole batches): rows that wait for the
+    # last update, per micro-batch; gradients that go first (None: all of them)
+    fetch_counts: list[list[int]] = field(default_factory=list)
+    grad_counts: list[Optional[list[int]]] = field(default_factory=list)
+
+    def bounds(self, slot: int) -> list[int]:
+        """[M + 1] boundaries of each micro-batch's rows in rows[slot] (M = 1: [0, n])."""
+        if self.micro is None:
+            return [0, self.rows[slot].numel()]
+        return [m.start[slot] for m in self.micro] + [self.micro[-1].start[slot] + self.micro[-1].count[slot]]
 
     def micro_counts(self, slot: int) -> list[int]:
         """Rows per micro-batch of one slot (micro-batch m's are rows[start_m : start_m + count_m])."""
@@ -89,13 +105,33 @@ class Served:
 
     rows: dict[int, torch.Tensor]  # slot index -> int64 [asked by all]: requester 0's, then 1's...
     counts: dict[int, list[int]]  # slot index -> [world] rows each requester asked
-    touched: dict[tuple, torch.Tensor]  # table shard -> unique rows read by anyone
+    touched: dict[tuple, torch.Tensor]  # table shard -> rows read by anyone (repeats kept: no sync to drop them)
     fetch_ol: dict[int, torch.Tensor] = field(default_factory=dict)  # slot -> bool [asked by all]
     grad_ol: Optional[dict[int, torch.Tensor]] = None  # slot -> bool [asked by all]; None: all OL
     micro: Optional[dict[int, torch.Tensor]] = None  # slot -> int64 [asked by all] micro-batch per row (FWP)
     # FWP: slot -> [world] offsets [M + 1] of each micro-batch's rows in a requester's rows (they come
     # micro-batch-major), so a micro-batch's round touches its own rows only, not the batch's
     micro_bounds: Optional[dict[int, list[list[int]]]] = None
+    # host counts from the flags round, slot -> [world * M] per (requester, micro-batch) (M = 1 for
+    # whole batches): rows that wait for the last update; gradients that go first (None: all)
+    fetch_counts: dict[int, list[int]] = field(default_factory=dict)
+    grad_counts: Optional[dict[int, list[int]]] = None
+
+    def bounds(self, slot: int) -> list[int]:
+        """[world * M + 1] boundaries of each (requester, micro-batch)'s rows in rows[slot]."""
+        out, start = [0], 0
+        for r, count in enumerate(self.counts[slot]):
+            inner = self.micro_bounds[slot][r][1:] if self.micro_bounds is not None else [count]
+            out += [start + b for b in inner]
+            start += count
+        return out
+
+    def per_requester(self, slot: int, flat: list[int], micro: Optional[int]) -> list[int]:
+        """[world] from one of slot's [world * M] per-(requester, micro-batch) counts: micro-batch
+        `micro`'s, or all of them."""
+        world = len(self.counts[slot])
+        m = len(flat) // world
+        return [sum(flat[r * m:(r + 1) * m]) if micro is None else flat[r * m + micro] for r in range(world)]
 
     def parts(self, slot: int, micro: Optional[int]) -> Optional[list[slice]]:
         """Per requester, where micro-batch `micro`'s rows lie in rows[slot] (None: every row)."""
@@ -117,13 +153,6 @@ def _take(values: torch.Tensor, parts: Optional[list[slice]]) -> torch.Tensor:
     return values if parts is None else torch.cat([values[p] for p in parts])
 
 
-def _selected(mask: torch.Tensor, counts: list[int]) -> list[int]:
-    """How many of each consecutive segment of `mask` (lengths `counts`) are True."""
-    ends = torch.tensor(list(itertools.accumulate(counts)), dtype=torch.int64, device=mask.device)
-    upto = torch.cat([mask.new_zeros(1, dtype=torch.int64), mask.cumsum(0)])  # [n + 1]: True before i
-    return torch.diff(upto[ends], prepend=upto[:1]).tolist()
-
-
 @dataclass
 class _InFlight:
     """Gradients arriving at this rank (as owner) for one batch and partition."""
@@ -137,6 +166,7 @@ class _InFlight:
     lrs: dict[int, float]
     divisor: int  # TorchRec divides embedding gradients by the world size (comm_ops.GRADIENT_DIVISION)
     micro_of: Optional[dict[int, torch.Tensor]] = None  # owned slot -> micro-batch of each row (as rows_of)
+    micro: Optional[int] = None  # the one micro-batch all its rows belong to (None: any)
 
 
 PREFETCH = ("pec", "dual_buffer", "ids")
@@ -180,7 +210,7 @@ class PecExchange:
         self.next: Optional[tuple[Asks, Served]] = None  # prepared batch N+1, OL rows pending
         self.deferred_grads: Optional[_InFlight] = None
         self.any_overlap = False  # from the last flags: some rank has OL gradients or OL rows
-        self.incoming: Optional[torch.Tensor] = None  # [world, owned slots]: ids each rank sends in the next ask()
+        self.incoming: Optional[list[list[int]]] = None  # [world][owned slots]: ids each rank sends in the next ask()
         self.unsent: Optional[tuple] = None  # NOL gradients gradients() left for send_deferred()
         tbes = {id(s.tbe): s.tbe for s in catalog.local.values()}
         self.tbes = list(tbes.values())
@@ -202,10 +232,10 @@ class PecExchange:
         return [[asks.rows[s].numel() if asks is not None else 0 for s in self.owned_by[o]] + [flag]
                 for o in range(self.world)]
 
-    def _take_counts(self, tails: torch.Tensor) -> bool:
-        """tails: int64 [world, owned slots + 1], what each rank announced. Keeps the counts for
-        the next ask(); returns whether the batch exists (every rank must agree)."""
-        has = tails[:, -1].tolist()
+    def _take_counts(self, tails: list[list[int]]) -> bool:
+        """tails: [world][owned slots + 1], what each rank announced. Keeps the counts for the
+        next ask(); returns whether the batch exists (every rank must agree)."""
+        has = [t[-1] for t in tails]
         failed = [r for r, h in enumerate(has) if h == 2]
         if failed:
             raise CommError(f"ranks {failed} could not read or route their next batch (their own error says why); "
@@ -214,7 +244,7 @@ class PecExchange:
             raise CommError(f"ranks {[r for r, h in enumerate(has) if not h]} ran out of data while ranks "
                             f"{[r for r, h in enumerate(has) if h]} still had a batch: every rank's dataloader "
                             "must yield the same number of batches")
-        self.incoming = tails[:, :-1].clone() if has[0] else None
+        self.incoming = [t[:-1] for t in tails] if has[0] else None
         return bool(has[0])
 
     def announce(self, asks: Optional[Asks], failed: bool = False) -> bool:
@@ -225,14 +255,14 @@ class PecExchange:
         recv = torch.empty(self.world * (len(self.owned) + 1), dtype=torch.int64)
         self._a2a(recv, torch.tensor([c for per_owner in send for c in per_owner], dtype=torch.int64),
                   [len(self.owned) + 1] * self.world, [len(c) for c in send], self.low).wait()
-        return self._take_counts(recv.view(self.world, len(self.owned) + 1))
+        return self._take_counts(recv.view(self.world, len(self.owned) + 1).tolist())
 
     def ask(self, asks: Asks, following: Optional[Asks], failed: bool = False) -> bool:
         """One round (low priority): `asks`' ids (their counts were announced) go to their owners,
         with the counts of the `following` batch (None: this rank has no more data). prepare()
         takes `asks` from there. Returns whether `following` exists (every rank must agree). Runs a
         step ahead of prepare(): ids need no earlier update."""
-        counts = self.incoming  # [requester, owned slot]: what each rank sends me now
+        counts = self.incoming  # [requester][owned slot]: what each rank sends me now (host ints)
         if counts is None:
             raise RuntimeError("ask() without announced counts")
         tail = self._counts_of(following, failed)
@@ -243,7 +273,7 @@ class PecExchange:
             sizes = [c for s in self.owned_by[o] for c in asks.micro_counts(s)] if per_micro else []
             send += ids + [torch.tensor(sizes + tail[o], dtype=torch.int64, device=self.device)]
             send_splits.append(sum(i.numel() for i in ids) + len(sizes) + len(tail[o]))
-        ids_from = counts.sum(1).tolist()
+        ids_from = [sum(c) for c in counts]
         extra = len(self.owned) * per_micro
         recv_splits = [n + extra + len(self.owned) + 1 for n in ids_from]
         out = torch.empty(sum(recv_splits), dtype=torch.int64, device=self.device)
@@ -251,7 +281,7 @@ class PecExchange:
         asked: dict[int, list[torch.Tensor]] = {s: [] for s in self.owned}
         sizes, tails = [], []  # per requester: [owned slots, M] rows per micro-batch (FWP); its counts
         for r, block in enumerate(out.split(recv_splits)):
-            for s, rows in zip(self.owned, block[:ids_from[r]].split(counts[r].tolist())):
+            for s, rows in zip(self.owned, block[:ids_from[r]].split(counts[r])):
                 asked[s].append(rows)
             sizes.append(block[ids_from[r]:ids_from[r] + extra])
             tails.append(block[ids_from[r] + extra:])
@@ -259,17 +289,23 @@ class PecExchange:
         touched: dict[tuple, list[torch.Tensor]] = {}
         for s in self.owned:
             touched.setdefault(self._slot(s).key, []).append(rows_of[s])
-        served = Served(rows_of, {s: counts[:, i].tolist() for i, s in enumerate(self.owned)},
-                        {k: torch.unique(torch.cat(v)) for k, v in touched.items()})
-        if per_micro:  # [requester, owned slot, micro-batch]
-            per = torch.stack(sizes).view(self.world, len(self.owned), per_micro).cpu()
+        served = Served(rows_of, {s: [counts[r][i] for r in range(self.world)] for i, s in enumerate(self.owned)},
+                        {k: torch.cat(v) for k, v in touched.items()})
+        # the next batch's counts and (FWP) these rows per micro-batch: one host read
+        host = torch.cat(tails + sizes).tolist()
+        tails_of = [host[r * (len(self.owned) + 1):(r + 1) * (len(self.owned) + 1)] for r in range(self.world)]
+        if per_micro:  # per requester: [owned slots * M], slot-major
+            at = self.world * (len(self.owned) + 1)
             served.micro, served.micro_bounds = {}, {}
             for i, s in enumerate(self.owned):
+                per = [host[at + r * extra + i * per_micro:at + r * extra + (i + 1) * per_micro] for r in range(self.world)]
+                flat = [c for p in per for c in p]
                 served.micro[s] = torch.repeat_interleave(torch.arange(per_micro).repeat(self.world),
-                                                          per[:, i].reshape(-1)).to(self.device)
-                served.micro_bounds[s] = [[0] + c for c in per[:, i].cumsum(1).tolist()]
+                                                          torch.tensor(flat, dtype=torch.int64),
+                                                          output_size=sum(flat)).to(self.device)
+                served.micro_bounds[s] = [[0] + list(itertools.accumulate(p)) for p in per]
         self.asked.append((asks, served))
-        return self._take_counts(torch.stack(tails).cpu())
+        return self._take_counts(tails_of)
 
     def prepare(self) -> None:
         """The oldest asked batch (N+1) up to its NOL rows in place: flags, then N-1's deferred
@@ -306,9 +342,13 @@ class PecExchange:
                                             device=self.device)
         asks.fetch_ol = [torch.full((rows.numel(),), prev is not None, dtype=torch.bool, device=self.device)
                          for rows in asks.rows]
+        waits = prev is not None  # every row or none: the counts are the sizes, known on the host
+        served.fetch_counts = {s: [n if waits else 0 for n in _sizes(served.bounds(s))] for s in self.owned}
+        asks.fetch_counts = [[n if waits else 0 for n in _sizes(asks.bounds(s))] for s in range(len(asks.rows))]
         if prev is not None:
             prev[0].grad_ol = [None] * len(self.catalog.slots)
-            prev[1].grad_ol = None
+            prev[0].grad_counts = [None] * len(self.catalog.slots)
+            prev[1].grad_ol = prev[1].grad_counts = None
         self.any_overlap = prev is not None
         return prev is None
 
@@ -327,10 +367,12 @@ class PecExchange:
         # two bytes more per block: does this owner serve any OL row or OL gradient, any NOL row (every
         # requester gets the same bytes, so every rank ORs the same ones: all agree on skipping an
         # exchange no rank has anything for)
-        any_ol = any(bool(served.fetch_ol[s].any()) for s in self.owned) or (
-            prev is not None and any(bool(prev[1].grad_ol[s].any()) for s in self.owned))
-        any_nol = any(not bool(served.fetch_ol[s].all()) for s in self.owned)
-        tail = torch.tensor([any_ol, any_nol], device=self.device)
+        # (on the device: no host read before the exchange)
+        ol = [served.fetch_ol[s].any() for s in self.owned] + \
+            ([prev[1].grad_ol[s].any() for s in self.owned] if prev is not None else [])
+        nol = [(~served.fetch_ol[s]).any() for s in self.owned]
+        none = torch.zeros((), dtype=torch.bool, device=self.device)
+        tail = torch.stack([torch.stack(ol).any() if ol else none, torch.stack(nol).any() if nol else none])
         # per requester: N's gradient flags, then N+1's fetch flags, of every slot I own, then the tail
         fetch = [served.fetch_ol[s].split(served.counts[s]) for s in self.owned]
         grad = [prev[1].grad_ol[s].split(prev[1].counts[s]) for s in self.owned] if prev is not None else []
@@ -358,44 +400,54 @@ class PecExchange:
             tails.append(offset)
             offset += 2
         tail_at = torch.tensor(tails, dtype=torch.int64, device=self.device)
-        self.any_overlap = bool(flags[tail_at].any())  # OL gradients of N or OL rows of N+1 somewhere
-        return bool(flags[tail_at + 1].any())
+        # every size the later rounds of N and N+1 need, and the owners' tails: one host read
+        batch = CountBatch()
+        fetch_owned = {s: batch.add(served.fetch_ol[s], served.bounds(s)) for s in self.owned}
+        fetch_asked = [batch.add(asks.fetch_ol[s], asks.bounds(s)) for s in range(len(asks.rows))]
+        if prev is not None:
+            grad_owned = {s: batch.add(prev[1].grad_ol[s], prev[1].bounds(s)) for s in self.owned}
+            grad_asked = [batch.add(prev[0].grad_ol[s], prev[0].bounds(s)) for s in range(len(prev[0].rows))]
+        any_ol, any_nol = batch.add(flags[tail_at], [0, self.world]), batch.add(flags[tail_at + 1], [0, self.world])
+        counts = batch.read()
+        served.fetch_counts = {s: counts[i] for s, i in fetch_owned.items()}
+        asks.fetch_counts = [counts[i] for i in fetch_asked]
+        if prev is not None:
+            prev[1].grad_counts = {s: counts[i] for s, i in grad_owned.items()}
+            prev[0].grad_counts = [counts[i] for i in grad_asked]
+        self.any_overlap = counts[any_ol][0] > 0  # OL gradients of N or OL rows of N+1 somewhere
+        return counts[any_nol][0] > 0
 
     def _rows(self, asks: Asks, served: Served, which: str, micro: Optional[int] = None) -> None:
         """Looks up and exchanges N+1's rows: "ol", "nol" or "all" of them (of micro-batch `micro`
         only, if given: then only its own range of rows is read, on both sides); places them in
-        asks.pieces."""
+        asks.pieces. Every size comes from the flags round's host counts: no host read here."""
         def chosen(fetch_ol: torch.Tensor) -> Optional[torch.Tensor]:  # None: every row
             return fetch_ol if which == "ol" else ~fetch_ol if which == "nol" else None
+
+        def picked(ol: list[int], totals: list[int]) -> list[int]:  # how many of each total are chosen
+            return ol if which == "ol" else [t - o for t, o in zip(totals, ol)] if which == "nol" else totals
 
         blocks, sizes = [], []  # per owned slot: its rows' values, split by requester; their numels
         for s in self.owned:
             parts = served.parts(s, micro)
-            rows, fetch_ol = _take(served.rows[s], parts), _take(served.fetch_ol[s], parts)
-            counts = served.counts_in(s, parts)
-            mask = chosen(fetch_ol)
-            if mask is not None:
-                rows, counts = rows[mask], _selected(mask, counts)
+            totals = served.counts_in(s, parts)
+            counts = picked(served.per_requester(s, served.fetch_counts[s], micro), totals)
+            rows = select(_take(served.rows[s], parts), chosen(_take(served.fetch_ol[s], parts)), sum(counts))
             numels = [c * self.cols[s] for c in counts]
             blocks.append(self.catalog.local[self._slot(s).key].weight.index_select(0, rows).reshape(-1).split(numels))
             sizes.append(numels)
         send = [block[r] for r in range(self.world) for block in blocks]  # requester-major
         send_splits = [sum(n[r] for n in sizes) for r in range(self.world)]
-        # per slot: (first row, rows, which of them) of what arrives
-        wanted: list[tuple[int, int, Optional[torch.Tensor]]] = []
+        # per slot: (first row, rows, which of them, how many) of what arrives
+        wanted: list[tuple[int, int, Optional[torch.Tensor], int]] = []
         for s in range(len(self.catalog.slots)):
             if micro is None:
-                first, count = 0, asks.rows[s].numel()
+                first, count, ol = 0, asks.rows[s].numel(), sum(asks.fetch_counts[s])
             else:
-                first, count = asks.micro[micro].start[s], asks.micro[micro].count[s]
-            wanted.append((first, count, chosen(asks.fetch_ol[s][first:first + count])))
-        recv_splits = []
-        for o in range(self.world):
-            n = 0
-            for s in self.owned_by[o]:
-                _, count, mask = wanted[s]
-                n += (count if mask is None else int(mask.sum())) * self.cols[s]
-            recv_splits.append(n)
+                first, count, ol = asks.micro[micro].start[s], asks.micro[micro].count[s], asks.fetch_counts[s][micro]
+            n = picked([ol], [count])[0]
+            wanted.append((first, count, chosen(asks.fetch_ol[s][first:first + count]) if n < count else None, n))
+        recv_splits = [sum(wanted[s][3] * self.cols[s] for s in self.owned_by[o]) for o in range(self.world)]
         recv = torch.empty(sum(recv_splits), device=self.device)
         inp = torch.cat(send) if send else torch.empty(0, device=self.device)
         priority = self.low if which != "ol" else self.high if not micro else self.micro_priority
@@ -403,8 +455,7 @@ class PecExchange:
         offset = 0
         for o in range(self.world):
             for s in self.owned_by[o]:
-                first, count, mask = wanted[s]
-                n = count if mask is None else int(mask.sum())
+                first, count, mask, n = wanted[s]
                 block = recv[offset:offset + n * self.cols[s]].view(n, self.cols[s])
                 offset += n * self.cols[s]
                 if n:
@@ -412,7 +463,7 @@ class PecExchange:
                     if mask is None:
                         target.copy_(block)
                     else:
-                        target[mask] = block
+                        target.index_copy_(0, positions(mask, n), block)
 
     # -- gradients ---------------------------------------------------------------------------------
     def stream_gradients(self, micro: int, grads: list[torch.Tensor], lrs: dict[int, float],
@@ -483,17 +534,22 @@ class PecExchange:
     def _send_grads(self, asks: Asks, served: Served, grads: list[torch.Tensor], lrs: dict[int, float],
                     first: bool, micro: Optional[int] = None) -> _InFlight:
         """Posts the OL (`first`) or NOL gradients, of micro-batch `micro` only if given (then
-        grads[s] holds that micro-batch's rows of slot s); returns them in flight to the owners."""
+        grads[s] holds that micro-batch's rows of slot s); returns them in flight to the owners.
+        Every size comes from the flags round's host counts: no host read here."""
+        def picked(ol: int, total: int) -> int:
+            return ol if first else total - ol
+
         send, send_splits = [], []
         for o in range(self.world):
             n = 0
             for s in self.owned_by[o]:
                 g, ol = grads[s], asks.grad_ol[s]
-                if ol is not None and micro is not None:
-                    start = asks.micro[micro].start[s]
-                    ol = ol[start:start + asks.micro[micro].count[s]]
-                if ol is not None:
-                    g = g[ol if first else ~ol]
+                if ol is not None:  # else every gradient goes now
+                    if micro is not None:
+                        start = asks.micro[micro].start[s]
+                        ol = ol[start:start + asks.micro[micro].count[s]]
+                    counts = asks.grad_counts[s]
+                    g = select(g, ol if first else ~ol, picked(sum(counts) if micro is None else counts[micro], g.shape[0]))
                 send.append(g.reshape(-1))
                 n += g.numel()
             send_splits.append(n)
@@ -507,9 +563,11 @@ class PecExchange:
             counts = served.counts_in(s, parts)
             if served.grad_ol is not None:
                 grad_ol = _take(served.grad_ol[s], parts)
+                ol = served.per_requester(s, served.grad_counts[s], micro)
+                counts = [picked(c, t) for c, t in zip(ol, counts)]
                 mask = grad_ol if first else ~grad_ol
-                rows, counts = rows[mask], _selected(mask, counts)
-                of = of[mask] if of is not None else None
+                rows = select(rows, mask, sum(counts))
+                of = select(of, mask, sum(counts)) if of is not None else None
             rows_of[s], counts_of[s] = rows, counts
             if micro_of is not None:
                 micro_of[s] = of
@@ -520,7 +578,7 @@ class PecExchange:
             else self.micro_gradient_priority
         work = self._a2a(buffer, inp, recv_splits, send_splits, priority)
         return _InFlight(work, buffer, recv_splits, rows_of, counts_of, asks.step, lrs,
-                         self.world if _gradient_division() else 1, micro_of)
+                         self.world if _gradient_division() else 1, micro_of, micro)
 
     def apply_deferred(self) -> None:
         """Applies the deferred gradients in flight, if any (every rank sent them already)."""
@@ -550,17 +608,16 @@ class PecExchange:
                 rows_of[s].append(flight.rows_of[s])
                 if flight.micro_of is not None:
                     micro_of[s].append(flight.micro_of[s])
+        # one flight per micro-batch, in order (streamed), is in order already: no gather
+        in_order = all(f.micro is not None for f in flights) and all(a.micro < b.micro for a, b in zip(flights, flights[1:]))
         per_tbe: dict[int, dict[int, tuple[torch.Tensor, torch.Tensor]]] = {}
         for s in self.owned:
             slot = self._slot(s)
             shard = self.catalog.local[slot.key]
             rows, grads = torch.cat(rows_of[s]), torch.cat(grads_of[s])
-            if micro_of[s]:
-                micro = torch.cat(micro_of[s])
-                # one flight per micro-batch, in order (streamed), is in order already: no gather
-                if bool((micro[1:] < micro[:-1]).any()):
-                    order = torch.argsort(micro, stable=True)
-                    rows, grads = rows[order], grads[order]
+            if micro_of[s] and not in_order:
+                order = torch.argsort(torch.cat(micro_of[s]), stable=True)
+                rows, grads = rows[order], grads[order]
             per_tbe.setdefault(id(shard.tbe), {})[shard.tbe_features[slot.feature]] = (rows, grads)
         start = time.perf_counter()
         for tbe in self.tbes:
@@ -575,6 +632,11 @@ class PecExchange:
             t.iter.fill_(value)
             if hasattr(t, "iter_cpu"):
                 t.iter_cpu.fill_(value)
+
+
+def _sizes(bounds: list[int]) -> list[int]:
+    """Segment lengths from boundaries."""
+    return [b - a for a, b in zip(bounds, bounds[1:])]
 
 
 def _gradient_division() -> bool:
@@ -594,12 +656,13 @@ def tbe_update(tbe: torch.nn.Module, per_feature: dict[int, tuple[torch.Tensor, 
     empty = torch.empty(0, dtype=torch.int64, device=device)
     parts = [per_feature.get(f, (empty, torch.empty(0, dims[f], device=device))) for f in range(features)]
     indices = torch.cat([rows for rows, _ in parts])
-    counts = torch.tensor([rows.numel() for rows, _ in parts], dtype=torch.int64, device=device)
+    numels = [rows.numel() for rows, _ in parts]  # host ints: no read of the device
+    counts = torch.tensor(numels, dtype=torch.int64, device=device)
     if tbe.is_nobag:  # sequence TBE: one bag per feature, output [ids, dim]
         offsets = torch.cat([counts.new_zeros(1), counts.cumsum(0)])
         grad_out = torch.cat([g for _, g in parts])
     else:  # pooled TBE: B bags per feature, id i of a feature alone in bag i, output [B, sum dims]
-        bags = max(int(counts.max()) if features else 0, 1)
+        bags = max(max(numels, default=0), 1)
         starts = torch.cat([counts.new_zeros(1), counts.cumsum(0)[:-1]])
         within = torch.minimum(torch.arange(1, bags + 1, device=device).unsqueeze(0), counts.unsqueeze(1))  # [F, B]
         offsets = torch.cat([counts.new_zeros(1), (starts.unsqueeze(1) + within).reshape(-1)])
@@ -609,7 +672,8 @@ def tbe_update(tbe: torch.nn.Module, per_feature: dict[int, tuple[torch.Tensor, 
             grad_out[:g.shape[0], col:col + d] = g
             col += d
     saved_lr = tbe.get_learning_rate()
-    saved_iter = int(tbe.iter.item())
+    saved_iter = tbe.iter.clone()  # (a copy on the device, not a host read)
+    saved_iter_cpu = tbe.iter_cpu.clone() if hasattr(tbe, "iter_cpu") else None
     tbe.set_learning_rate(lr)
     tbe.iter.fill_(iteration)
     if hasattr(tbe, "iter_cpu"):
@@ -620,6 +684,6 @@ def tbe_update(tbe: torch.nn.Module, per_feature: dict[int, tuple[torch.Tensor, 
             out.backward(grad_out.to(out.dtype))
     finally:
         tbe.set_learning_rate(saved_lr)
-        tbe.iter.fill_(saved_iter)
-        if hasattr(tbe, "iter_cpu"):
-            tbe.iter_cpu.fill_(saved_iter)
+        tbe.iter.copy_(saved_iter)
+        if saved_iter_cpu is not None:
+            tbe.iter_cpu.copy_(saved_iter_cpu)
