@@ -64,6 +64,7 @@ def counting(obj: Any, methods: Iterable[str], host: Iterable[torch.Tensor]) -> 
         return run
 
     originals = {m: getattr(obj, m) for m in methods}
+    own = {m for m in methods if m in vars(obj)}  # instance attributes (e.g. a replaced forward): put back
     torch.Tensor.tolist = counted_tolist
     for m, method in originals.items():
         setattr(obj, m, wrapped(method))
@@ -71,5 +72,8 @@ def counting(obj: Any, methods: Iterable[str], host: Iterable[torch.Tensor]) -> 
         yield sink
     finally:
         torch.Tensor.tolist = tolist
-        for m in originals:
-            delattr(obj, m)  # the class's method again
+        for m, method in originals.items():
+            if m in own:
+                setattr(obj, m, method)
+            else:
+                delattr(obj, m)  # the class's method again

@@ -4,6 +4,8 @@ weights, optimizer state); a staleness oracle checks every row each batch reads.
 
 from __future__ import annotations
 
+import collections
+import contextlib
 from typing import Optional
 
 import torch
@@ -526,10 +528,11 @@ EXCHANGE_METHODS = ("announce", "ask", "prepare", "gradients", "fetch_micro", "s
 
 
 def exchange_host_reads(info, modes: dict[str, dict], steps: tuple[int, int] = (4, 8)) -> dict:
-    """Per mode (pipeline kwargs): host reads of tensor values inside the exchange's rounds (see
-    host_reads.py: device syncs were the tables on CUDA) per steady-state step: (reads over
-    steps[1] steps - reads over steps[0]) / (steps[1] - steps[0]), collision 0.5, 2 ranks; and
-    what they were, over the longer run."""
+    """Per mode (pipeline kwargs): host reads of tensor values (see host_reads.py: device syncs were
+    the tables and batches on CUDA) per steady-state step, (reads over steps[1] steps - reads over
+    steps[0]) / (steps[1] - steps[0]), collision 0.5, 2 ranks: "exchange" inside the exchange's
+    rounds; "pipeline" in the rest of the pipeline's own work: routing (and cutting) each batch on
+    the worker, the sharded modules' outputs; with what they were, over the longer run."""
     from host_reads import counting
 
     pg = dist.group.WORLD
@@ -537,18 +540,32 @@ def exchange_host_reads(info, modes: dict[str, dict], steps: tuple[int, int] = (
     batches = make_batches(max(steps), dist.get_world_size(), 0.5, seed=5)
     out = {}
     for name, kwargs in modes.items():
-        totals = []
+        totals = {"exchange": [], "pipeline": []}
         for n in steps:
             dmp, opt = build(pg, "rowwise_adagrad")
             pipe = fc.TrainPipelinePEC(dmp, opt, torch.device("cpu"), group=pg, **dict(kwargs))
             host = [t for tbe in pipe._exchange.tbes for t in (getattr(tbe, "iter_cpu", None), tbe.learning_rate_tensor)
                     if t is not None]  # fbgemm keeps these on the host on every device
             feed = iter([b[rank] for b in batches[:n]])
-            with counting(pipe._exchange, EXCHANGE_METHODS, host) as reads:
+            with counting(pipe._exchange, EXCHANGE_METHODS, host) as exchange:
                 for _ in range(n):
                     pipe.progress(feed)
-                totals.append(dict(reads))
+                totals["exchange"].append(dict(exchange))
             pipe.close()
-        per_step = (sum(totals[1].values()) - sum(totals[0].values())) / (steps[1] - steps[0])
-        out[name] = {"per_step": per_step, "what": totals[1]}
+            dmp, opt = build(pg, "rowwise_adagrad")
+            pipe = fc.TrainPipelinePEC(dmp, opt, torch.device("cpu"), group=pg, **dict(kwargs))
+            host = [t for tbe in pipe._exchange.tbes for t in (getattr(tbe, "iter_cpu", None), tbe.learning_rate_tensor)
+                    if t is not None]
+            feed = iter([b[rank] for b in batches[:n]])
+            modules = [info.module for info in pipe._catalog.modules]
+            with contextlib.ExitStack() as stack:
+                # the worker's routing (and cutting) of each batch, the sharded modules' outputs
+                sinks = [stack.enter_context(counting(pipe, ("_route",), host))] + \
+                    [stack.enter_context(counting(m, ("forward",), host)) for m in modules]
+                for _ in range(n):
+                    pipe.progress(feed)
+                totals["pipeline"].append(dict(sum(sinks, collections.Counter())))
+            pipe.close()
+        out[name] = {k: {"per_step": (sum(v[1].values()) - sum(v[0].values())) / (steps[1] - steps[0]), "what": v[1]}
+                     for k, v in totals.items()}
     return out

@@ -143,18 +143,24 @@ def test_pec_with_balance_and_in_eval_mode_equals_sparse_dist():
         assert r["balance"]["same_as_reference"] and r["eval_steps"] == 4, r
 
 
-def test_the_exchange_reads_the_device_once_per_round_that_learns_sizes():
-    """Counted: the exchange's rounds read tensor values on the host (a device sync each, on CUDA:
-    the CPU would stop running ahead of the GPU) only where sizes arrive from the peers: the ids
-    round (the next batch's counts) and the flags round (every later round's sizes, in one read).
-    A steady-state step: 2 reads with PEC or DBP, whole batches or micro-batches; 1 with every row
-    after the update (prefetch="ids": no flags). Before, about 130 per step (a read per slot and
-    round: mask sums, boolean-mask selections, per-slot any())."""
+def test_the_pipeline_reads_the_device_only_where_sizes_arrive():
+    """Counted: the pipeline reads tensor values on the host (a device sync each, on CUDA: the CPU
+    would stop running ahead of the GPU) only where sizes arrive. In the exchange's rounds: the ids
+    round (the next batch's counts) and the flags round (every later round's sizes, in one read):
+    2 per steady-state step with PEC or DBP, whole batches or micro-batches, 1 with every row after
+    the update (prefetch="ids": no flags). In the rest of the pipeline's own work (routing and
+    cutting each batch on the worker, the sharded modules' outputs): routing the next batch (its
+    ids' ranges and shards: 1; with micro-batches also their distinct rows: 2) and TorchRec's
+    KeyedJaggedTensor reading each input's lengths per key once (2). Before, about 150 per step in
+    the exchange alone (a read per slot and round: mask sums, boolean-mask selections, per-slot
+    any()), and reads per feature, shard and micro-batch in routing, cutting and the outputs."""
     from pec_pipeline_programs import exchange_host_reads
 
     modes = {"pec": {}, "dual_buffer": {"prefetch": "dual_buffer"}, "pec_micro": {"micro_batches": 2},
              "ids_micro": {"prefetch": "ids", "micro_batches": 2}}
+    exchange = {"pec": 2, "dual_buffer": 2, "pec_micro": 2, "ids_micro": 1}
+    routing = {"pec": 1, "dual_buffer": 1, "pec_micro": 2, "ids_micro": 2}
     for report in spawn(exchange_host_reads, 2, modes, timeout_s=300):
-        expected = {"pec": 2, "dual_buffer": 2, "pec_micro": 2, "ids_micro": 1}
         for mode, reads in report.items():
-            assert reads["per_step"] == expected[mode], (mode, reads)
+            assert reads["exchange"]["per_step"] == exchange[mode], (mode, reads)
+            assert reads["pipeline"]["per_step"] == routing[mode] + 2, (mode, reads)

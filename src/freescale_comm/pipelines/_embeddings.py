@@ -5,18 +5,60 @@ owner must apply."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Optional
 
 import torch
 
 from freescale_comm.pipelines._catalog import Catalog, ModuleInfo
 from freescale_comm.pipelines._exchange import Asks, MicroAsk
+from freescale_comm.pipelines._host_counts import distinct
 
 
 def route(catalog: Catalog, features: dict[str, Any], step: int) -> Asks:
-    """Asks for one batch. `features`: module fqn -> the KeyedJaggedTensor it is called with."""
-    rows: list = [None] * len(catalog.slots)
-    positions: list = [None] * len(catalog.slots)
+    """Asks for one batch. `features`: module fqn -> the KeyedJaggedTensor it is called with.
+    Reads the ids' values on the host once (every feature's id range and, row-wise, its ids per
+    shard, in one transfer: one device sync on CUDA, not one per feature and shard)."""
+    found = _found(catalog, features)
+    stats = _stats(found)
+    return _asks(catalog, found, torch.cat(stats).tolist() if stats else [], step)
+
+
+def route_micro(catalog: Catalog, micro_features: list[dict[str, Any]], step: int) -> Asks:
+    """Asks for one batch cut into micro-batches (`micro_features`: per micro-batch, module fqn ->
+    its KeyedJaggedTensor): per slot, each micro-batch's distinct rows, micro-batch after
+    micro-batch (a row two micro-batches read is asked twice: the values are frozen within the
+    batch, and each micro-batch's AllToAll is its own). Two host reads for the batch: the ids'
+    ranges and shards of every micro-batch, then the distinct rows of every micro-batch and slot."""
+    founds = [_found(catalog, features) for features in micro_features]
+    stats = [_stats(found) for found in founds]
+    flat = [t for per in stats for t in per]
+    host = torch.cat(flat).tolist() if flat else []
+    parts, at = [], 0
+    for found, per in zip(founds, stats):
+        size = sum(t.numel() for t in per)
+        parts.append(_asks(catalog, found, host[at:at + size], step))
+        at += size
+    micro = [MicroAsk([], [], [], p.positions) for p in parts]
+    uniques = iter(distinct([part.rows[s] for s in range(len(catalog.slots)) for part in parts]))
+    rows = []
+    for s in range(len(catalog.slots)):
+        start = 0
+        chosen = []
+        for m in micro:
+            unique, inverse = next(uniques)
+            m.start.append(start)
+            m.count.append(unique.numel())
+            m.inverse.append(inverse)
+            chosen.append(unique)
+            start += unique.numel()
+        rows.append(torch.cat(chosen))
+    return Asks(rows=rows, positions=[None] * len(catalog.slots), step=step, micro=micro)
+
+
+def _found(catalog: Catalog, features: dict[str, Any]) -> list[tuple[Any, Any, str, torch.Tensor, Optional[torch.Tensor]]]:
+    """Per sharded feature: (module, table, feature, int64 ids, row-wise: each id's shard, else None).
+    ValueError naming what is missing or unsupported."""
+    found = []
     for info in catalog.modules:
         kjt = features[info.fqn]
         if getattr(kjt, "variable_stride_per_key", lambda: False)():
@@ -28,43 +70,50 @@ def route(catalog: Catalog, features: dict[str, Any], step: int) -> Asks:
                     raise ValueError(f"the input of {info.fqn!r} has no feature {feature!r} (table {table.name!r}); "
                                      f"it has {sorted(present)}")
                 ids = kjt[feature].values().to(torch.int64)
-                if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= table.num_embeddings):
-                    raise ValueError(f"feature {feature!r} of {info.fqn!r} has ids outside [0, {table.num_embeddings}) "
-                                     f"(table {table.name!r}): {int(ids.min())}..{int(ids.max())}")
-                slots = table.slots[feature]
+                shard = None
                 if table.sharding == "row_wise":
-                    starts = torch.tensor([s.row0 for s in slots[1:]], dtype=torch.int64, device=ids.device)
-                    shard = torch.bucketize(ids, starts, right=True)
-                    for k, slot in enumerate(slots):
-                        where = torch.nonzero(shard == k).squeeze(1)
-                        rows[slot.index] = ids[where] - slot.row0
-                        positions[slot.index] = where
-                else:  # table-wise: one slot; column-wise: every column shard gets every id
-                    for slot in slots:
-                        rows[slot.index] = ids
+                    starts = torch.tensor([s.row0 for s in table.slots[feature][1:]], dtype=torch.int64, device=ids.device)
+                    shard = torch.bucketize(ids, starts, right=True)  # in [0, shards) for any id
+                found.append((info, table, feature, ids, shard))
+    return found
+
+
+def _stats(found: list) -> list[torch.Tensor]:
+    """On the device, per feature: its ids' min and max (0, 0 when it has none), then row-wise its
+    ids per shard."""
+    stats = []
+    for _, table, feature, ids, shard in found:
+        stats.append(torch.stack([ids.min(), ids.max()]) if ids.numel() else ids.new_zeros(2))
+        if shard is not None:
+            stats.append(torch.zeros(len(table.slots[feature]), dtype=torch.int64, device=ids.device)
+                         .scatter_add_(0, shard, torch.ones_like(shard)))
+    return stats
+
+
+def _asks(catalog: Catalog, found: list, host: list[int], step: int) -> Asks:
+    """The Asks of one batch from _found() and its _stats() read on the host; ValueError naming a
+    feature with ids outside its table."""
+    rows: list = [None] * len(catalog.slots)
+    positions: list = [None] * len(catalog.slots)
+    at = 0
+    for info, table, feature, ids, shard in found:
+        low, high = host[at:at + 2]
+        at += 2
+        if low < 0 or high >= table.num_embeddings:
+            raise ValueError(f"feature {feature!r} of {info.fqn!r} has ids outside [0, {table.num_embeddings}) "
+                             f"(table {table.name!r}): {low}..{high}")
+        slots = table.slots[feature]
+        if shard is not None:
+            counts = host[at:at + len(slots)]
+            at += len(slots)
+            # each shard's ids in feature order: a stable sort by shard, cut by the counts read
+            for slot, where in zip(slots, torch.argsort(shard, stable=True).split(counts)):
+                rows[slot.index] = ids[where] - slot.row0
+                positions[slot.index] = where
+        else:  # table-wise: one slot; column-wise: every column shard gets every id
+            for slot in slots:
+                rows[slot.index] = ids
     return Asks(rows=rows, positions=positions, step=step)
-
-
-def route_micro(catalog: Catalog, micro_features: list[dict[str, Any]], step: int) -> Asks:
-    """Asks for one batch cut into micro-batches (`micro_features`: per micro-batch, module fqn ->
-    its KeyedJaggedTensor): per slot, each micro-batch's distinct rows, micro-batch after
-    micro-batch (a row two micro-batches read is asked twice: the values are frozen within the
-    batch, and each micro-batch's AllToAll is its own)."""
-    parts = [route(catalog, features, step) for features in micro_features]
-    micro = [MicroAsk([], [], [], p.positions) for p in parts]
-    rows = []
-    for s in range(len(catalog.slots)):
-        start = 0
-        distinct = []
-        for part, m in zip(parts, micro):
-            unique, inverse = torch.unique(part.rows[s], return_inverse=True)
-            m.start.append(start)
-            m.count.append(unique.numel())
-            m.inverse.append(inverse)
-            distinct.append(unique)
-            start += unique.numel()
-        rows.append(torch.cat(distinct))
-    return Asks(rows=rows, positions=[None] * len(catalog.slots), step=step, micro=micro)
 
 
 def micro_leaves(asks: Asks, m: int, requires_grad: bool) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
@@ -87,9 +136,13 @@ def module_output(info: ModuleInfo, kjt: Any, leaves: list[torch.Tensor], positi
         for feature in table.features:
             slots = table.slots[feature]
             lengths = kjt[feature].lengths()
-            n = int(lengths.sum())
+            # the feature's ids, from the leaves' shapes (no host read): row-wise shards split them,
+            # every other slot has them all
+            n = sum(leaves[s.index].shape[0] for s in slots) if table.sharding == "row_wise" \
+                else leaves[slots[0].index].shape[0]
             if info.pooled:
-                bags = torch.repeat_interleave(torch.arange(lengths.numel(), device=lengths.device), lengths)
+                bags = torch.repeat_interleave(torch.arange(lengths.numel(), device=lengths.device), lengths,
+                                               output_size=n)
                 parts = []
                 for slot in slots:
                     where = bags if positions[slot.index] is None else bags[positions[slot.index]]

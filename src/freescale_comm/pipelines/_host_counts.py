@@ -54,3 +54,21 @@ def select(values: torch.Tensor, mask: Optional[torch.Tensor], count: int) -> to
 def positions(mask: torch.Tensor, count: int) -> torch.Tensor:
     """int64 [count]: where `mask` is set (count known on the host: no sync)."""
     return torch.nonzero_static(mask, size=count).squeeze(1)
+
+
+def distinct(tensors: list[torch.Tensor]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """torch.unique(t, return_inverse=True) (sorted) of each 1-d tensor, with one host read for
+    all of them instead of one per tensor."""
+    batch, staged = CountBatch(), []
+    for t in tensors:
+        values, order = torch.sort(t, stable=True)
+        first = torch.ones_like(values, dtype=torch.bool)  # the first of each run of equal values
+        first[1:] = values[1:] != values[:-1]
+        staged.append((values, order, first, batch.add(first, [0, values.numel()])))
+    counts = batch.read()
+    out = []
+    for values, order, first, i in staged:
+        unique = values.index_select(0, positions(first, counts[i][0]))
+        inverse = torch.empty_like(order).scatter_(0, order, first.cumsum(0) - 1)
+        out.append((unique, inverse))
+    return out

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import itertools
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
@@ -54,17 +55,25 @@ def sample_keys(catalog: Catalog, inputs: dict[str, Any]) -> tuple[np.ndarray, n
     """Each sample's ids over every sharded feature, as keys distinct across tables (id + the
     rows of the tables before): int64 [Σ lengths] back to back by sample, and int64 [samples]."""
     size = batch_size(inputs)
-    samples, keys = [], []
+    jagged, bases = [], []
     base = 0
     for info in catalog.modules:
         kjt = inputs[info.fqn]
         for table in info.tables:
             for feature in table.features:
-                jagged = kjt[feature]
-                lengths = jagged.lengths().to(torch.int64).cpu()
-                samples.append(torch.repeat_interleave(torch.arange(size), lengths))
-                keys.append(jagged.values().to(torch.int64).cpu() + base)
+                jagged.append(kjt[feature])
+                bases.append(base)
             base += table.num_embeddings
+    # every feature's lengths and ids on the host in one copy (one device sync on CUDA)
+    parts = [t for j in jagged for t in (j.lengths().to(torch.int64), j.values().to(torch.int64))]
+    host = torch.cat(parts).cpu() if parts else torch.empty(0, dtype=torch.int64)
+    samples, keys, at = [], [], 0
+    for j, b in zip(jagged, bases):
+        lengths = host[at:at + size]
+        ids = host[at + size:at + size + j.values().numel()]
+        at += size + ids.numel()
+        samples.append(torch.repeat_interleave(torch.arange(size), lengths, output_size=ids.numel()))
+        keys.append(ids + b)
     sample = torch.cat(samples) if samples else torch.empty(0, dtype=torch.int64)
     key = torch.cat(keys) if keys else torch.empty(0, dtype=torch.int64)
     order = torch.argsort(sample, stable=True)
@@ -79,32 +88,48 @@ def cluster(catalog: Catalog, inputs: dict[str, Any], micro_batches: int) -> lis
     return [torch.from_numpy(np.flatnonzero(plan.micro_batch == m)).to(torch.int64) for m in range(micro_batches)]
 
 
-def select_samples(kjt: Any, samples: torch.Tensor) -> Any:
-    """The KeyedJaggedTensor of `kjt`'s samples `samples` (int64 [b]), every key kept."""
+def select_samples(kjt: Any, samples: torch.Tensor, host_lengths: Optional[dict[int, np.ndarray]] = None) -> Any:
+    """The KeyedJaggedTensor of `kjt`'s samples `samples` (int64 [b], on the host), every key kept.
+    host_lengths: a cache (id(kjt) -> its lengths on the host, [keys, stride]) for cutting the same
+    KeyedJaggedTensor several times with one device read; None: reads the kept values' count."""
     from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
     keys = kjt.keys()
     size = int(kjt.stride())
     lengths = kjt.lengths().to(torch.int64)
+    total, per_key = None, None  # values kept, in all and per key, when the lengths are on the host
+    if host_lengths is not None:
+        if id(kjt) not in host_lengths:
+            host_lengths[id(kjt)] = lengths.cpu().numpy().reshape(len(keys), size)
+        per_key = host_lengths[id(kjt)][:, samples.numpy()].sum(1).tolist()
+        total = sum(per_key)
     samples = samples.to(lengths.device)
     starts = torch.cat([lengths.new_zeros(1), lengths.cumsum(0)[:-1]]) if lengths.numel() else lengths
     chosen = (torch.arange(len(keys), device=lengths.device).unsqueeze(1) * size + samples.unsqueeze(0)).reshape(-1)
     new_lengths = lengths[chosen]
     new_starts = torch.cat([new_lengths.new_zeros(1), new_lengths.cumsum(0)[:-1]]) if new_lengths.numel() else new_lengths
     # position of each kept value in kjt.values(): its list's start there, plus its rank in the list
-    shift = torch.repeat_interleave(starts[chosen] - new_starts, new_lengths)
-    where = shift + torch.arange(int(new_lengths.sum()), device=lengths.device)
+    if total is None:
+        total = int(new_lengths.sum())
+    shift = torch.repeat_interleave(starts[chosen] - new_starts, new_lengths, output_size=total)
+    where = shift + torch.arange(total, device=lengths.device)
     weights = kjt.weights_or_none()
+    # with the values per key known, TorchRec need not read them from the lengths later (a device sync)
+    known = {} if per_key is None else {"length_per_key": per_key,
+                                        "offset_per_key": [0, *itertools.accumulate(per_key)]}
     return KeyedJaggedTensor(keys=keys, values=kjt.values()[where], lengths=new_lengths.to(kjt.lengths().dtype),
-                             weights=weights[where] if weights is not None else None, stride=int(samples.numel()))
+                             weights=weights[where] if weights is not None else None, stride=int(samples.numel()),
+                             **known)
 
 
-def split_batch(batch: Any, samples: torch.Tensor, size: int, where: str = "batch") -> Any:
-    """`batch`'s samples `samples` (see the module docstring); ValueError naming what cannot be cut."""
+def split_batch(batch: Any, samples: torch.Tensor, size: int, where: str = "batch",
+                host_lengths: Optional[dict[int, np.ndarray]] = None) -> Any:
+    """`batch`'s samples `samples` (see the module docstring); ValueError naming what cannot be cut.
+    host_lengths: select_samples' cache, for cutting one batch several times (one for all its cuts)."""
     from torchrec.sparse.jagged_tensor import JaggedTensor, KeyedJaggedTensor, KeyedTensor
 
     if isinstance(batch, KeyedJaggedTensor):
-        return select_samples(batch, samples)
+        return select_samples(batch, samples, host_lengths)
     if isinstance(batch, JaggedTensor):  # one list per sample
         if batch.lengths().numel() != size:
             raise ValueError(f"{where} is a JaggedTensor of {batch.lengths().numel()} lists, not the batch size {size}")
@@ -113,7 +138,7 @@ def split_batch(batch: Any, samples: torch.Tensor, size: int, where: str = "batc
         return JaggedTensor(values=one.values(), lengths=one.lengths(), weights=one.weights_or_none())
     if isinstance(batch, KeyedTensor):  # one row per sample
         return KeyedTensor(keys=batch.keys(), length_per_key=batch.length_per_key(),
-                           values=split_batch(batch.values(), samples, size, f"{where}.values()"),
+                           values=split_batch(batch.values(), samples, size, f"{where}.values()", host_lengths),
                            key_dim=batch.key_dim())
     if isinstance(batch, torch.Tensor):
         if batch.dim() == 0:
@@ -123,19 +148,19 @@ def split_batch(batch: Any, samples: torch.Tensor, size: int, where: str = "batc
                              "into micro-batches; pass split_batch=lambda batch, samples: ...")
         return batch.index_select(0, samples.to(batch.device))
     if dataclasses.is_dataclass(batch) and not isinstance(batch, type):
-        return dataclasses.replace(batch, **{f.name: split_batch(getattr(batch, f.name), samples, size, f"{where}.{f.name}")
+        return dataclasses.replace(batch, **{f.name: split_batch(getattr(batch, f.name), samples, size, f"{where}.{f.name}", host_lengths)
                                              for f in dataclasses.fields(batch) if f.init})
     if isinstance(batch, dict):
-        return type(batch)((k, split_batch(v, samples, size, f"{where}[{k!r}]")) for k, v in batch.items())
+        return type(batch)((k, split_batch(v, samples, size, f"{where}[{k!r}]", host_lengths)) for k, v in batch.items())
     if isinstance(batch, (list, tuple)):
-        parts = [split_batch(v, samples, size, f"{where}[{i}]") for i, v in enumerate(batch)]
+        parts = [split_batch(v, samples, size, f"{where}[{i}]", host_lengths) for i, v in enumerate(batch)]
         return type(batch)._make(parts) if hasattr(batch, "_fields") else type(batch)(parts)
     if batch is None or isinstance(batch, (bool, int, float, str)):
         return batch
     if hasattr(batch, "__dict__") and not callable(batch):  # a plain batch class: a copy, attribute by attribute
         part = copy.copy(batch)
         for name, value in vars(batch).items():
-            setattr(part, name, split_batch(value, samples, size, f"{where}.{name}"))
+            setattr(part, name, split_batch(value, samples, size, f"{where}.{name}", host_lengths))
         return part
     raise ValueError(f"{where} is a {type(batch).__name__}: cannot cut it into micro-batches; pass "
                      "split_batch=lambda batch, samples: ... (samples: int64 indices of the micro-batch's samples)")
@@ -166,7 +191,9 @@ def cut(batch: Any, inputs: dict[str, Any], catalog: Catalog, micro_batches: int
     """`batch` (whose sparse inputs are `inputs`) as `micro_batches` clustered micro-batches."""
     size = batch_size(inputs)
     samples = cluster(catalog, inputs, micro_batches)
-    batches = [split(batch, s) if split is not None else split_batch(batch, s, size) for s in samples]
+    lengths: dict[int, np.ndarray] = {}  # each KeyedJaggedTensor's lengths, read once for every micro-batch
+    batches = [split(batch, s) if split is not None else split_batch(batch, s, size, host_lengths=lengths)
+               for s in samples]
     micro_inputs = [read_inputs(b) for b in batches]
     for m, (b_inputs, s) in enumerate(zip(micro_inputs, samples)):
         got = batch_size(b_inputs)
