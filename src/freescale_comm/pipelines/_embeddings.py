@@ -11,7 +11,7 @@ import torch
 
 from freescale_comm.pipelines._catalog import Catalog, ModuleInfo
 from freescale_comm.pipelines._exchange import Asks, MicroAsk
-from freescale_comm.pipelines._host_counts import distinct
+from freescale_comm.pipelines._host_counts import distinct, on_device
 
 
 def route(catalog: Catalog, features: dict[str, Any], step: int) -> Asks:
@@ -72,7 +72,7 @@ def _found(catalog: Catalog, features: dict[str, Any]) -> list[tuple[Any, Any, s
                 ids = kjt[feature].values().to(torch.int64)
                 shard = None
                 if table.sharding == "row_wise":
-                    starts = torch.tensor([s.row0 for s in table.slots[feature][1:]], dtype=torch.int64, device=ids.device)
+                    starts = on_device([s.row0 for s in table.slots[feature][1:]], ids.device)
                     shard = torch.bucketize(ids, starts, right=True)  # in [0, shards) for any id
                 found.append((info, table, feature, ids, shard))
     return found

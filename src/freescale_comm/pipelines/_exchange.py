@@ -53,7 +53,7 @@ import torch
 from freescale_comm.communicator import Communicator
 from freescale_comm._core import CommError
 from freescale_comm.pipelines._catalog import Catalog, LocalShard, Slot
-from freescale_comm.pipelines._host_counts import CountBatch, positions, select
+from freescale_comm.pipelines._host_counts import CountBatch, on_device, positions, select
 
 
 @dataclass
@@ -271,7 +271,7 @@ class PecExchange:
         for o in range(self.world):
             ids = [asks.rows[s] for s in self.owned_by[o]]
             sizes = [c for s in self.owned_by[o] for c in asks.micro_counts(s)] if per_micro else []
-            send += ids + [torch.tensor(sizes + tail[o], dtype=torch.int64, device=self.device)]
+            send += ids + [on_device(sizes + tail[o], self.device)]
             send_splits.append(sum(i.numel() for i in ids) + len(sizes) + len(tail[o]))
         ids_from = [sum(c) for c in counts]
         extra = len(self.owned) * per_micro
@@ -302,7 +302,7 @@ class PecExchange:
                 flat = [c for p in per for c in p]
                 served.micro[s] = torch.repeat_interleave(torch.arange(per_micro).repeat(self.world),
                                                           torch.tensor(flat, dtype=torch.int64),
-                                                          output_size=sum(flat)).to(self.device)
+                                                          output_size=sum(flat)).to(self.device, non_blocking=True)
                 served.micro_bounds[s] = [[0] + list(itertools.accumulate(p)) for p in per]
         self.asked.append((asks, served))
         return self._take_counts(tails_of)
@@ -399,7 +399,7 @@ class PecExchange:
                 offset += n
             tails.append(offset)
             offset += 2
-        tail_at = torch.tensor(tails, dtype=torch.int64, device=self.device)
+        tail_at = on_device(tails, self.device)
         # every size the later rounds of N and N+1 need, and the owners' tails: one host read
         batch = CountBatch()
         fetch_owned = {s: batch.add(served.fetch_ol[s], served.bounds(s)) for s in self.owned}
@@ -657,7 +657,7 @@ def tbe_update(tbe: torch.nn.Module, per_feature: dict[int, tuple[torch.Tensor, 
     parts = [per_feature.get(f, (empty, torch.empty(0, dims[f], device=device))) for f in range(features)]
     indices = torch.cat([rows for rows, _ in parts])
     numels = [rows.numel() for rows, _ in parts]  # host ints: no read of the device
-    counts = torch.tensor(numels, dtype=torch.int64, device=device)
+    counts = on_device(numels, device)
     if tbe.is_nobag:  # sequence TBE: one bag per feature, output [ids, dim]
         offsets = torch.cat([counts.new_zeros(1), counts.cumsum(0)])
         grad_out = torch.cat([g for _, g in parts])

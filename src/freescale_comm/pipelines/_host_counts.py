@@ -25,7 +25,7 @@ class CountBatch:
         """mask: bool [n]; bounds: [k + 1] nondecreasing positions from 0 to n (host ints), the
         k segments being mask[bounds[i]:bounds[i + 1]]. Returns the request's index."""
         upto = torch.cat([mask.new_zeros(1, dtype=torch.int64), mask.cumsum(0)])  # [n + 1]: set before i
-        self._picks.append(upto[torch.tensor(bounds, dtype=torch.int64, device=mask.device)])
+        self._picks.append(upto[on_device(bounds, mask.device)])
         self._sizes.append(len(bounds))
         return len(self._sizes) - 1
 
@@ -39,6 +39,18 @@ class CountBatch:
             out.append([b - a for a, b in zip(ends, ends[1:])])
             at += size
         return out
+
+
+def on_device(values: list[int], device: torch.device) -> torch.Tensor:
+    """int64 [len(values)] of host ints on `device`, copied without a device sync: a blocking copy
+    to a CUDA device (torch.tensor(..., device=...)) waits for the stream's work; a non-blocking
+    one from pageable memory is staged before it returns, so the list may go at once."""
+    return to_device(torch.tensor(values, dtype=torch.int64), device)
+
+
+def to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor on `device` without a device sync (see on_device)."""
+    return tensor.to(device, non_blocking=True)
 
 
 def select(values: torch.Tensor, mask: Optional[torch.Tensor], count: int) -> torch.Tensor:

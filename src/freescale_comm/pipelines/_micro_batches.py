@@ -24,6 +24,7 @@ import torch
 
 from freescale_comm.microbatch import cluster_microbatches
 from freescale_comm.pipelines._catalog import Catalog
+from freescale_comm.pipelines._host_counts import to_device
 
 SplitBatch = Callable[[Any, torch.Tensor], Any]  # (batch, int64 sample indices) -> micro-batch
 
@@ -103,7 +104,7 @@ def select_samples(kjt: Any, samples: torch.Tensor, host_lengths: Optional[dict[
             host_lengths[id(kjt)] = lengths.cpu().numpy().reshape(len(keys), size)
         per_key = host_lengths[id(kjt)][:, samples.numpy()].sum(1).tolist()
         total = sum(per_key)
-    samples = samples.to(lengths.device)
+    samples = to_device(samples, lengths.device)
     starts = torch.cat([lengths.new_zeros(1), lengths.cumsum(0)[:-1]]) if lengths.numel() else lengths
     chosen = (torch.arange(len(keys), device=lengths.device).unsqueeze(1) * size + samples.unsqueeze(0)).reshape(-1)
     new_lengths = lengths[chosen]
@@ -146,7 +147,7 @@ def split_batch(batch: Any, samples: torch.Tensor, size: int, where: str = "batc
         if batch.shape[0] != size:
             raise ValueError(f"{where} has first dimension {batch.shape[0]}, not the batch size {size}: cannot cut it "
                              "into micro-batches; pass split_batch=lambda batch, samples: ...")
-        return batch.index_select(0, samples.to(batch.device))
+        return batch.index_select(0, to_device(samples, batch.device))
     if dataclasses.is_dataclass(batch) and not isinstance(batch, type):
         return dataclasses.replace(batch, **{f.name: split_batch(getattr(batch, f.name), samples, size, f"{where}.{f.name}", host_lengths)
                                              for f in dataclasses.fields(batch) if f.init})
@@ -176,7 +177,7 @@ def merge_outputs(outputs: list[Any], samples: list[torch.Tensor], size: int) ->
             and o.dtype == first.dtype for o, s in zip(outputs, samples)):
         out = first.new_empty((size, *first.shape[1:]))
         for o, s in zip(outputs, samples):
-            out[s.to(out.device)] = o
+            out[to_device(s, out.device)] = o
         return out
     if isinstance(first, dict) and all(isinstance(o, dict) and o.keys() == first.keys() for o in outputs):
         return type(first)((k, merge_outputs([o[k] for o in outputs], samples, size)) for k in first)
