@@ -42,15 +42,18 @@ class CountBatch:
 
 
 def on_device(values: list[int], device: torch.device) -> torch.Tensor:
-    """int64 [len(values)] of host ints on `device`, copied without a device sync: a blocking copy
-    to a CUDA device (torch.tensor(..., device=...)) waits for the stream's work; a non-blocking
-    one from pageable memory is staged before it returns, so the list may go at once."""
+    """int64 [len(values)] of host ints on `device`, copied without a device sync (see to_device)."""
     return to_device(torch.tensor(values, dtype=torch.int64), device)
 
 
 def to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """A host tensor on `device` without a device sync (see on_device)."""
-    return tensor.to(device, non_blocking=True)
+    """A host tensor on `device` without waiting for the device. A blocking copy to CUDA
+    (torch.tensor(..., device=d), t.to(d)) syncs the stream; so may a non-blocking one from
+    pageable memory (CUDA's API sync behavior: the driver may sync to stage it). So it is staged
+    in pinned memory first, which PyTorch's caching host allocator keeps until the copy has run."""
+    if device.type == "cuda":
+        return tensor.pin_memory().to(device, non_blocking=True)
+    return tensor.to(device, non_blocking=True)  # (the host: the tensor itself)
 
 
 def select(values: torch.Tensor, mask: Optional[torch.Tensor], count: int) -> torch.Tensor:
