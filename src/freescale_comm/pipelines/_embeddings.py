@@ -132,10 +132,12 @@ def module_output(info: ModuleInfo, kjt: Any, leaves: list[torch.Tensor], positi
     from torchrec.sparse.jagged_tensor import JaggedTensor, KeyedTensor
 
     by_feature = {}
+    keys, stride, all_lengths = kjt.keys(), kjt.stride(), kjt.lengths()
     for table in info.tables:
         for feature in table.features:
             slots = table.slots[feature]
-            lengths = kjt[feature].lengths()
+            at = keys.index(feature) * stride  # the lengths are key-major [keys * stride] (no VBE: route refused it)
+            lengths = all_lengths[at:at + stride]  # (a view: kjt[feature] would build a JaggedTensor)
             # the feature's ids, from the leaves' shapes (no host read): row-wise shards split them,
             # every other slot has them all
             n = sum(leaves[s.index].shape[0] for s in slots) if table.sharding == "row_wise" \
