@@ -51,9 +51,9 @@ def to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
     (torch.tensor(..., device=d), t.to(d)) syncs the stream; so may a non-blocking one from
     pageable memory (CUDA's API sync behavior: the driver may sync to stage it). So it is staged
     in pinned memory first, which PyTorch's caching host allocator keeps until the copy has run."""
-    if device.type == "cuda":
+    if device.type == "cuda" and tensor.device.type == "cpu":
         return tensor.pin_memory().to(device, non_blocking=True)
-    return tensor.to(device, non_blocking=True)  # (the host: the tensor itself)
+    return tensor.to(device, non_blocking=True)  # (already there, or the host: the tensor itself)
 
 
 def select(values: torch.Tensor, mask: Optional[torch.Tensor], count: int) -> torch.Tensor:
