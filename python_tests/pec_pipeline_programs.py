@@ -539,23 +539,24 @@ def exchange_host_reads(info, modes: dict[str, dict], steps: tuple[int, int] = (
     rank = dist.get_rank()
     batches = make_batches(max(steps), dist.get_world_size(), 0.5, seed=5)
     out = {}
+
+    def fresh(kwargs: dict) -> tuple:  # a pipeline on a new model, and fbgemm's host-resident tensors
+        dmp, opt = build(pg, "rowwise_adagrad")
+        pipe = fc.TrainPipelinePEC(dmp, opt, torch.device("cpu"), group=pg, **dict(kwargs))
+        return pipe, [t for tbe in pipe._exchange.tbes for t in (getattr(tbe, "iter_cpu", None), tbe.learning_rate_tensor)
+                      if t is not None]  # fbgemm keeps these on the host on every device
+
     for name, kwargs in modes.items():
         totals = {"exchange": [], "pipeline": []}
         for n in steps:
-            dmp, opt = build(pg, "rowwise_adagrad")
-            pipe = fc.TrainPipelinePEC(dmp, opt, torch.device("cpu"), group=pg, **dict(kwargs))
-            host = [t for tbe in pipe._exchange.tbes for t in (getattr(tbe, "iter_cpu", None), tbe.learning_rate_tensor)
-                    if t is not None]  # fbgemm keeps these on the host on every device
+            pipe, host = fresh(kwargs)
             feed = iter([b[rank] for b in batches[:n]])
             with counting(pipe._exchange, EXCHANGE_METHODS, host) as exchange:
                 for _ in range(n):
                     pipe.progress(feed)
                 totals["exchange"].append(dict(exchange))
             pipe.close()
-            dmp, opt = build(pg, "rowwise_adagrad")
-            pipe = fc.TrainPipelinePEC(dmp, opt, torch.device("cpu"), group=pg, **dict(kwargs))
-            host = [t for tbe in pipe._exchange.tbes for t in (getattr(tbe, "iter_cpu", None), tbe.learning_rate_tensor)
-                    if t is not None]
+            pipe, host = fresh(kwargs)
             feed = iter([b[rank] for b in batches[:n]])
             modules = [info.module for info in pipe._catalog.modules]
             with contextlib.ExitStack() as stack:
