@@ -105,7 +105,7 @@ class Served:
 
     rows: dict[int, torch.Tensor]  # slot index -> int64 [asked by all]: requester 0's, then 1's...
     counts: dict[int, list[int]]  # slot index -> [world] rows each requester asked
-    touched: dict[tuple, torch.Tensor]  # table shard -> rows read by anyone (repeats kept: no sync to drop them)
+    touched: dict[tuple, torch.Tensor]  # table shard -> rows read by anyone, sorted (repeats kept: no sync)
     fetch_ol: dict[int, torch.Tensor] = field(default_factory=dict)  # slot -> bool [asked by all]
     grad_ol: Optional[dict[int, torch.Tensor]] = None  # slot -> bool [asked by all]; None: all OL
     micro: Optional[dict[int, torch.Tensor]] = None  # slot -> int64 [asked by all] micro-batch per row (FWP)
@@ -290,7 +290,7 @@ class PecExchange:
         for s in self.owned:
             touched.setdefault(self._slot(s).key, []).append(rows_of[s])
         served = Served(rows_of, {s: [counts[r][i] for r in range(self.world)] for i, s in enumerate(self.owned)},
-                        {k: torch.cat(v) for k, v in touched.items()})
+                        {k: torch.sort(torch.cat(v)).values for k, v in touched.items()})
         # the next batch's counts and (FWP) these rows per micro-batch: one host read
         host = torch.cat(tails + sizes).tolist()
         tails_of = [host[r * (len(self.owned) + 1):(r + 1) * (len(self.owned) + 1)] for r in range(self.world)]
@@ -358,12 +358,12 @@ class PecExchange:
         for s in self.owned:
             key = self._slot(s).key
             before = prev[1].touched.get(key) if prev is not None else None
-            served.fetch_ol[s] = torch.isin(served.rows[s], before) if before is not None and not self.early_overlap_reads \
+            served.fetch_ol[s] = _member(served.rows[s], before) if before is not None and not self.early_overlap_reads \
                 else torch.zeros(served.rows[s].numel(), dtype=torch.bool, device=self.device)
             if prev is not None:
                 if prev[1].grad_ol is None:
                     prev[1].grad_ol = {}
-                prev[1].grad_ol[s] = torch.isin(prev[1].rows[s], served.touched[key])
+                prev[1].grad_ol[s] = _member(prev[1].rows[s], served.touched[key])
         # two bytes more per block: does this owner serve any OL row or OL gradient, any NOL row (every
         # requester gets the same bytes, so every rank ORs the same ones: all agree on skipping an
         # exchange no rank has anything for)
@@ -632,6 +632,15 @@ class PecExchange:
             t.iter.fill_(value)
             if hasattr(t, "iter_cpu"):
                 t.iter_cpu.fill_(value)
+
+
+def _member(values: torch.Tensor, sorted_set: torch.Tensor) -> torch.Tensor:
+    """torch.isin(values, sorted_set) for a sorted set (each batch's touched rows are sorted once
+    and looked up twice, by two flags rounds; isin would sort them both times)."""
+    if sorted_set.numel() == 0:
+        return torch.zeros_like(values, dtype=torch.bool)
+    at = torch.searchsorted(sorted_set, values).clamp_(max=sorted_set.numel() - 1)
+    return sorted_set[at] == values
 
 
 def _sizes(bounds: list[int]) -> list[int]:
