@@ -169,11 +169,11 @@ def test_the_pipeline_reads_the_device_only_where_sizes_arrive():
 def test_the_pipelines_copy_host_values_to_the_device_without_a_sync():
     """A blocking host-to-device copy (torch.tensor(..., device=d), t.to(d)) makes the CPU wait for
     the stream's queued work on CUDA, as a host read does; the pipelines' own code copies host lists
-    and indices through _host_counts.to_device (staged in pinned memory, non_blocking). Checked in the
-    source (no CUDA here): before, 9 sites copied blocking, each per round, batch or micro-batch
-    (the ids round's counts, the rows per micro-batch, the flags' tail positions, every CountBatch
-    boundary list, the routing's shard starts, the fused update's counts, the micro-batch cuts' and
-    the merged outputs' sample indices)."""
+    and indices through freescale_comm._device_copy.to_device (staged in pinned memory, then
+    non_blocking). Checked in the source (no CUDA here): before, 9 sites copied blocking, each per
+    round, batch or micro-batch (the ids round's counts, the rows per micro-batch, the flags' tail
+    positions, every CountBatch boundary list, the routing's shard starts, the fused update's
+    counts, the micro-batch cuts' and the merged outputs' sample indices)."""
     import ast
     import pathlib
 

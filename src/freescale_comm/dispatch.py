@@ -16,6 +16,7 @@ import torch.distributed as dist
 
 from freescale_comm import _core, _device_dispatch
 from freescale_comm._capture import refuse_capture
+from freescale_comm._device_copy import to_device
 from freescale_comm._output_cache import output_cache
 from freescale_comm.communicator import Communicator, check_priority
 
@@ -249,7 +250,7 @@ def _dispatch_cuda(values: torch.Tensor, lengths: torch.Tensor, dest_ranks: torc
         recv_lengths, source_ranks = both.T.contiguous()
     else:
         recv_rows = _rows_from(*received, world)
-        recv_lengths, source_ranks = (t.to(values.device) for t in received)
+        recv_lengths, source_ranks = (to_device(t, values.device) for t in received)  # no stream sync
     handle = DispatchHandle(comm, plan, plan.row_counts, recv_rows, recv_lengths)
     return _deliver(values, handle, source_ranks, priority, move)
 

@@ -9,18 +9,17 @@ from typing import Any, Optional
 
 import torch
 
+from freescale_comm._device_copy import on_device
 from freescale_comm.pipelines._catalog import Catalog, ModuleInfo
 from freescale_comm.pipelines._exchange import Asks, MicroAsk
-from freescale_comm.pipelines._host_counts import distinct, on_device
+from freescale_comm.pipelines._host_counts import distinct
 
 
 def route(catalog: Catalog, features: dict[str, Any], step: int) -> Asks:
     """Asks for one batch. `features`: module fqn -> the KeyedJaggedTensor it is called with.
     Reads the ids' values on the host once (every feature's id range and, row-wise, its ids per
     shard, in one transfer: one device sync on CUDA, not one per feature and shard)."""
-    found = _found(catalog, features)
-    stats = _stats(found)
-    return _asks(catalog, found, torch.cat(stats).tolist() if stats else [], step)
+    return _routed(catalog, [features], step)[0]
 
 
 def route_micro(catalog: Catalog, micro_features: list[dict[str, Any]], step: int) -> Asks:
@@ -29,15 +28,7 @@ def route_micro(catalog: Catalog, micro_features: list[dict[str, Any]], step: in
     micro-batch (a row two micro-batches read is asked twice: the values are frozen within the
     batch, and each micro-batch's AllToAll is its own). Two host reads for the batch: the ids'
     ranges and shards of every micro-batch, then the distinct rows of every micro-batch and slot."""
-    founds = [_found(catalog, features) for features in micro_features]
-    stats = [_stats(found) for found in founds]
-    flat = [t for per in stats for t in per]
-    host = torch.cat(flat).tolist() if flat else []
-    parts, at = [], 0
-    for found, per in zip(founds, stats):
-        size = sum(t.numel() for t in per)
-        parts.append(_asks(catalog, found, host[at:at + size], step))
-        at += size
+    parts = _routed(catalog, micro_features, step)
     micro = [MicroAsk([], [], [], p.positions) for p in parts]
     uniques = iter(distinct([part.rows[s] for s in range(len(catalog.slots)) for part in parts]))
     rows = []
@@ -53,6 +44,20 @@ def route_micro(catalog: Catalog, micro_features: list[dict[str, Any]], step: in
             start += unique.numel()
         rows.append(torch.cat(chosen))
     return Asks(rows=rows, positions=[None] * len(catalog.slots), step=step, micro=micro)
+
+
+def _routed(catalog: Catalog, batches: list[dict[str, Any]], step: int) -> list[Asks]:
+    """route() of each of `batches` (module fqn -> KeyedJaggedTensor), with one host read for all."""
+    founds = [_found(catalog, features) for features in batches]
+    stats = [_stats(found) for found in founds]
+    flat = [t for per in stats for t in per]
+    host = torch.cat(flat).tolist() if flat else []
+    out, at = [], 0
+    for found, per in zip(founds, stats):
+        size = sum(t.numel() for t in per)
+        out.append(_asks(catalog, found, host[at:at + size], step))
+        at += size
+    return out
 
 
 def _found(catalog: Catalog, features: dict[str, Any]) -> list[tuple[Any, Any, str, torch.Tensor, Optional[torch.Tensor]]]:

@@ -52,8 +52,9 @@ import torch
 
 from freescale_comm.communicator import Communicator
 from freescale_comm._core import CommError
+from freescale_comm._device_copy import on_device
 from freescale_comm.pipelines._catalog import Catalog, LocalShard, Slot
-from freescale_comm.pipelines._host_counts import CountBatch, on_device, positions, select
+from freescale_comm.pipelines._host_counts import CountBatch, positions, select
 
 
 @dataclass

@@ -12,48 +12,39 @@ from typing import Optional
 
 import torch
 
+from freescale_comm._device_copy import on_device
+
 
 class CountBatch:
     """Collects (mask, segment boundaries) requests; read() returns, per request, the count of
     set entries in each segment, all in one host read."""
 
     def __init__(self) -> None:
-        self._picks: list[torch.Tensor] = []
-        self._sizes: list[int] = []
+        self._upto: list[torch.Tensor] = []  # per request: int64 [n + 1], set entries before each position
+        self._bounds: list[list[int]] = []
 
     def add(self, mask: torch.Tensor, bounds: list[int]) -> int:
-        """mask: bool [n]; bounds: [k + 1] nondecreasing positions from 0 to n (host ints), the
-        k segments being mask[bounds[i]:bounds[i + 1]]. Returns the request's index."""
-        upto = torch.cat([mask.new_zeros(1, dtype=torch.int64), mask.cumsum(0)])  # [n + 1]: set before i
-        self._picks.append(upto[on_device(bounds, mask.device)])
-        self._sizes.append(len(bounds))
-        return len(self._sizes) - 1
+        """mask: bool [n], on the device every request shares; bounds: [k + 1] nondecreasing
+        positions from 0 to n (host ints), the k segments being mask[bounds[i]:bounds[i + 1]].
+        Returns the request's index."""
+        self._upto.append(torch.cat([mask.new_zeros(1, dtype=torch.int64), mask.cumsum(0)]))
+        self._bounds.append(bounds)
+        return len(self._bounds) - 1
 
     def read(self) -> list[list[int]]:
-        if not self._picks:
+        if not self._upto:
             return []
-        flat = torch.cat(self._picks).tolist()  # the one host read
+        at, where = 0, []  # every boundary, as a position in the requests' running sums back to back
+        for upto, bounds in zip(self._upto, self._bounds):
+            where += [at + b for b in bounds]
+            at += upto.numel()
+        flat = torch.cat(self._upto)[on_device(where, self._upto[0].device)].tolist()  # the one host read
         out, at = [], 0
-        for size in self._sizes:
-            ends = flat[at:at + size]
+        for bounds in self._bounds:
+            ends = flat[at:at + len(bounds)]
             out.append([b - a for a, b in zip(ends, ends[1:])])
-            at += size
+            at += len(bounds)
         return out
-
-
-def on_device(values: list[int], device: torch.device) -> torch.Tensor:
-    """int64 [len(values)] of host ints on `device`, copied without a device sync (see to_device)."""
-    return to_device(torch.tensor(values, dtype=torch.int64), device)
-
-
-def to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """A host tensor on `device` without waiting for the device. A blocking copy to CUDA
-    (torch.tensor(..., device=d), t.to(d)) syncs the stream; so may a non-blocking one from
-    pageable memory (CUDA's API sync behavior: the driver may sync to stage it). So it is staged
-    in pinned memory first, which PyTorch's caching host allocator keeps until the copy has run."""
-    if device.type == "cuda" and tensor.device.type == "cpu":
-        return tensor.pin_memory().to(device, non_blocking=True)
-    return tensor.to(device, non_blocking=True)  # (already there, or the host: the tensor itself)
 
 
 def select(values: torch.Tensor, mask: Optional[torch.Tensor], count: int) -> torch.Tensor:

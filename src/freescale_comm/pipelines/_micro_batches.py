@@ -22,9 +22,9 @@ from typing import Any, Callable, Optional
 import numpy as np
 import torch
 
+from freescale_comm._device_copy import to_device
 from freescale_comm.microbatch import cluster_microbatches
 from freescale_comm.pipelines._catalog import Catalog
-from freescale_comm.pipelines._host_counts import to_device
 
 SplitBatch = Callable[[Any, torch.Tensor], Any]  # (batch, int64 sample indices) -> micro-batch
 
