@@ -70,20 +70,24 @@ def test_micro_batches_match_sparse_dist_within_float_rounding():
 
 def test_every_micro_batch_read_is_fresh_and_skipping_the_dual_buffer_refresh_is_caught():
     """The staleness oracle (every row a batch reads equals the number of its earlier reads) holds
-    for 4 micro-batches with PEC and with dual-buffer prefetch, at every collision rate; keeping
+    for 4 micro-batches with PEC, dual-buffer and ids-only prefetch, at every collision rate; keeping
     dual-buffer's early copies without the refresh after the update is caught at every collision
-    rate above 0 (and harmless at 0, where no row waits), and so is PEC's OL rows sent early."""
+    rate above 0 (and harmless at 0, where no row waits), and so are PEC's OL rows sent early and
+    the second part of a split update (the rows the next batch's first micro-batch does not read)
+    applied after micro-batch 1's fetch instead of before."""
     from pec_pipeline_programs import staleness_oracle
 
-    for prefetch in ("pec", "dual_buffer"):
-        mutations = ["", "skip_refresh"] if prefetch == "dual_buffer" else ["", "early_overlap_reads"]
-        cases = [(c, m) for c in COLLISIONS for m in mutations]
+    mutations = {"pec": ["early_overlap_reads", "late_split_updates"], "dual_buffer": ["skip_refresh"],
+                 "ids": ["late_split_updates"]}
+    for prefetch, wrong in mutations.items():
+        cases = [(c, m) for c in COLLISIONS for m in ["", *wrong]]
         for report in spawn(staleness_oracle, 2, 8, cases, {"micro_batches": 4, "prefetch": prefetch},
                             timeout_s=300):
             for c in COLLISIONS:
                 assert report[f"{c} "]["checked"] > 100 and report[f"{c} "]["stale"] == 0, (prefetch, report)
-                caught = report[f"{c} {mutations[1]}"]["stale"]  # rows read before the update they wait for
-                assert (caught > 0) == (c > 0), (prefetch, c, report)
+                for mutation in wrong:
+                    caught = report[f"{c} {mutation}"]["stale"]  # rows read before the update they wait for
+                    assert (caught > 0) == (c > 0), (prefetch, mutation, c, report)
 
 
 def test_the_benchmark_runs_nestpipes_modes_and_checks_their_goals(tmp_path, capsys):

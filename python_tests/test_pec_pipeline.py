@@ -147,8 +147,9 @@ def test_the_pipeline_reads_the_device_only_where_sizes_arrive():
     """Counted: the pipeline reads tensor values on the host (a device sync each, on CUDA: the CPU
     would stop running ahead of the GPU) only where sizes arrive. In the exchange's rounds: the ids
     round (the next batch's counts) and the flags round (every later round's sizes, in one read):
-    2 per steady-state step with PEC or DBP, whole batches or micro-batches, 1 with every row after
-    the update (prefetch="ids": no flags). In the rest of the pipeline's own work (routing and
+    2 per steady-state step with PEC or DBP, whole batches or micro-batches; with every row after
+    the update (prefetch="ids": no flags) and micro-batches, the ids round and the sizes of the
+    update's two parts (the rows the next batch's first micro-batch reads, updated first). In the rest of the pipeline's own work (routing and
     cutting each batch on the worker, the sharded modules' outputs): routing the next batch (its
     ids' ranges and shards: 1; with micro-batches also their distinct rows: 2) and TorchRec's
     KeyedJaggedTensor reading each input's lengths per key once (2). Before, about 150 per step in
@@ -158,7 +159,7 @@ def test_the_pipeline_reads_the_device_only_where_sizes_arrive():
 
     modes = {"pec": {}, "dual_buffer": {"prefetch": "dual_buffer"}, "pec_micro": {"micro_batches": 2},
              "ids_micro": {"prefetch": "ids", "micro_batches": 2}}
-    exchange = {"pec": 2, "dual_buffer": 2, "pec_micro": 2, "ids_micro": 1}
+    exchange = {"pec": 2, "dual_buffer": 2, "pec_micro": 2, "ids_micro": 2}
     routing = {"pec": 1, "dual_buffer": 1, "pec_micro": 2, "ids_micro": 2}
     for report in spawn(exchange_host_reads, 2, modes, timeout_s=300):
         for mode, reads in report.items():

@@ -20,6 +20,10 @@ Program order, identical on every rank (so the Communicator's sequence numbers m
     with M micro-batches, fetch_micro(N+1, 0) there sends micro-batch 0's only, and then
     fetch_micro(N+1, m), m = 1..M-1, on the worker while N+1's micro-batch m-1 computes, sends
     micro-batch m's                                                         (next_micro_priority)
+    and the update goes in that order too: gradients(N) updates only the rows micro-batch 0 of
+    N+1 reads; fetch_micro(N+1, 0) then runs on the worker while the caller applies the rest of
+    N's first-going gradients (apply_later), before micro-batch 1's fetch is posted (each row's
+    gradients stay together and in order: the two updates equal one)
   send_deferred(N):
     NOL grads f32   the rest, applied by the owner before it next looks a row up     (deferred)
 
@@ -117,6 +121,11 @@ class Served:
     # whole batches): rows that wait for the last update; gradients that go first (None: all)
     fetch_counts: dict[int, list[int]] = field(default_factory=dict)
     grad_counts: Optional[dict[int, list[int]]] = None
+    # micro-batches: slot -> bool [asked by all], the row's gradient goes first and the next batch's
+    # first micro-batch reads it (updated before that micro-batch's fetch, the rest after); and how
+    # many, slot -> int (host, from the flags round). None: one update (no next batch, whole batches)
+    early: Optional[dict[int, torch.Tensor]] = None
+    early_counts: Optional[dict[int, int]] = None
 
     def bounds(self, slot: int) -> list[int]:
         """[world * M + 1] boundaries of each (requester, micro-batch)'s rows in rows[slot]."""
@@ -168,16 +177,19 @@ class _InFlight:
     divisor: int  # TorchRec divides embedding gradients by the world size (comm_ops.GRADIENT_DIVISION)
     micro_of: Optional[dict[int, torch.Tensor]] = None  # owned slot -> micro-batch of each row (as rows_of)
     micro: Optional[int] = None  # the one micro-batch all its rows belong to (None: any)
+    early_of: Optional[dict[int, torch.Tensor]] = None  # owned slot -> bool (as rows_of): Served.early
 
 
 PREFETCH = ("pec", "dual_buffer", "ids")
 
 
 class PecExchange:
-    """Both sides of PEC for one pipeline. Three mutations, for tests that must catch them (stale
+    """Both sides of PEC for one pipeline. Four mutations, for tests that must catch them (stale
     reads): `early_overlap_reads` sends OL rows with the NOL rows, before the update they wait for;
     `late_deferred_updates` applies deferred gradients after the NOL lookup they must precede;
-    `skip_refresh` (dual_buffer) keeps the early copies of OL rows instead of refreshing them.
+    `skip_refresh` (dual_buffer) keeps the early copies of OL rows instead of refreshing them;
+    `late_split_updates` (micro-batches) applies the update's second part in micro-batch 1's fetch,
+    after its lookup, instead of before that fetch.
 
     prefetch: what of batch N+1 moves while batch N computes: "pec" its NOL rows (OL rows after
     N's update); "dual_buffer" (NestPipe's DBP) every row, into N+1's own buffer, then the OL rows
@@ -203,6 +215,10 @@ class PecExchange:
         self.high, self.low, self.deferred = high, low, deferred
         self.early_overlap_reads = early_overlap_reads
         self.late_deferred_updates = False
+        self.late_split_updates = False
+        # micro-batches: the update is split (the rows the next batch's first micro-batch reads first)
+        self.splits_update = micro_batches is not None and micro_batches > 1
+        self.later: Optional[tuple[dict[int, dict[int, tuple[torch.Tensor, torch.Tensor]]], int, dict[int, float]]] = None
         self.owned = [s.index for s in catalog.owned_by(self.rank)]  # slots I serve, in order
         self.owned_by = [[s.index for s in catalog.owned_by(r)] for r in range(self.world)]
         self.cols = [s.cols for s in catalog.slots]
@@ -350,6 +366,10 @@ class PecExchange:
             prev[0].grad_ol = [None] * len(self.catalog.slots)
             prev[0].grad_counts = [None] * len(self.catalog.slots)
             prev[1].grad_ol = prev[1].grad_counts = None
+            batch = CountBatch()
+            early = self._mark_early(prev[1], served, batch)
+            if early is not None:  # (one host read: sizes of the two parts of N's update)
+                self._take_early(prev[1], early, batch.read())
         self.any_overlap = prev is not None
         return prev is None
 
@@ -408,8 +428,11 @@ class PecExchange:
         if prev is not None:
             grad_owned = {s: batch.add(prev[1].grad_ol[s], prev[1].bounds(s)) for s in self.owned}
             grad_asked = [batch.add(prev[0].grad_ol[s], prev[0].bounds(s)) for s in range(len(prev[0].rows))]
+        early = self._mark_early(prev[1], served, batch) if prev is not None else None
         any_ol, any_nol = batch.add(flags[tail_at], [0, self.world]), batch.add(flags[tail_at + 1], [0, self.world])
         counts = batch.read()
+        if early is not None:
+            self._take_early(prev[1], early, counts)
         served.fetch_counts = {s: counts[i] for s, i in fetch_owned.items()}
         asks.fetch_counts = [counts[i] for i in fetch_asked]
         if prev is not None:
@@ -417,6 +440,26 @@ class PecExchange:
             prev[0].grad_counts = [counts[i] for i in grad_asked]
         self.any_overlap = counts[any_ol][0] > 0  # OL gradients of N or OL rows of N+1 somewhere
         return counts[any_nol][0] > 0
+
+    def _mark_early(self, done: Served, served: Served, batch: CountBatch) -> Optional[dict[int, int]]:
+        """Micro-batches: marks the rows of `done` (batch N, as owner) whose gradient goes first and
+        that the first micro-batch of `served` (N+1) reads: N's update applies them before that
+        micro-batch's fetch, the rest after. Their counts join `batch`: returns its requests."""
+        if not self.splits_update:
+            return None
+        first: dict[tuple, list[torch.Tensor]] = {}  # table shard -> rows micro-batch 0 reads (any feature)
+        for s in self.owned:
+            first.setdefault(self._slot(s).key, []).append(_take(served.rows[s], served.parts(s, 0)))
+        first_rows = {key: torch.sort(torch.cat(rows)).values for key, rows in first.items()}
+        done.early = {}
+        for s in self.owned:
+            mark = _member(done.rows[s], first_rows[self._slot(s).key])
+            done.early[s] = mark & done.grad_ol[s] if done.grad_ol is not None else mark
+        return {s: batch.add(mark, [0, mark.numel()]) for s, mark in done.early.items()}
+
+    @staticmethod
+    def _take_early(done: Served, requests: dict[int, int], counts: list[list[int]]) -> None:
+        done.early_counts = {s: counts[i][0] for s, i in requests.items()}
 
     def _rows(self, asks: Asks, served: Served, which: str, micro: Optional[int] = None) -> None:
         """Looks up and exchanges N+1's rows: "ol", "nol" or "all" of them (of micro-batch `micro`
@@ -494,12 +537,14 @@ class PecExchange:
                 asks.grad_ol = [None] * len(asks.rows)
                 served.grad_ol = None
             if not has_next or self.any_overlap:
+                # with a next batch of micro-batches: the rows its first one reads now, the rest later
+                first_counts = served.early_counts if has_next else None
                 if streamed:  # the last micro-batch's rows only
                     last = len(asks.micro) - 1
                     final = self._send_grads(asks, served, asks.micro_slices(grads, last), lrs, first=True, micro=last)
-                    self._apply(*streamed, final)
+                    self._apply(*streamed, final, first_counts=first_counts)
                 else:
-                    self._apply(self._send_grads(asks, served, grads, lrs, first=True))
+                    self._apply(self._send_grads(asks, served, grads, lrs, first=True), first_counts=first_counts)
             if has_next and served.grad_ol is not None:  # (prefetch="ids": every gradient went first)
                 self.unsent = (asks, served, grads, lrs)
         if has_next:  # its rows that waited for this update: fetch_micro() next
@@ -515,6 +560,16 @@ class PecExchange:
         rank has any (every rank knows from the flags)."""
         if self.any_overlap and not self.skip_refresh:
             self._rows(*self.current, "ol", micro)
+        if micro:  # (a no-op unless mutated: the caller applied it before posting this fetch)
+            self.apply_later()
+
+    def apply_later(self) -> None:
+        """The part of the last update the next batch's first micro-batch does not read (gradients()
+        applied the part it reads): after that micro-batch's fetch is posted, before any later
+        lookup (apply_deferred() runs it too, so a flush never leaves it out)."""
+        if self.later is not None:
+            (per_tbe, step, lrs), self.later = self.later, None
+            self._update(per_tbe, step, lrs)
 
     def reset(self) -> None:
         """After the data ran out (every rank alike): applies what is deferred and forgets the
@@ -557,10 +612,12 @@ class PecExchange:
         rows_of: dict[int, torch.Tensor] = {}
         counts_of: dict[int, list[int]] = {}
         micro_of: Optional[dict[int, torch.Tensor]] = {} if served.micro is not None else None
+        early_of: Optional[dict[int, torch.Tensor]] = {} if first and served.early is not None else None
         for s in self.owned:
             parts = served.parts(s, micro)  # its own range of rows only
             rows = _take(served.rows[s], parts)
             of = _take(served.micro[s], parts) if micro_of is not None else None
+            early = _take(served.early[s], parts) if early_of is not None else None
             counts = served.counts_in(s, parts)
             if served.grad_ol is not None:
                 grad_ol = _take(served.grad_ol[s], parts)
@@ -569,9 +626,12 @@ class PecExchange:
                 mask = grad_ol if first else ~grad_ol
                 rows = select(rows, mask, sum(counts))
                 of = select(of, mask, sum(counts)) if of is not None else None
+                early = select(early, mask, sum(counts)) if early is not None else None
             rows_of[s], counts_of[s] = rows, counts
             if micro_of is not None:
                 micro_of[s] = of
+            if early_of is not None:
+                early_of[s] = early
         recv_splits = [sum(counts_of[s][r] * self.cols[s] for s in self.owned) for r in range(self.world)]
         buffer = torch.empty(sum(recv_splits), device=self.device)
         inp = torch.cat(send) if send else torch.empty(0, device=self.device)
@@ -579,21 +639,27 @@ class PecExchange:
             else self.micro_gradient_priority
         work = self._a2a(buffer, inp, recv_splits, send_splits, priority)
         return _InFlight(work, buffer, recv_splits, rows_of, counts_of, asks.step, lrs,
-                         self.world if _gradient_division() else 1, micro_of, micro)
+                         self.world if _gradient_division() else 1, micro_of, micro, early_of)
 
     def apply_deferred(self) -> None:
-        """Applies the deferred gradients in flight, if any (every rank sent them already)."""
+        """Applies the deferred gradients in flight, if any (every rank sent them already), and
+        what is left of the last update (apply_later)."""
+        self.apply_later()
         if self.deferred_grads is not None:
             pending, self.deferred_grads = self.deferred_grads, None
             self._apply(pending)
 
-    def _apply(self, *flights: _InFlight) -> None:
+    def _apply(self, *flights: _InFlight, first_counts: Optional[dict[int, int]] = None) -> None:
         """Waits for the gradients of `flights` (one batch's) and applies them through each TBE's
         fused backward, one update. With micro-batches, each row's gradients are ordered by
-        micro-batch, then requester, however they travelled (so every prefetch mode sums alike)."""
+        micro-batch, then requester, however they travelled (so every prefetch mode sums alike).
+        first_counts (slot -> rows marked early, Served.early_counts): only the rows the flights
+        mark early are updated now; the rest wait in `later` for apply_later(). Each row's
+        gradients stay together and in order, so the two updates equal one."""
         rows_of: dict[int, list[torch.Tensor]] = {s: [] for s in self.owned}
         grads_of: dict[int, list[torch.Tensor]] = {s: [] for s in self.owned}
         micro_of: dict[int, list[torch.Tensor]] = {s: [] for s in self.owned}
+        split = first_counts is not None and all(f.early_of is not None for f in flights)
         for flight in flights:
             flight.work.wait()
             if flight.divisor != 1:
@@ -612,19 +678,34 @@ class PecExchange:
         # one flight per micro-batch, in order (streamed), is in order already: no gather
         in_order = all(f.micro is not None for f in flights) and all(a.micro < b.micro for a, b in zip(flights, flights[1:]))
         per_tbe: dict[int, dict[int, tuple[torch.Tensor, torch.Tensor]]] = {}
+        later: dict[int, dict[int, tuple[torch.Tensor, torch.Tensor]]] = {}
         for s in self.owned:
             slot = self._slot(s)
             shard = self.catalog.local[slot.key]
             rows, grads = torch.cat(rows_of[s]), torch.cat(grads_of[s])
+            early = torch.cat([f.early_of[s] for f in flights]) if split else None
             if micro_of[s] and not in_order:
                 order = torch.argsort(torch.cat(micro_of[s]), stable=True)
                 rows, grads = rows[order], grads[order]
-            per_tbe.setdefault(id(shard.tbe), {})[shard.tbe_features[slot.feature]] = (rows, grads)
+                early = early[order] if early is not None else None
+            feature = shard.tbe_features[slot.feature]
+            if early is not None:  # (positions ascending: each row's gradients keep their order)
+                now, rest = first_counts[s], rows.shape[0] - first_counts[s]
+                later.setdefault(id(shard.tbe), {})[feature] = (select(rows, ~early, rest), select(grads, ~early, rest))
+                rows, grads = select(rows, early, now), select(grads, early, now)
+            per_tbe.setdefault(id(shard.tbe), {})[feature] = (rows, grads)
+        self._update(per_tbe, flights[0].step, flights[0].lrs)
+        if later:
+            self.later = (later, flights[0].step, flights[0].lrs)
+
+    def _update(self, per_tbe: dict[int, dict[int, tuple[torch.Tensor, torch.Tensor]]], step: int,
+                lrs: dict[int, float]) -> None:
+        """Batch `step`'s gradients (per TBE: feature -> (rows, grads)) through each TBE's fused update."""
         start = time.perf_counter()
         for tbe in self.tbes:
             work = per_tbe.get(id(tbe))
             if work and any(rows.numel() for rows, _ in work.values()):
-                tbe_update(tbe, work, self.iter_base[id(tbe)] + flights[0].step, flights[0].lrs[id(tbe)])
+                tbe_update(tbe, work, self.iter_base[id(tbe)] + step, lrs[id(tbe)])
         self.update_ms += (time.perf_counter() - start) * 1e3
 
     def _pin_iterations(self, steps_done: int) -> None:

@@ -332,7 +332,15 @@ class TrainPipelinePEC(Generic[In, Out]):
             self._exchange.gradients(grads, lrs, has_next, in_flight)
             update = self._exchange.update_ms - updated  # this rank's own fused update: compute, not a wait
             self._exposed["gradients"] += (time.perf_counter() - start) * 1e3 - update
-            if has_next:  # N+1's rows that waited for this update (with micro-batches: its first one's)
+            if has_next and self._exchange.later is not None:
+                # micro-batch 0's rows move on the worker while this thread applies the rest of the
+                # update (rows micro-batch 0 does not read), before any later micro-batch's fetch
+                first, updated = self._post(self._exchange.fetch_micro, 0), self._exchange.update_ms
+                if not self._exchange.late_split_updates:  # (mutated: fetch_micro(1) applies it, late)
+                    self._exchange.apply_later()
+                update += self._exchange.update_ms - updated
+                self._wait(first, "embeddings")
+            elif has_next:  # N+1's rows that waited for this update (with micro-batches: its first one's)
                 start = time.perf_counter()
                 self._exchange.fetch_micro(0 if self._micro_batches is not None else None)
                 self._exposed["embeddings"] += (time.perf_counter() - start) * 1e3
