@@ -218,7 +218,9 @@ class PecExchange:
         self.late_split_updates = False
         # micro-batches: the update is split (the rows the next batch's first micro-batch reads first)
         self.splits_update = micro_batches is not None and micro_batches > 1
-        self.later: Optional[tuple[dict[int, dict[int, tuple[torch.Tensor, torch.Tensor]]], int, dict[int, float]]] = None
+        # the rest of a split update: (per TBE: feature -> (rows, undivided gradients, early mask,
+        # rows not early)), batch step, learning rates, gradient divisor
+        self.later: Optional[tuple[dict[int, dict[int, tuple]], int, dict[int, float], int]] = None
         self.owned = [s.index for s in catalog.owned_by(self.rank)]  # slots I serve, in order
         self.owned_by = [[s.index for s in catalog.owned_by(r)] for r in range(self.world)]
         self.cols = [s.cols for s in catalog.slots]
@@ -568,7 +570,11 @@ class PecExchange:
         applied the part it reads): after that micro-batch's fetch is posted, before any later
         lookup (apply_deferred() runs it too, so a flush never leaves it out)."""
         if self.later is not None:
-            (per_tbe, step, lrs), self.later = self.later, None
+            (marked, step, lrs, divisor), self.later = self.later, None
+            # (positions ascending: each row's gradients keep their order)
+            per_tbe = {tbe: {f: (select(rows, ~early, rest), _divided(select(grads, ~early, rest), divisor))
+                             for f, (rows, grads, early, rest) in features.items()}
+                       for tbe, features in marked.items()}
             self._update(per_tbe, step, lrs)
 
     def reset(self) -> None:
@@ -662,8 +668,6 @@ class PecExchange:
         split = first_counts is not None and all(f.early_of is not None for f in flights)
         for flight in flights:
             flight.work.wait()
-            if flight.divisor != 1:
-                flight.buffer.div_(flight.divisor)  # as TorchRec's AllToAll backward does, after the exchange
             for r, block in enumerate(flight.buffer.split(flight.splits)):  # requester r's, slot after slot
                 offset = 0
                 for s in self.owned:
@@ -689,14 +693,13 @@ class PecExchange:
                 rows, grads = rows[order], grads[order]
                 early = early[order] if early is not None else None
             feature = shard.tbe_features[slot.feature]
-            if early is not None:  # (positions ascending: each row's gradients keep their order)
-                now, rest = first_counts[s], rows.shape[0] - first_counts[s]
-                later.setdefault(id(shard.tbe), {})[feature] = (select(rows, ~early, rest), select(grads, ~early, rest))
-                rows, grads = select(rows, early, now), select(grads, early, now)
-            per_tbe.setdefault(id(shard.tbe), {})[feature] = (rows, grads)
+            if early is not None:  # the rest is picked out later, off the critical path
+                later.setdefault(id(shard.tbe), {})[feature] = (rows, grads, early, rows.shape[0] - first_counts[s])
+                rows, grads = select(rows, early, first_counts[s]), select(grads, early, first_counts[s])
+            per_tbe.setdefault(id(shard.tbe), {})[feature] = (rows, _divided(grads, flights[0].divisor))
         self._update(per_tbe, flights[0].step, flights[0].lrs)
         if later:
-            self.later = (later, flights[0].step, flights[0].lrs)
+            self.later = (later, flights[0].step, flights[0].lrs, flights[0].divisor)
 
     def _update(self, per_tbe: dict[int, dict[int, tuple[torch.Tensor, torch.Tensor]]], step: int,
                 lrs: dict[int, float]) -> None:
@@ -714,6 +717,12 @@ class PecExchange:
             t.iter.fill_(value)
             if hasattr(t, "iter_cpu"):
                 t.iter_cpu.fill_(value)
+
+
+def _divided(grads: torch.Tensor, divisor: int) -> torch.Tensor:
+    """grads / divisor in place (a tensor of _apply's own), as TorchRec's AllToAll backward divides
+    embedding gradients after the exchange."""
+    return grads.div_(divisor) if divisor != 1 else grads
 
 
 def _member(values: torch.Tensor, sorted_set: torch.Tensor) -> torch.Tensor:
