@@ -58,7 +58,7 @@ from freescale_comm.communicator import Communicator
 from freescale_comm._core import CommError
 from freescale_comm._device_copy import on_device
 from freescale_comm.pipelines._catalog import Catalog, LocalShard, Slot
-from freescale_comm.pipelines._host_counts import CountBatch, positions, select
+from freescale_comm.pipelines._host_counts import CountBatch, positions, select, select_into
 
 
 @dataclass
@@ -473,17 +473,22 @@ class PecExchange:
         def picked(ol: list[int], totals: list[int]) -> list[int]:  # how many of each total are chosen
             return ol if which == "ol" else [t - o for t, o in zip(totals, ol)] if which == "nol" else totals
 
-        blocks, sizes = [], []  # per owned slot: its rows' values, split by requester; their numels
+        picks = []  # per owned slot: (slot, its rows to send, requester after requester; how many each)
         for s in self.owned:
             parts = served.parts(s, micro)
             totals = served.counts_in(s, parts)
             counts = picked(served.per_requester(s, served.fetch_counts[s], micro), totals)
-            rows = select(_take(served.rows[s], parts), chosen(_take(served.fetch_ol[s], parts)), sum(counts))
-            numels = [c * self.cols[s] for c in counts]
-            blocks.append(self.catalog.local[self._slot(s).key].weight.index_select(0, rows).reshape(-1).split(numels))
-            sizes.append(numels)
-        send = [block[r] for r in range(self.world) for block in blocks]  # requester-major
-        send_splits = [sum(n[r] for n in sizes) for r in range(self.world)]
+            picks.append((s, select(_take(served.rows[s], parts), chosen(_take(served.fetch_ol[s], parts)), sum(counts)),
+                          counts))
+        send_splits = [sum(counts[r] * self.cols[s] for s, _, counts in picks) for r in range(self.world)]
+        # looked up straight into the send buffer, requester-major (no copy of the rows after the lookup)
+        inp, at = torch.empty(sum(send_splits), device=self.device), 0
+        for r in range(self.world):
+            for s, rows, counts in picks:
+                first, n = sum(counts[:r]), counts[r]
+                weight = self.catalog.local[self._slot(s).key].weight
+                torch.index_select(weight, 0, rows[first:first + n], out=inp[at:at + n * self.cols[s]].view(n, self.cols[s]))
+                at += n * self.cols[s]
         # per slot: (first row, rows, which of them, how many) of what arrives
         wanted: list[tuple[int, int, Optional[torch.Tensor], int]] = []
         for s in range(len(self.catalog.slots)):
@@ -495,7 +500,6 @@ class PecExchange:
             wanted.append((first, count, chosen(asks.fetch_ol[s][first:first + count]) if n < count else None, n))
         recv_splits = [sum(wanted[s][3] * self.cols[s] for s in self.owned_by[o]) for o in range(self.world)]
         recv = torch.empty(sum(recv_splits), device=self.device)
-        inp = torch.cat(send) if send else torch.empty(0, device=self.device)
         priority = self.low if which != "ol" else self.high if not micro else self.micro_priority
         self._a2a(recv, inp, recv_splits, send_splits, priority).wait()
         offset = 0
@@ -601,19 +605,20 @@ class PecExchange:
         def picked(ol: int, total: int) -> int:
             return ol if first else total - ol
 
-        send, send_splits = [], []
+        send, send_splits = [], []  # per owner: (gradients, which go, how many) per slot it owns
         for o in range(self.world):
             n = 0
             for s in self.owned_by[o]:
-                g, ol = grads[s], asks.grad_ol[s]
+                g, ol, count = grads[s], asks.grad_ol[s], grads[s].shape[0]
                 if ol is not None:  # else every gradient goes now
                     if micro is not None:
                         start = asks.micro[micro].start[s]
                         ol = ol[start:start + asks.micro[micro].count[s]]
                     counts = asks.grad_counts[s]
-                    g = select(g, ol if first else ~ol, picked(sum(counts) if micro is None else counts[micro], g.shape[0]))
-                send.append(g.reshape(-1))
-                n += g.numel()
+                    count = picked(sum(counts) if micro is None else counts[micro], count)
+                    ol = ol if first else ~ol
+                send.append((g, ol, count))
+                n += count * self.cols[s]
             send_splits.append(n)
         rows_of: dict[int, torch.Tensor] = {}
         counts_of: dict[int, list[int]] = {}
@@ -640,7 +645,10 @@ class PecExchange:
                 early_of[s] = early
         recv_splits = [sum(counts_of[s][r] * self.cols[s] for s in self.owned) for r in range(self.world)]
         buffer = torch.empty(sum(recv_splits), device=self.device)
-        inp = torch.cat(send) if send else torch.empty(0, device=self.device)
+        inp, at = torch.empty(sum(send_splits), device=self.device), 0
+        for g, ol, count in send:  # selected straight into the send buffer
+            select_into(g, ol, count, inp[at:at + count * g.shape[1]].view(count, g.shape[1]))
+            at += count * g.shape[1]
         priority = self.deferred if not first else self.high if micro is None or micro == len(asks.micro) - 1 \
             else self.micro_gradient_priority
         work = self._a2a(buffer, inp, recv_splits, send_splits, priority)

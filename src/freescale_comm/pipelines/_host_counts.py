@@ -57,6 +57,15 @@ def select(values: torch.Tensor, mask: Optional[torch.Tensor], count: int) -> to
     return values.index_select(0, positions(mask, count))
 
 
+def select_into(values: torch.Tensor, mask: Optional[torch.Tensor], count: int, out: torch.Tensor) -> None:
+    """select(values, mask, count) written into `out` ([count, *values.shape[1:]]) without an
+    intermediate copy."""
+    if mask is None or count == values.shape[0]:
+        out.copy_(values)
+    elif count:
+        torch.index_select(values, 0, positions(mask, count), out=out)
+
+
 def positions(mask: torch.Tensor, count: int) -> torch.Tensor:
     """int64 [count]: where `mask` is set (count known on the host: no sync)."""
     return torch.nonzero_static(mask, size=count).squeeze(1)

@@ -404,7 +404,8 @@ class TrainPipelinePEC(Generic[In, Out]):
         grads = None
         if training:
             per_micro = [_grads_of(mine) for mine in leaves]
-            grads = [torch.cat([g[s] for g in per_micro]) for s in range(len(self._asks.rows))]
+            grads = per_micro[0] if len(per_micro) == 1 else \
+                [torch.cat([g[s] for g in per_micro]) for s in range(len(self._asks.rows))]
         if self._merge_output is not None:
             return self._merge_output(outputs, split.samples), grads
         return merge_outputs(outputs, split.samples, split.size), grads
