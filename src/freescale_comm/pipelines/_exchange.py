@@ -41,7 +41,9 @@ time: the pipeline's worker, or the caller's while the worker is idle.
 
 Host reads of tensor values (each a device sync on CUDA) happen only where sizes arrive from the
 peers: once per ask() (the next batch's counts, and with micro-batches its rows per micro-batch)
-and once per flags round (every size the later rounds of N and N+1 need, _host_counts.CountBatch);
+and once per flags round (every size the later rounds of N and N+1 need, _host_counts.CountBatch;
+with prefetch="ids" there is no flags round, and with micro-batches the same read sizes the
+update's two parts);
 selections use those counts (nonzero_static), so no other round waits for the device."""
 
 from __future__ import annotations
