@@ -117,3 +117,33 @@ def balancer_over_an_nccl_group(info) -> bool:
     values = torch.randn(10, 4, device="cuda")
     batch = balancer.dispatch(values, lengths)
     return bool(torch.equal(balancer.combine(batch.values, batch.handle), values))
+
+
+def plans_ahead_equal_plans_at_dispatch(info, batches: int) -> list[dict]:
+    """LoadBalancer.plan_ahead of `batches` sequence batches at once (3 features each, the first two
+    with equal lengths on every rank, the third equal to them on rank 0 only; some batches empty on
+    some ranks) against what dispatch_bundle's own all-gather and plan give for each: the same plan,
+    every rank's feature views and cost lengths."""
+    from freescale_comm.bundle import local_shares
+    from freescale_comm.dispatch import communicator_for
+
+    rank = dist.get_rank()
+    balancer = fc.LoadBalancer(CM)
+    gen = torch.Generator().manual_seed(7 + rank)
+    per_batch = []
+    for b in range(batches):
+        samples = 0 if (b, rank) in {(1, 2), (2, 0)} else 3 + rank + b
+        shared = torch.randint(0, 9, (samples,), generator=gen)
+        third = shared.clone() if rank == 0 else torch.randint(0, 9, (samples,), generator=gen)
+        per_batch.append([shared, shared.clone(), third])
+    ahead = balancer.plan_ahead(communicator_for(None), [[f.numpy() for f in fs] for fs in per_batch], 12)
+    out = []
+    for features, made in zip(per_batch, ahead):
+        cost = torch.stack(features).amax(0)
+        mine = local_shares(features) + [int(torch.equal(f, cost)) for f in features]
+        plan, extras, costs = balancer._plan(cost, 12, mine)
+        out.append({"same_plan": all(np.array_equal(a, b) for a, b in zip(plan.dest, made.plan.dest)),
+                    "same_extras": extras == made.extras,
+                    "same_costs": all(np.array_equal(a, b) for a, b in zip(costs, made.costs)),
+                    "samples": [len(c) for c in costs]})
+    return out

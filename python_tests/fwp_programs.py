@@ -67,7 +67,7 @@ def fwp_with_balance_matches_synchronous(info, steps: int, collision: float) -> 
     the synchronous reference, both balanced, outputs and state bit for bit; returns per rank the
     samples the tower computed per call and each micro-batch's home samples (balancing moved some)."""
     import freescale_comm as fc
-    from pec_pipeline_programs import BalancedModel, _state, build, long_histories_on_rank0
+    from pec_pipeline_programs import BalancedModel, CountingPlans, _state, build, long_histories_on_rank0
     from freescale_comm.planner import CostModel
 
     pg = dist.group.WORLD
@@ -81,9 +81,11 @@ def fwp_with_balance_matches_synchronous(info, steps: int, collision: float) -> 
                                    micro_batches=MICRO, **kwargs)
         pipe._blocking = name == "reference"
         feed = iter([b[rank] for b in batches])
-        outputs = [pipe.progress(feed).clone() for _ in range(steps)]
+        with CountingPlans() as counted:
+            outputs = [pipe.progress(feed).clone() for _ in range(steps)]
         pipe.close()
-        runs[name] = {"outputs": outputs, "state": _state(dmp, opt), "samples": list(dmp.module.tower.samples)}
+        runs[name] = {"outputs": outputs, "state": _state(dmp, opt), "samples": list(dmp.module.tower.samples),
+                      "gathered": counted.gathered, "ahead": counted.ahead}
     ref, got = runs["reference"], runs["pec"]
     return {"diff": _diff(ref, got), "samples": got["samples"], "same_samples": got["samples"] == ref["samples"],
-            "home": [len(b[rank].label) for b in batches]}
+            "home": [len(b[rank].label) for b in batches], "gathered": got["gathered"], "ahead": got["ahead"]}

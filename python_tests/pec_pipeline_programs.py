@@ -461,10 +461,43 @@ def long_histories_on_rank0(batches: list[list[Batch]], length: int = 6) -> list
     return batches
 
 
+class CountingPlans:
+    """Counts, while entered, the balancer's all-gathers of lengths on the calling (main) thread
+    (LoadBalancer._plan) and the balanced forwards that used a plan made ahead."""
+
+    def __enter__(self) -> "CountingPlans":
+        import threading
+
+        from freescale_comm.balancer import LoadBalancer, PlannedSequences
+
+        self.gathered = self.ahead = 0
+        self._saved = (LoadBalancer._plan, PlannedSequences.plan_for)
+        plan, plan_for = self._saved
+        main = threading.get_ident()
+
+        def counted_plan(balancer, *args, **kwargs):
+            self.gathered += threading.get_ident() == main
+            return plan(balancer, *args, **kwargs)
+
+        def counted_plan_for(sequences, balancer):
+            found = plan_for(sequences, balancer)
+            self.ahead += found is not None
+            return found
+
+        LoadBalancer._plan, PlannedSequences.plan_for = counted_plan, counted_plan_for
+        return self
+
+    def __exit__(self, *exc) -> None:
+        from freescale_comm.balancer import LoadBalancer, PlannedSequences
+
+        LoadBalancer._plan, PlannedSequences.plan_for = self._saved
+
+
 def pec_and_balance_match_sparse_dist_with_balance(info, steps: int, collision: float) -> dict:
     """TrainPipelineSparseDist with fc.balance on the tower vs TrainPipelinePEC(balance={"tower":
     cost}): same data (rank 0's histories long), every output and weight equal bit for bit, and
-    the balancer moved samples."""
+    the balancer moved samples. Counted: TrainPipelineSparseDist's balancer all-gathers lengths in
+    every forward, TrainPipelinePEC's never on the main thread (plans made a batch ahead)."""
     from freescale_comm.planner import CostModel
 
     pg = dist.group.WORLD
@@ -481,17 +514,21 @@ def pec_and_balance_match_sparse_dist_with_balance(info, steps: int, collision: 
         else:
             pipe = fc.TrainPipelinePEC(dmp, opt, torch.device("cpu"), group=pg, balance={"tower": cost})
         feed = iter([b[rank] for b in batches])
-        outputs = [pipe.progress(feed).clone() for _ in range(steps)]
+        with CountingPlans() as counted:
+            outputs = [pipe.progress(feed).clone() for _ in range(steps)]
         if name == "pec":
             pipe.close()
             assert tower.freescale_balance is None, "close() must take the balance hooks off"
-        runs[name] = {"outputs": outputs, "state": _state(dmp, opt), "samples": list(tower.samples)}
+        runs[name] = {"outputs": outputs, "state": _state(dmp, opt), "samples": list(tower.samples),
+                      "gathered": counted.gathered, "ahead": counted.ahead}
     ref, pec = runs["sparse_dist"], runs["pec"]
     assert all(torch.equal(a, b) for a, b in zip(ref["outputs"], pec["outputs"])), "outputs differ"
     for k in ref["state"]:
         assert torch.equal(ref["state"][k], pec["state"][k]), f"{k} differs"
     home = [len(b[rank].label) for b in batches]
-    return {"computed": pec["samples"], "home": home, "same_as_reference": pec["samples"] == ref["samples"]}
+    return {"computed": pec["samples"], "home": home, "same_as_reference": pec["samples"] == ref["samples"],
+            "gathered": {name: run["gathered"] for name, run in runs.items()},
+            "ahead": {name: run["ahead"] for name, run in runs.items()}}
 
 
 def eval_mode_matches_sparse_dist(info, steps: int) -> int:

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import freescale_comm as fc
-from balancer_programs import balanced_equals_unbalanced, module_hook_form
+from balancer_programs import balanced_equals_unbalanced, module_hook_form, plans_ahead_equal_plans_at_dispatch
 from freescale_comm.testing import spawn
 
 
@@ -33,3 +33,27 @@ def test_bad_arguments():
         lb.dispatch(torch.zeros(3, 2), torch.tensor([1, 3]))
     with pytest.raises(TypeError, match="nn.Module"):
         fc.balance(lambda x: x, fc.planner.CostModel())
+
+
+def test_plans_made_ahead_equal_the_plans_made_at_dispatch():
+    """LoadBalancer.plan_ahead (what TrainPipelinePEC's worker runs a batch early) gives, for each
+    batch, the plan, feature views and cost lengths dispatch_bundle's own all-gather gives: 3 ranks,
+    4 batches at once, empty batches on some ranks, features equal on some ranks only."""
+    for report in spawn(plans_ahead_equal_plans_at_dispatch, 3, 4, backend="freescale"):
+        assert all(b["same_plan"] and b["same_extras"] and b["same_costs"] for b in report), report
+        assert any(0 in b["samples"] for b in report) and any(min(b["samples"]) > 0 for b in report), report
+
+
+def test_a_plan_made_ahead_serves_only_the_sequences_it_was_made_with():
+    """PlannedSequences gives its plan to the balancer it was made for, while its entries are the
+    ones it was made with; a replaced entry, another balancer or a copy gets none (the all-gather)."""
+    from torchrec.sparse.jagged_tensor import JaggedTensor
+
+    first, second = fc.LoadBalancer(fc.planner.CostModel()), fc.LoadBalancer(fc.planner.CostModel())
+    items = JaggedTensor(values=torch.zeros(3, 2), lengths=torch.tensor([1, 2]))
+    plan = object()
+    planned = fc.balancer.PlannedSequences({"items": items}, {first: plan})
+    assert planned.plan_for(first) is plan and planned.plan_for(second) is None
+    assert not isinstance(dict(planned), fc.balancer.PlannedSequences)
+    planned["items"] = JaggedTensor(values=torch.zeros(3, 2), lengths=torch.tensor([1, 2]))
+    assert planned.plan_for(first) is None

@@ -117,12 +117,15 @@ def test_micro_batches_compose_with_balance():
     """fc.balance on the tower (rank 0's histories long) inside each of 4 micro-batches, on 2 ranks,
     6 steps, collision 0.5: PEC prefetch equals the synchronous run of the same micro-batches bit
     for bit, the tower computed the same samples per call in both, and balancing moved samples
-    (the tower ran on other counts than the micro-batches' own on some call)."""
+    (the tower ran on other counts than the micro-batches' own on some call). Counted: every
+    micro-batch's balance plan was made a batch ahead, none all-gathered on the main thread."""
     from fwp_programs import fwp_with_balance_matches_synchronous
 
     results = spawn(fwp_with_balance_matches_synchronous, 2, 6, 0.5, timeout_s=300)
     for r in results:
         assert r["diff"] == {"outputs": 0.0, "state": 0.0} and r["same_samples"], r
         assert len(r["samples"]) >= 6 * 4, r  # every micro-batch ran the tower, empty ones too
+        # every micro-batch's plan was made a batch ahead: no all-gather of lengths on the main thread
+        assert r["gathered"] == 0 and r["ahead"] == 6 * 4, r
     assert results[0]["samples"] != results[1]["samples"], results
     assert sum(results[0]["samples"]) < sum(results[0]["home"]), results  # rank 0 (long histories) gave samples away

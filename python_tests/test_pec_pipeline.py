@@ -134,13 +134,17 @@ def test_the_benchmark_finds_torchrecs_own_pec_pipeline_where_torchrec_has_one()
 def test_pec_with_balance_and_in_eval_mode_equals_sparse_dist():
     """TrainPipelinePEC(balance={"tower": cost}) equals TrainPipelineSparseDist with fc.balance on
     the same tower bit for bit, and the balancer did move samples (rank 0's histories are long);
-    in eval mode both give the same outputs and leave the model unchanged."""
+    in eval mode both give the same outputs and leave the model unchanged. Counted: with the
+    pipeline, the balancer's plans were made a batch ahead, every one of the 6 balanced forwards
+    used one, and none all-gathered lengths on the main thread (6 with TrainPipelineSparseDist)."""
     from pec_pipeline_programs import balance_and_eval
 
     results = spawn(balance_and_eval, 2, 6, timeout_s=300)
     assert any(r["balance"]["computed"] != r["balance"]["home"] for r in results), results
     for r in results:
         assert r["balance"]["same_as_reference"] and r["eval_steps"] == 4, r
+        assert r["balance"]["gathered"] == {"sparse_dist": 6, "pec": 0}, r
+        assert r["balance"]["ahead"] == {"sparse_dist": 0, "pec": 6}, r
 
 
 def test_the_pipeline_reads_the_device_only_where_sizes_arrive():

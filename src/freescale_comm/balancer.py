@@ -34,7 +34,7 @@ from freescale_comm.bundle import (
 from freescale_comm.dispatch import DispatchHandle, check_jagged_batch, combine, communicator_for, dispatch
 from freescale_comm.planner import CostModel, RebalancePlan, plan_rebalance
 
-__all__ = ["BalancedBatch", "BalancedBundle", "LoadBalancer", "balance"]
+__all__ = ["BalancedBatch", "BalancedBundle", "LoadBalancer", "PlanAhead", "PlannedSequences", "balance"]
 
 
 @dataclass(frozen=True)
@@ -44,6 +44,32 @@ class BalancedBatch:
     source_ranks: torch.Tensor  # int64 [samples received]
     handle: DispatchHandle  # for LoadBalancer.combine
     plan: RebalancePlan  # the plan every rank computed (same on all)
+
+
+@dataclass(frozen=True)
+class PlanAhead:
+    """What dispatch_bundle's all-gather and plan would give, made before the sequences exist
+    (LoadBalancer.plan_ahead): the plan, every rank's view of its features (local shares, then
+    whether each feature's lengths are the cost lengths) and every rank's cost lengths."""
+
+    plan: RebalancePlan
+    extras: list[list[int]]
+    costs: list[np.ndarray]
+
+
+class PlannedSequences(dict):
+    """An EmbeddingCollection's output (feature -> JaggedTensor) carrying plans made ahead for it,
+    per LoadBalancer; a balanced module given it dispatches with that plan, no all-gather, as long
+    as its entries are the ones it was made with (a model that replaces one gets the all-gather)."""
+
+    def __init__(self, features: dict, plans: dict["LoadBalancer", PlanAhead]) -> None:
+        super().__init__(features)
+        self.plans = plans
+        self._made_with = dict(features)
+
+    def plan_for(self, balancer: "LoadBalancer") -> Optional[PlanAhead]:
+        same = len(self) == len(self._made_with) and all(self.get(k) is v for k, v in self._made_with.items())
+        return self.plans.get(balancer) if same else None
 
 
 class LoadBalancer:
@@ -76,18 +102,42 @@ class LoadBalancer:
             raise RuntimeError("LoadBalancer needs torch.distributed: call dist.init_process_group(...) first")
         mine = torch.cat([torch.tensor([len(extra), *extra], dtype=torch.int64), lengths.to(torch.int64).cpu()])
         per_rank = _all_gather_host(communicator_for(self.group), mine)
-        widths = [int(v[0]) // 2 for v in per_rank]  # features (a bundle's: two flags each; plain samples: 0)
-        if len(set(widths)) > 1:
-            by = {w: [r for r, x in enumerate(widths) if x == w] for w in sorted(set(widths))}
-            raise CommError("ranks balanced batches of different features (" +
-                            ", ".join(f"ranks {ranks}: {w}" for w, ranks in by.items()) +
-                            "): every rank's batch needs the same features, each through dispatch_bundle or each "
-                            "through dispatch")
+        _check_widths([int(v[0]) // 2 for v in per_rank])  # features (a bundle's: two flags each; plain samples: 0)
         extras = [v[1:1 + len(extra)].tolist() for v in per_rank]
         all_lengths = [v[1 + len(extra):].numpy() for v in per_rank]
         plan = plan_rebalance(all_lengths, cost_model=self.cost_model, bytes_per_item=bytes_per_item,
                               tolerance=self.tolerance)
         return plan, extras, all_lengths
+
+    def plan_ahead(self, comm: Any, batches: list[list[np.ndarray]], item_bytes: int) -> list[PlanAhead]:
+        """Collective on `comm` (every rank in the same program order, e.g. a pipeline's worker while
+        the batch before computes): the plans of len(batches) dispatch_bundle calls to come, one
+        all-gather for all. batches: per call, this rank's lengths (int64 [samples]) of each feature
+        of the sequences it will pass, in their order, the cost being their longest (lengths=None);
+        item_bytes: what one row of all features weighs (unless bytes_per_item says)."""
+        mine = [len(batches)]
+        for features in batches:
+            cost = np.max(np.stack(features), axis=0) if features else np.zeros(0, dtype=np.int64)
+            extra = [next((j for j in range(i) if np.array_equal(features[j], features[i])), -1)
+                     for i in range(len(features))] + [int(np.array_equal(f, cost)) for f in features]
+            mine += [len(extra), cost.size, *extra, *cost.tolist()]
+        per_rank = [v.tolist() for v in _all_gather_host(comm, torch.tensor(mine, dtype=torch.int64))]
+        if len({v[0] for v in per_rank}) > 1:
+            raise CommError(f"ranks planned different numbers of balanced batches ahead {[v[0] for v in per_rank]}")
+        at = [1] * len(per_rank)  # per rank: where its next batch starts
+        out = []
+        for _ in batches:
+            extras, costs = [], []
+            for r, v in enumerate(per_rank):
+                width, n = v[at[r]], v[at[r] + 1]
+                extras.append(v[at[r] + 2:at[r] + 2 + width])
+                costs.append(np.asarray(v[at[r] + 2 + width:at[r] + 2 + width + n], dtype=np.int64))
+                at[r] += 2 + width + n
+            _check_widths([len(e) // 2 for e in extras])
+            plan = plan_rebalance(costs, cost_model=self.cost_model, bytes_per_item=self.bytes_per_item
+                                  if self.bytes_per_item is not None else item_bytes, tolerance=self.tolerance)
+            out.append(PlanAhead(plan, extras, costs))
+        return out
 
     def dispatch(self, values: torch.Tensor, lengths: torch.Tensor, *, priority: int = 0) -> BalancedBatch:
         """Stage 1. Collective. `values`: rows of this rank's samples back to back; `lengths`:
@@ -151,9 +201,13 @@ class LoadBalancer:
         # can reuse an earlier one's dispatch (equal lengths), which have the cost lengths (then what
         # each rank receives of them is known from the plan)
         feature_lengths = [jt.lengths().long() for jt in jts.values()]
-        mine = local_shares(feature_lengths) + [int(torch.equal(f, cost.to(f.device))) for f in feature_lengths]
-        plan, per_rank, all_costs = self._plan(cost.cpu(), self.bytes_per_item if self.bytes_per_item is not None
-                                               else item_bytes, mine)
+        ahead = sequences.plan_for(self) if lengths is None and isinstance(sequences, PlannedSequences) else None
+        if ahead is not None:  # every rank made it from these lengths: no all-gather, no host read
+            plan, per_rank, all_costs = ahead.plan, ahead.extras, ahead.costs
+        else:
+            mine = local_shares(feature_lengths) + [int(torch.equal(f, cost.to(f.device))) for f in feature_lengths]
+            plan, per_rank, all_costs = self._plan(cost.cpu(), self.bytes_per_item if self.bytes_per_item is not None
+                                                   else item_bytes, mine)
         n = len(feature_lengths)
         follows_cost = [all(r[n + i] == 1 for r in per_rank) for i in range(n)]
         rank = dist.get_rank(self.group)
@@ -166,6 +220,16 @@ class LoadBalancer:
         JaggedTensors laid out as a feature, and dicts/lists/tuples of them (see
         freescale_comm.bundle.combine_bundle)."""
         return combine_bundle(output, bundle, priority)
+
+
+def _check_widths(widths: list[int]) -> None:
+    """CommError unless every rank balanced the same number of features."""
+    if len(set(widths)) > 1:
+        by = {w: [r for r, x in enumerate(widths) if x == w] for w in sorted(set(widths))}
+        raise CommError("ranks balanced batches of different features (" +
+                        ", ".join(f"ranks {ranks}: {w}" for w, ranks in by.items()) +
+                        "): every rank's batch needs the same features, each through dispatch_bundle or each "
+                        "through dispatch")
 
 
 def _received(plan: RebalancePlan, rank: int, lengths: list[np.ndarray]) -> tuple[torch.Tensor, torch.Tensor]:

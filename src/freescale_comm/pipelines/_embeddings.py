@@ -177,6 +177,13 @@ def module_output(info: ModuleInfo, kjt: Any, leaves: list[torch.Tensor], positi
     if info.pooled:
         return KeyedTensor(keys=list(info.output_keys), length_per_key=list(info.output_dims),
                            values=torch.cat([by_feature[k] for k in info.output_keys], dim=1))
-    order = [k for k in info.output_keys if k in by_feature]
-    return {k: by_feature[k] for k in order + [k for k in by_feature if k not in order]}
+    return {k: by_feature[k] for k in sequence_features(info)}
+
+
+def sequence_features(info: ModuleInfo) -> list[str]:
+    """An EmbeddingCollection's output features, in the order module_output gives them (TorchRec's:
+    its embedding names, then any other feature table by table)."""
+    features = [f for table in info.tables for f in table.features]
+    order = [k for k in info.output_keys if k in features]
+    return list(dict.fromkeys(order + features))  # once each (a column-wise table names its feature per shard)
 

@@ -30,12 +30,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from freescale_comm.balancer import balance as fc_balance
+from freescale_comm.balancer import PlannedSequences, balance as fc_balance
 from freescale_comm.communicator import Communicator, check_priority
 from freescale_comm.pipelines._catalog import build_catalog, sharded_modules
 from freescale_comm.pipelines._embeddings import micro_leaves, module_output, route, route_micro
 from freescale_comm.pipelines._exchange import PREFETCH, Asks, PecExchange
 from freescale_comm.pipelines._micro_batches import MicroBatches, SplitBatch, cut, merge_outputs
+from freescale_comm.pipelines._plans_ahead import Plans, plan_ahead
 from freescale_comm.pipelines._sparse_inputs import find_sparse_inputs, reader
 from freescale_comm.planner import CostModel
 
@@ -59,7 +60,10 @@ class TrainPipelinePEC(Generic[In, Out]):
     balance: {submodule fqn: CostModel}: FreeScale's load balancing after the embedding
         communication: each named module (one consuming the embeddings, e.g. an HSTU tower taking
         the EmbeddingCollection's output first) runs on samples fc.balance moved so every rank gets
-        about the same cost, and its outputs go home (gradients follow). Removed by close().
+        about the same cost, and its outputs go home (gradients follow). Removed by close(). Its
+        plans are made a batch ahead on the worker (the lengths of each EmbeddingCollection's output
+        are its input's, known when the batch is routed), so a module given that output as it is
+        dispatches without the all-gather of lengths (see _plans_ahead).
     prefetch: what of batch N+1 moves while N computes. "pec" (FreeScale): the rows N does not
         read, the rest right after N's update, at high_priority. "dual_buffer" (NestPipe's DBP):
         every row, into N+1's own buffer; after N's update the rows N also read are refreshed
@@ -189,6 +193,11 @@ class TrainPipelinePEC(Generic[In, Out]):
         self.update_ms: list[float] = []
         self.exposed_by_phase: list[dict[str, float]] = []
         self._balanced = [fc_balance(target, cost_model, group=group) for target, cost_model in to_balance]
+        # balance plans made a batch ahead, for every sequence module's output (see _plans_ahead)
+        self._balancers = [module.freescale_balance.balancer for module in self._balanced]
+        self._sequence_modules = [info for info in self._catalog.modules if not info.pooled] if self._balancers else []
+        self._plans: list[Plans] = []  # per micro-batch (one: whole batches) of batch N
+        self._plans_now: Plans = {}  # of what forward runs on now
         self._hooks = []
         for info in self._catalog.modules:
             info.module.forward = self._forward_of(info)
@@ -203,7 +212,9 @@ class TrainPipelinePEC(Generic[In, Out]):
             if expected is None or kjt is not expected:
                 raise RuntimeError(f"sharded module {info.fqn!r} was called outside TrainPipelinePEC.progress or with "
                                    "an input that is not the one the pipeline read from the batch")
-            return module_output(info, kjt, *self._reads)
+            out = module_output(info, kjt, *self._reads)
+            plans = self._plans_now.get(info.fqn)
+            return PlannedSequences(out, plans) if plans else out
         return forward
 
     # -- helpers -----------------------------------------------------------------------------------
@@ -249,9 +260,10 @@ class TrainPipelinePEC(Generic[In, Out]):
             self._routed.append(routed)
         return self._exchange.announce(asks)
 
-    def _ask(self, following: Optional[In], step: int) -> tuple[In, dict[str, Any], bool]:
+    def _ask(self, following: Optional[In], step: int) -> tuple[In, dict[str, Any], bool, list[Plans]]:
         """Worker: the oldest routed batch's ids go out with the counts of `following` (batch
-        `step`; None: out of data). Returns that batch, its inputs and whether `following` exists."""
+        `step`; None: out of data). Returns that batch, its inputs, whether `following` exists and,
+        with balance=, its balance plans per micro-batch (made here: see _plans_ahead)."""
         batch, inputs, asks = self._routed.popleft()
         try:
             routed = self._route(following, step)
@@ -260,7 +272,10 @@ class TrainPipelinePEC(Generic[In, Out]):
             raise
         if following is not None:
             self._routed.append(routed)
-        return batch, inputs, self._exchange.ask(asks, routed[2])
+        has_following = self._exchange.ask(asks, routed[2])
+        plans = plan_ahead(self._comm, self._balancers, self._sequence_modules,
+                           batch.inputs if isinstance(batch, MicroBatches) else [inputs]) if self._sequence_modules else []
+        return batch, inputs, has_following, plans
 
     def _wait(self, future: concurrent.futures.Future, phase: str) -> Any:
         start = time.perf_counter()
@@ -286,7 +301,7 @@ class TrainPipelinePEC(Generic[In, Out]):
             if self._batch is None:  # fill: batch 0's counts, its ids (with batch 1's counts), its rows
                 if not self._wait(self._post(self._announce, self._next_batch(dataloader_iter)), "ids"):
                     raise StopIteration
-                first, inputs, self._has_next = self._wait(
+                first, inputs, self._has_next, self._plans = self._wait(
                     self._post(self._ask, self._next_batch(dataloader_iter), self._step + 1), "ids")
                 self._wait(self._post(self._exchange.prepare), "embeddings")
                 self._batch, self._inputs, self._asks = first, inputs, self._exchange.current[0]
@@ -313,14 +328,16 @@ class TrainPipelinePEC(Generic[In, Out]):
                 for piece in self._asks.pieces:
                     piece.requires_grad_(training)
                 self._reads = (self._asks.pieces, self._asks.positions)
+                self._plans_now = self._plans[0] if self._plans else {}
                 losses, output = self._model(self._batch)
+                self._plans_now = {}
                 grads = None
                 if training:
                     torch.sum(losses, dim=0).backward()
                     grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self._asks.pieces]
-            nxt, nxt_inputs, has_after = None, {}, False
+            nxt, nxt_inputs, has_after, nxt_plans = None, {}, False, []
             if self._asked_next is not None:  # N+1's ids, N+2's counts: sent during the previous step
-                nxt, nxt_inputs, has_after = self._wait(self._asked_next, "ids")
+                nxt, nxt_inputs, has_after, nxt_plans = self._wait(self._asked_next, "ids")
             if self._deferred_sent is not None:  # ran before it
                 self._deferred_sent.result()
             if prepared is not None:
@@ -367,6 +384,7 @@ class TrainPipelinePEC(Generic[In, Out]):
         self._step += 1
         if has_next:
             self._batch, self._inputs, self._asks = nxt, nxt_inputs, self._exchange.current[0]
+            self._plans = nxt_plans
             self._has_next = has_after
         else:
             self._drain()
@@ -387,6 +405,7 @@ class TrainPipelinePEC(Generic[In, Out]):
             mine, reads = micro_leaves(self._asks, m, training)
             leaves.append(mine)
             self._inputs, self._reads = split.inputs[m], (reads, self._asks.micro[m].positions)
+            self._plans_now = self._plans[m] if m < len(self._plans) else {}
             with contextlib.ExitStack() as stack:
                 if training and m < last:  # dense gradients accumulate; DDP syncs on the last (see _ddp)
                     for ddp in self._ddp:
@@ -400,7 +419,7 @@ class TrainPipelinePEC(Generic[In, Out]):
             if training and m < last:  # after prepare(N+1) on the worker (its flags say which go first)
                 streamed.append(self._post(self._exchange.stream_gradients, m, _grads_of(mine), lrs, has_next))
             outputs.append(out)
-        self._inputs = {}
+        self._inputs, self._plans_now = {}, {}
         grads = None
         if training:
             per_micro = [_grads_of(mine) for mine in leaves]
@@ -415,6 +434,7 @@ class TrainPipelinePEC(Generic[In, Out]):
         raises StopIteration once, then fills again from the iterator it is given (a new epoch)."""
         self._wait(self._post(self._exchange.reset), "gradients")
         self._batch, self._asks, self._inputs, self._asked_next = None, None, {}, None
+        self._plans, self._plans_now = [], {}
         self._micro_rows = []
         self._has_next, self._drained = False, True
         self._routed.clear()
