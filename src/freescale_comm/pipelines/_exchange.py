@@ -692,7 +692,7 @@ class PecExchange:
         # one flight per micro-batch, in order (streamed), is in order already: no gather
         in_order = all(f.micro is not None for f in flights) and all(a.micro < b.micro for a, b in zip(flights, flights[1:]))
         per_tbe: dict[int, dict[int, tuple[torch.Tensor, torch.Tensor]]] = {}
-        later: dict[int, dict[int, tuple[torch.Tensor, torch.Tensor]]] = {}
+        later: dict[int, dict[int, tuple]] = {}  # as self.later's first entry
         for s in self.owned:
             slot = self._slot(s)
             shard = self.catalog.local[slot.key]
