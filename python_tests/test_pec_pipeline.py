@@ -178,14 +178,18 @@ def test_the_pipelines_copy_host_values_to_the_device_without_a_sync():
     non_blocking). Checked in the source (no CUDA here): before, 9 sites copied blocking, each per
     round, batch or micro-batch (the ids round's counts, the rows per micro-batch, the flags' tail
     positions, every CountBatch boundary list, the routing's shard starts, the fused update's
-    counts, the micro-batch cuts' and the merged outputs' sample indices)."""
+    counts, the micro-batch cuts' and the merged outputs' sample indices). The balancer and
+    dispatch code the pipelines call are checked too (the plan's destinations were copied
+    blocking, the one copy left once plans are made ahead)."""
     import ast
     import pathlib
 
     import freescale_comm.pipelines as pipelines
 
     blocking = []
-    for path in sorted(pathlib.Path(pipelines.__file__).parent.glob("*.py")):
+    package = pathlib.Path(pipelines.__file__).parent.parent
+    for path in sorted(pathlib.Path(pipelines.__file__).parent.glob("*.py")) + \
+            [package / name for name in ("balancer.py", "bundle.py", "dispatch.py")]:
         for node in ast.walk(ast.parse(path.read_text())):
             if not isinstance(node, ast.Call):
                 continue

@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from freescale_comm._core import CommError
+from freescale_comm._device_copy import to_device
 from freescale_comm.bundle import (
     BalancedBundle,
     agreed_shares,
@@ -156,7 +157,7 @@ class LoadBalancer:
             item_bytes = math.prod(values.shape[1:]) * values.element_size()
         plan = self.plan(host_lengths, item_bytes)
         rank = dist.get_rank(self.group)
-        dest = torch.from_numpy(np.ascontiguousarray(plan.dest[rank])).to(values.device)
+        dest = to_device(torch.from_numpy(np.ascontiguousarray(plan.dest[rank])), values.device)
         res = dispatch(values, lengths, dest, group=self.group, priority=priority)
         return BalancedBatch(res.values, res.lengths, res.source_ranks, res.handle, plan)
 
@@ -205,13 +206,14 @@ class LoadBalancer:
         if ahead is not None:  # every rank made it from these lengths: no all-gather, no host read
             plan, per_rank, all_costs = ahead.plan, ahead.extras, ahead.costs
         else:
-            mine = local_shares(feature_lengths) + [int(torch.equal(f, cost.to(f.device))) for f in feature_lengths]
+            mine = local_shares(feature_lengths) + [int(torch.equal(f, cost.to(f.device, non_blocking=True)))
+                                                    for f in feature_lengths]
             plan, per_rank, all_costs = self._plan(cost.cpu(), self.bytes_per_item if self.bytes_per_item is not None
                                                    else item_bytes, mine)
         n = len(feature_lengths)
         follows_cost = [all(r[n + i] == 1 for r in per_rank) for i in range(n)]
         rank = dist.get_rank(self.group)
-        dest = torch.from_numpy(np.ascontiguousarray(plan.dest[rank])).to(cost.device)
+        dest = to_device(torch.from_numpy(np.ascontiguousarray(plan.dest[rank])), cost.device)  # (no stream sync)
         return dispatch_bundle(sequences, per_sample, cost, dest, plan, self.group, priority,
                                agreed_shares([r[:n] for r in per_rank]), _received(plan, rank, all_costs), follows_cost)
 
