@@ -118,10 +118,10 @@ class LoadBalancer:
         item_bytes: what one row of all features weighs (unless bytes_per_item says)."""
         mine = [len(batches)]
         for features in batches:
-            cost = np.max(np.stack(features), axis=0) if features else np.zeros(0, dtype=np.int64)
-            extra = [next((j for j in range(i) if np.array_equal(features[j], features[i])), -1)
-                     for i in range(len(features))] + [int(np.array_equal(f, cost)) for f in features]
-            mine += [len(extra), cost.size, *extra, *cost.tolist()]
+            lengths = [torch.from_numpy(np.ascontiguousarray(f, dtype=np.int64)) for f in features]
+            cost = torch.stack(lengths).amax(0) if lengths else torch.zeros(0, dtype=torch.int64)
+            extra = _feature_views(lengths, cost)
+            mine += [len(extra), cost.numel(), *extra, *cost.tolist()]
         per_rank = [v.tolist() for v in _all_gather_host(comm, torch.tensor(mine, dtype=torch.int64))]
         if len({v[0] for v in per_rank}) > 1:
             raise CommError(f"ranks planned different numbers of balanced batches ahead {[v[0] for v in per_rank]}")
@@ -206,8 +206,7 @@ class LoadBalancer:
         if ahead is not None:  # every rank made it from these lengths: no all-gather, no host read
             plan, per_rank, all_costs = ahead.plan, ahead.extras, ahead.costs
         else:
-            mine = local_shares(feature_lengths) + [int(torch.equal(f, cost.to(f.device, non_blocking=True)))
-                                                    for f in feature_lengths]
+            mine = _feature_views(feature_lengths, cost)
             plan, per_rank, all_costs = self._plan(cost.cpu(), self.bytes_per_item if self.bytes_per_item is not None
                                                    else item_bytes, mine)
         n = len(feature_lengths)
@@ -222,6 +221,12 @@ class LoadBalancer:
         JaggedTensors laid out as a feature, and dicts/lists/tuples of them (see
         freescale_comm.bundle.combine_bundle)."""
         return combine_bundle(output, bundle, priority)
+
+
+def _feature_views(lengths: list[torch.Tensor], cost: torch.Tensor) -> list[int]:
+    """A rank's view of its features, for the plan's exchange: per feature the earlier one with equal
+    lengths here (or -1), then per feature 1 if its lengths are the cost lengths."""
+    return local_shares(lengths) + [int(torch.equal(f, cost.to(f.device, non_blocking=True))) for f in lengths]
 
 
 def _check_widths(widths: list[int]) -> None:
