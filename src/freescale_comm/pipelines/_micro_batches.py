@@ -16,7 +16,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import itertools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
 import numpy as np
@@ -37,6 +37,27 @@ class MicroBatches:
     inputs: list[dict[str, Any]]  # per micro-batch: sharded module fqn -> its KeyedJaggedTensor
     samples: list[torch.Tensor]  # per micro-batch: int64 indices of its samples in the batch
     size: int  # samples in the batch
+    # the lengths on the host of each KeyedJaggedTensor cut and of each one cut from it
+    host_lengths: "HostLengths" = field(default_factory=lambda: HostLengths())
+
+
+class HostLengths:
+    """KeyedJaggedTensors' lengths on the host (int64 [keys, samples]), each read from the device at
+    most once. Holds the tensors it knows, so an id is never reused while its entry lives."""
+
+    def __init__(self) -> None:
+        self._known: dict[int, tuple[Any, np.ndarray]] = {}
+
+    def of(self, kjt: Any) -> np.ndarray:
+        """kjt's lengths, key-major as TorchRec keeps them; one device read the first time."""
+        entry = self._known.get(id(kjt))
+        if entry is None or entry[0] is not kjt:
+            lengths = kjt.lengths().to(torch.int64).cpu().numpy().reshape(len(kjt.keys()), int(kjt.stride()))
+            entry = self._known[id(kjt)] = (kjt, lengths)
+        return entry[1]
+
+    def put(self, kjt: Any, lengths: np.ndarray) -> None:
+        self._known[id(kjt)] = (kjt, lengths)
 
 
 def batch_size(inputs: dict[str, Any]) -> int:
@@ -89,20 +110,19 @@ def cluster(catalog: Catalog, inputs: dict[str, Any], micro_batches: int) -> lis
     return [torch.from_numpy(np.flatnonzero(plan.micro_batch == m)).to(torch.int64) for m in range(micro_batches)]
 
 
-def select_samples(kjt: Any, samples: torch.Tensor, host_lengths: Optional[dict[int, np.ndarray]] = None) -> Any:
+def select_samples(kjt: Any, samples: torch.Tensor, host_lengths: Optional[HostLengths] = None) -> Any:
     """The KeyedJaggedTensor of `kjt`'s samples `samples` (int64 [b], on the host), every key kept.
-    host_lengths: a cache (id(kjt) -> its lengths on the host, [keys, stride]) for cutting the same
-    KeyedJaggedTensor several times with one device read; None: reads the kept values' count."""
+    host_lengths: for cutting the same KeyedJaggedTensor several times with one device read (the
+    result's lengths join it); None: reads the kept values' count."""
     from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
     keys = kjt.keys()
     size = int(kjt.stride())
     lengths = kjt.lengths().to(torch.int64)
-    total, per_key = None, None  # values kept, in all and per key, when the lengths are on the host
+    total, per_key, kept = None, None, None  # values kept, in all and per key; lengths kept (host)
     if host_lengths is not None:
-        if id(kjt) not in host_lengths:
-            host_lengths[id(kjt)] = lengths.cpu().numpy().reshape(len(keys), size)
-        per_key = host_lengths[id(kjt)][:, samples.numpy()].sum(1).tolist()
+        kept = host_lengths.of(kjt)[:, samples.numpy()]
+        per_key = kept.sum(1).tolist()
         total = sum(per_key)
     samples = to_device(samples, lengths.device)
     starts = torch.cat([lengths.new_zeros(1), lengths.cumsum(0)[:-1]]) if lengths.numel() else lengths
@@ -118,13 +138,16 @@ def select_samples(kjt: Any, samples: torch.Tensor, host_lengths: Optional[dict[
     # with the values per key known, TorchRec need not read them from the lengths later (a device sync)
     known = {} if per_key is None else {"length_per_key": per_key,
                                         "offset_per_key": [0, *itertools.accumulate(per_key)]}
-    return KeyedJaggedTensor(keys=keys, values=kjt.values()[where], lengths=new_lengths.to(kjt.lengths().dtype),
-                             weights=weights[where] if weights is not None else None, stride=int(samples.numel()),
-                             **known)
+    out = KeyedJaggedTensor(keys=keys, values=kjt.values()[where], lengths=new_lengths.to(kjt.lengths().dtype),
+                            weights=weights[where] if weights is not None else None, stride=int(samples.numel()),
+                            **known)
+    if kept is not None:
+        host_lengths.put(out, kept)
+    return out
 
 
 def split_batch(batch: Any, samples: torch.Tensor, size: int, where: str = "batch",
-                host_lengths: Optional[dict[int, np.ndarray]] = None) -> Any:
+                host_lengths: Optional[HostLengths] = None) -> Any:
     """`batch`'s samples `samples` (see the module docstring); ValueError naming what cannot be cut.
     host_lengths: select_samples' cache, for cutting one batch several times (one for all its cuts)."""
     from torchrec.sparse.jagged_tensor import JaggedTensor, KeyedJaggedTensor, KeyedTensor
@@ -192,7 +215,7 @@ def cut(batch: Any, inputs: dict[str, Any], catalog: Catalog, micro_batches: int
     """`batch` (whose sparse inputs are `inputs`) as `micro_batches` clustered micro-batches."""
     size = batch_size(inputs)
     samples = cluster(catalog, inputs, micro_batches)
-    lengths: dict[int, np.ndarray] = {}  # each KeyedJaggedTensor's lengths, read once for every micro-batch
+    lengths = HostLengths()  # each KeyedJaggedTensor's lengths, read once for every micro-batch
     batches = [split(batch, s) if split is not None else split_batch(batch, s, size, host_lengths=lengths)
                for s in samples]
     micro_inputs = [read_inputs(b) for b in batches]
@@ -200,4 +223,4 @@ def cut(batch: Any, inputs: dict[str, Any], catalog: Catalog, micro_batches: int
         got = batch_size(b_inputs)
         if got != s.numel():
             raise ValueError(f"split_batch gave micro-batch {m} {got} samples, not the {s.numel()} asked")
-    return MicroBatches(batches, micro_inputs, samples, size)
+    return MicroBatches(batches, micro_inputs, samples, size, lengths)

@@ -11,7 +11,7 @@ main thread. A model that hands the balanced module anything else gets the all-g
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Optional
 
 import numpy as np
 import torch
@@ -19,18 +19,21 @@ import torch
 from freescale_comm.balancer import LoadBalancer, PlanAhead
 from freescale_comm.pipelines._catalog import ModuleInfo
 from freescale_comm.pipelines._embeddings import sequence_features
+from freescale_comm.pipelines._micro_batches import HostLengths
 
 Plans = dict[str, dict[LoadBalancer, PlanAhead]]  # sequence module fqn -> its plan per balancer
 
 
 def plan_ahead(comm: Any, balancers: list[LoadBalancer], modules: list[ModuleInfo],
-               inputs: list[dict[str, Any]]) -> list[Plans]:
+               inputs: list[dict[str, Any]], host_lengths: Optional[HostLengths] = None) -> list[Plans]:
     """Collective on `comm`: per (micro-)batch of `inputs` (sharded module fqn -> its
-    KeyedJaggedTensor), the plans of every balancer for every sequence module's output."""
+    KeyedJaggedTensor), the plans of every balancer for every sequence module's output.
+    host_lengths: the lengths already read (MicroBatches'); the others are read once each."""
+    host_lengths = host_lengths if host_lengths is not None else HostLengths()
     out: list[Plans] = [{} for _ in inputs]
     for info in modules:
         features = sequence_features(info)
-        lengths = [_feature_lengths(batch[info.fqn], features) for batch in inputs]
+        lengths = [_feature_lengths(batch[info.fqn], features, host_lengths) for batch in inputs]
         item_bytes = sum(info.table_of(f).dim for f in features) * torch.float32.itemsize  # values are float32
         for balancer in balancers:
             for plans, ahead in zip(out, balancer.plan_ahead(comm, lengths, item_bytes)):
@@ -38,8 +41,7 @@ def plan_ahead(comm: Any, balancers: list[LoadBalancer], modules: list[ModuleInf
     return out
 
 
-def _feature_lengths(kjt: Any, features: list[str]) -> list[np.ndarray]:
-    """kjt's lengths of each of `features` (int64 [samples]) on the host: one read."""
-    keys = kjt.keys()
-    host = kjt.lengths().to(torch.int64).cpu().numpy().reshape(len(keys), -1) if keys else np.zeros((0, 0), np.int64)
+def _feature_lengths(kjt: Any, features: list[str], host_lengths: HostLengths) -> list[np.ndarray]:
+    """kjt's lengths of each of `features` (int64 [samples]) on the host."""
+    host, keys = host_lengths.of(kjt), kjt.keys()
     return [host[keys.index(f)] for f in features]

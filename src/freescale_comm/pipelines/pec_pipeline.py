@@ -273,8 +273,10 @@ class TrainPipelinePEC(Generic[In, Out]):
         if following is not None:
             self._routed.append(routed)
         has_following = self._exchange.ask(asks, routed[2])
+        split = batch if isinstance(batch, MicroBatches) else None
         plans = plan_ahead(self._comm, self._balancers, self._sequence_modules,
-                           batch.inputs if isinstance(batch, MicroBatches) else [inputs]) if self._sequence_modules else []
+                           split.inputs if split else [inputs], split.host_lengths if split else None) \
+            if self._sequence_modules else []
         return batch, inputs, has_following, plans
 
     def _wait(self, future: concurrent.futures.Future, phase: str) -> Any:
