@@ -181,13 +181,25 @@ def train(pg: dist.ProcessGroup, pipeline: str, optimizer: str, batches: list[li
         pipe = fc.TrainPipelinePEC(dmp, opt, torch.device("cpu"), group=pg, **kwargs)
         pipe._blocking = blocking
     exchanges: list[tuple[int, str]] = []  # PEC: (priority, dtype) of every exchange, in program order
+    fetched = [0]  # PEC: floats this rank received in rounds that move rows (not ids, flags or gradients)
     if hasattr(pipe, "_exchange"):
-        post = pipe._exchange._a2a
+        exchange = pipe._exchange
+        post, rows_round = exchange._a2a, exchange._rows
+        moving = [False]
 
         def counted(out, inp, out_splits, in_splits, priority):
             exchanges.append((priority, str(out.dtype)))
+            if moving[0]:
+                fetched[0] += out.numel()
             return post(out, inp, out_splits, in_splits, priority)
-        pipe._exchange._a2a = counted
+
+        def rows(*args, **kwargs):
+            moving[0] = True
+            try:
+                return rows_round(*args, **kwargs)
+            finally:
+                moving[0] = False
+        exchange._a2a, exchange._rows = counted, rows
     outputs = []
     micro_sizes = []  # with micro-batches: the samples of each micro-batch of each batch trained (but the first)
     for _ in range(epochs):
@@ -205,7 +217,8 @@ def train(pg: dist.ProcessGroup, pipeline: str, optimizer: str, batches: list[li
     state = _state(dmp, opt)  # mid-run for stop_after: the model's state_dict() flushes PEC first
     if hasattr(pipe, "close"):
         pipe.close()
-    return {"outputs": outputs, "state": state, "exchanges": exchanges, "micro_sizes": micro_sizes}
+    return {"outputs": outputs, "state": state, "exchanges": exchanges, "micro_sizes": micro_sizes,
+            "fetched": fetched[0], "asked": sum(getattr(pipe, "rows_asked", []))}
 
 
 def pec_matches_sparse_dist(info, steps: int, collisions: list[float], optimizers: list[str]) -> dict:

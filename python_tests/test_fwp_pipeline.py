@@ -45,6 +45,21 @@ def test_micro_batches_overlapped_equal_a_synchronous_run_bit_for_bit_on_four_ra
                 assert rows.count(25) == (MICRO - 1) * 8, (case, rows)
 
 
+def test_a_row_two_micro_batches_read_moves_once_per_batch():
+    """Embeddings are frozen within a batch, so a row that several micro-batches read moves once,
+    with the first, and the later ones copy it. Counted on 2 ranks, 5 steps, collision 0.5 and 1,
+    every prefetch mode: the floats received in row rounds with 4 micro-batches equal those with
+    one micro-batch (each row of the batch once), while the micro-batches asked for more rows than
+    the whole batch has (rows they share: the data has repeats to save)."""
+    from fwp_programs import MICRO, fwp_rows_moved
+
+    for rank, report in enumerate(spawn(fwp_rows_moved, 2, 5, [0.5, 1.0], timeout_s=300)):
+        for case, runs in report.items():
+            whole, micro = runs[1], runs[MICRO]
+            assert micro["asked"] > whole["asked"], (rank, case, runs)
+            assert micro["fetched"] == whole["fetched"] > 0, (rank, case, runs)
+
+
 def test_micro_batches_match_sparse_dist_within_float_rounding():
     """2 ranks, 8 steps, collision 0.5, fused SGD: the pipeline with 1, 2 and 4 micro-batches is
     within 1e-6 (max |a-b| / max |a| per tensor) of TrainPipelineSparseDist on whole batches; whole
@@ -92,8 +107,9 @@ def test_every_micro_batch_read_is_fresh_and_skipping_the_dual_buffer_refresh_is
 
 def test_the_benchmark_runs_nestpipes_modes_and_checks_their_goals(tmp_path, capsys):
     """freescale-bench torchrec-pec with NestPipe's modes runs, counts the rows each asks for and
-    prints the goals' lines (its figures are for benchmarks, never asserted here): a random split
-    cannot send fewer rows than the whole batch, nor can clustered micro-batches."""
+    moves and prints the goals' lines (its figures are for benchmarks, never asserted here): a random
+    split cannot ask for fewer rows than the whole batch, nor can clustered micro-batches, and
+    every split moves the whole batch's rows once."""
     import json
 
     from freescale_comm.bench.cli import main
@@ -108,8 +124,10 @@ def test_the_benchmark_runs_nestpipes_modes_and_checks_their_goals(tmp_path, cap
         assert "note" not in r and r["step_ms"] > 0 and r["ids_sent"] > 0 and r["update_ms"] >= 0, r
     assert rows["fwp4"]["ids_sent"] >= rows["fwp1"]["ids_sent"] <= rows["fwp4_random"]["ids_sent"], rows
     assert rows["pec"]["ids_sent"] >= rows["fwp1"]["ids_sent"], rows  # every id vs each distinct id once
+    # a row several micro-batches read moves once, however the batch is split
+    assert rows["fwp4"]["rows_moved"] == rows["fwp1"]["rows_moved"] == rows["fwp4_random"]["rows_moved"], rows
     printed = capsys.readouterr().out
-    assert "4 micro-batches expose" in printed and "4 micro-batches send clustered" in printed, printed
+    assert "4 micro-batches expose" in printed and "4 micro-batches move clustered" in printed, printed
     assert "collision 0.50: nestpipe" in printed, printed
 
 

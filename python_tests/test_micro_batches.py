@@ -9,6 +9,8 @@ import os
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 REQUIRED = os.environ.get("FREESCALE_REQUIRE_CLIENTS") == "1"  # CI: a missing torchrec fails, not skips
 if not REQUIRED:
@@ -98,3 +100,20 @@ def test_merge_outputs_puts_rows_back_in_sample_order_and_keeps_the_rest_as_list
     assert merged[2] == ["tag"] * 3  # not a tensor: one per micro-batch
     scalars = [torch.tensor(float(i)) for i in range(3)]  # 0-dim: not per sample
     assert merge_outputs(scalars, samples, 5) == scalars
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 3), st.integers(0, 6)), max_size=40), st.booleans())
+def test_first_uses_marks_each_values_first_entry_in_its_group_and_points_there(entries, grouped):
+    """Against a scan: an entry is fresh iff no earlier entry of its group has its value; its source
+    is that value's first entry in its group (its own position when fresh)."""
+    from freescale_comm.pipelines._host_counts import first_uses
+
+    groups = torch.tensor([g for g, _ in entries], dtype=torch.int64)
+    values = torch.tensor([v for _, v in entries], dtype=torch.int64)
+    fresh, source = first_uses(values, groups if grouped else None)
+    seen: dict[tuple, int] = {}
+    for i, (g, v) in enumerate(entries):
+        first = seen.setdefault((g if grouped else 0, v), i)
+        assert bool(fresh[i]) == (first == i) and int(source[i]) == first, (entries, grouped, i)
+    assert fresh.shape == source.shape == (len(entries),)

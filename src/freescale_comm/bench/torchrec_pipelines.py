@@ -19,7 +19,8 @@ waited for the last update (OL rows; with micro-batches, each micro-batch's as i
 "embeddings"; the OL gradients' round trip: "gradients". update (ours only): the main thread's own
 fused update of the gradients that go first, on the critical path but compute, not a wait (TorchRec
 runs its update inside backward, uncounted too). ids_sent: embedding rows a rank asks for per step
-(ours only): every id of the batch, or with micro-batches each one's distinct ids.
+(ours only): every id of the batch, or with micro-batches each one's distinct ids; rows_moved: the
+rows that come to it (with micro-batches a row several of them read moves once).
 bubble_ms = step_ms
 minus the mean rank's time not blocked on embedding communication (idle ranks and exposed comm).
 Each rank stands for one device: its threads run on its own core (bench/placement.py: pinned, the
@@ -389,8 +390,10 @@ def _train(cfg: PipelineBenchConfig, name: str, rate: float, pg: Any, rank: int,
             pipe.close()
     # rows asked per measured step (ours: each micro-batch's distinct rows; whole batches: every id)
     rows_asked = pipe.rows_asked[cfg.warmup:] if ours else []
+    rows_moved = pipe.rows_fetched[cfg.warmup:] if ours else []
     updates = pipe.update_ms[cfg.warmup:] if ours else []
-    return {"steps": steps, "cpu": cpu, "exposed": exposed, "rows_asked": rows_asked, "updates": updates}
+    return {"steps": steps, "cpu": cpu, "exposed": exposed, "rows_asked": rows_asked, "rows_moved": rows_moved,
+            "updates": updates}
 
 
 def rank_program(info: Any, cfg: PipelineBenchConfig, cores: Optional[tuple[int, ...]]) -> dict[str, Any]:
@@ -467,6 +470,7 @@ def run(cfg: PipelineBenchConfig, timeout_s: float = 1800.0) -> PipelineBenchRes
             asked = [n for runs in rounds for r in runs for n in r["rows_asked"]]
             if asked:
                 row["ids_sent"] = statistics.fmean(asked)  # per rank and step
+                row["rows_moved"] = statistics.fmean(n for runs in rounds for r in runs for n in r["rows_moved"])
                 row["update_ms"] = statistics.fmean(u for runs in rounds for r in runs for u in r["updates"])
             row.update(step_ms=step, round_spread=(max(per_round) - min(per_round)) / step, cpu_ms=cpu,
                        exposed_comm_ms=exposed, **{f"exposed_{p}_ms": v for p, v in phases.items()},
@@ -477,7 +481,7 @@ def run(cfg: PipelineBenchConfig, timeout_s: float = 1800.0) -> PipelineBenchRes
 
 def table(rows: list[dict[str, Any]], title: str) -> str:
     head = (f"{'pipeline':<13}{'collision':>10}{'step_ms':>10}{'spread':>8}{'cpu_ms':>8}{'exposed':>10}{'ids':>8}{'emb':>8}{'grads':>8}"
-            f"{'bubble':>9}{'update':>8}{'ids_sent':>10}")
+            f"{'bubble':>9}{'update':>8}{'ids_sent':>10}{'moved':>8}")
     lines = [f"# {title}", head]
     for r in rows:
         if "note" in r:
@@ -486,8 +490,8 @@ def table(rows: list[dict[str, Any]], title: str) -> str:
         lines.append(f"{r['pipeline']:<13}{r['collision_rate']:>10.2f}{r['step_ms']:>10.2f}{r['round_spread']:>8.1%}{r['cpu_ms']:>8.2f}"
                      f"{r['exposed_comm_ms']:>10.2f}"
                      f"{r['exposed_ids_ms']:>8.2f}{r['exposed_embeddings_ms']:>8.2f}{r['exposed_gradients_ms']:>8.2f}"
-                     f"{r['bubble_ms']:>9.2f}" + (f"{r['update_ms']:>8.2f}{r['ids_sent']:>10.0f}" if "ids_sent" in r
-                                                  else f"{'-':>8}{'-':>10}"))
+                     f"{r['bubble_ms']:>9.2f}" + (f"{r['update_ms']:>8.2f}{r['ids_sent']:>10.0f}{r['rows_moved']:>8.0f}"
+                                                  if "ids_sent" in r else f"{'-':>8}{'-':>10}{'-':>8}"))
     return "\n".join(lines)
 
 
@@ -509,7 +513,8 @@ def summary(rows: list[dict[str, Any]]) -> str:
 
 def nestpipe_summary(rows: list[dict[str, Any]]) -> list[str]:
     """NestPipe's goals on these rows: 4 frozen-window micro-batches expose at most 40 % of the
-    whole batch's embedding communication (fwp4 vs fwp1) and send at most 1.2x its distinct ids;
+    whole batch's embedding communication (fwp4 vs fwp1) and move at most 1.2x its distinct rows
+    (the embedding rows; the ids and gradients, one per micro-batch and row, are printed beside);
     at collision 0.5 the full mix (nestpipe) has the lowest step of every mode run."""
     by = {(r["pipeline"], r["collision_rate"]): r for r in rows if "note" not in r}
     lines = []
@@ -522,18 +527,21 @@ def nestpipe_summary(rows: list[dict[str, Any]]) -> list[str]:
                          f"{'met' if share <= 0.40 else 'NOT met'} (<= 40 %)")
         if whole is not None and whole.get("ids_sent"):
             for m in (2, 4, 8):
-                parts = []
+                moved, named = [], []
                 for kind in ("", "_random"):
                     r = by.get((f"fwp{m}{kind}", rate))
                     if r is not None and "ids_sent" in r:
-                        parts.append(f"{'random' if kind else 'clustered'} {r['ids_sent'] / whole['ids_sent']:.2f}x")
-                if parts:
+                        label = "random" if kind else "clustered"
+                        moved.append(f"{label} {r['rows_moved'] / whole['rows_moved']:.2f}x")
+                        named.append(f"{label} {r['ids_sent'] / whole['ids_sent']:.2f}x")
+                if moved:
                     goal = ""
                     if by.get((f"fwp{m}", rate)) is not None and m == 4:
-                        ratio = by[("fwp4", rate)]["ids_sent"] / whole["ids_sent"]
+                        ratio = by[("fwp4", rate)]["rows_moved"] / whole["rows_moved"]
                         goal = f": {'met' if ratio <= 1.2 else 'NOT met'} (clustered <= 1.2x)"
-                    lines.append(f"collision {rate:.2f}: {m} micro-batches send {', '.join(parts)} the whole batch's "
-                                 f"distinct ids{goal}")
+                    lines.append(f"collision {rate:.2f}: {m} micro-batches move {', '.join(moved)} the whole batch's "
+                                 f"distinct rows{goal}; their ids and gradients, one per micro-batch and row: "
+                                 f"{', '.join(named)}")
         mine = [r for (name, r_rate), r in by.items() if r_rate == rate]
         if rate == 0.5 and by.get(("nestpipe", rate)) is not None and len(mine) > 1:
             best = min(mine, key=lambda r: r["step_ms"])

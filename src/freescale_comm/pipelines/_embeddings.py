@@ -12,7 +12,7 @@ import torch
 from freescale_comm._device_copy import on_device
 from freescale_comm.pipelines._catalog import Catalog, ModuleInfo
 from freescale_comm.pipelines._exchange import Asks, MicroAsk
-from freescale_comm.pipelines._host_counts import distinct
+from freescale_comm.pipelines._host_counts import distinct, first_uses, positions
 
 
 def route(catalog: Catalog, features: dict[str, Any], step: int) -> Asks:
@@ -25,9 +25,10 @@ def route(catalog: Catalog, features: dict[str, Any], step: int) -> Asks:
 def route_micro(catalog: Catalog, micro_features: list[dict[str, Any]], step: int) -> Asks:
     """Asks for one batch cut into micro-batches (`micro_features`: per micro-batch, module fqn ->
     its KeyedJaggedTensor): per slot, each micro-batch's distinct rows, micro-batch after
-    micro-batch (a row two micro-batches read is asked twice: the values are frozen within the
-    batch, and each micro-batch's AllToAll is its own). Two host reads for the batch: the ids'
-    ranges and shards of every micro-batch, then the distinct rows of every micro-batch and slot."""
+    micro-batch. A row two micro-batches read is asked by both (each micro-batch's gradients are
+    its own) but moves once, with the first: the values are frozen within the batch, so the later
+    micro-batch copies it from there (Asks.fresh, reuse_rows). Two host reads for the batch: the
+    ids' ranges and shards of every micro-batch, then the distinct rows of every micro-batch and slot."""
     parts = _routed(catalog, micro_features, step)
     micro = [MicroAsk([], [], [], p.positions) for p in parts]
     uniques = iter(distinct([part.rows[s] for s in range(len(catalog.slots)) for part in parts]))
@@ -43,7 +44,11 @@ def route_micro(catalog: Catalog, micro_features: list[dict[str, Any]], step: in
             chosen.append(unique)
             start += unique.numel()
         rows.append(torch.cat(chosen))
-    return Asks(rows=rows, positions=[None] * len(catalog.slots), step=step, micro=micro)
+    asks = Asks(rows=rows, positions=[None] * len(catalog.slots), step=step, micro=micro)
+    if len(micro) > 1:
+        firsts = [first_uses(r) for r in rows]
+        asks.fresh, asks.source = [f for f, _ in firsts], [src for _, src in firsts]
+    return asks
 
 
 def _routed(catalog: Catalog, batches: list[dict[str, Any]], step: int) -> list[Asks]:
@@ -126,9 +131,24 @@ def micro_leaves(asks: Asks, m: int, requires_grad: bool) -> tuple[list[torch.Te
     rows: their .grad is what the micro-batch adds to each row's gradient), and per slot the rows
     each of its ids reads ([ids, cols]: the leaves indexed, for module_output)."""
     micro = asks.micro[m]
+    reuse_rows(asks, m)
     leaves = [asks.pieces[s][a:a + n].detach().requires_grad_(requires_grad)
               for s, (a, n) in enumerate(zip(micro.start, micro.count))]
     return leaves, [leaf.index_select(0, inverse) for leaf, inverse in zip(leaves, micro.inverse)]
+
+
+def reuse_rows(asks: Asks, m: int) -> None:
+    """Copies micro-batch m's rows that an earlier micro-batch of the batch also reads (they moved
+    once, with that one: Asks.fresh) from there into m's own. Every first entry has arrived by then:
+    micro-batches fetch in order, and each starts after its own fetch."""
+    if asks.fresh is None or m == 0:
+        return
+    micro = asks.micro[m]
+    for s, (a, n) in enumerate(zip(micro.start, micro.count)):
+        repeats = n - asks.fresh_counts[s][m]
+        if repeats:
+            at = a + positions(~asks.fresh[s][a:a + n], repeats)
+            asks.pieces[s].index_copy_(0, at, asks.pieces[s].index_select(0, asks.source[s].index_select(0, at)))
 
 
 def module_output(info: ModuleInfo, kjt: Any, leaves: list[torch.Tensor], positions: list) -> Any:

@@ -29,6 +29,11 @@ Program order, identical on every rank (so the Communicator's sequence numbers m
 
 With micro-batches, each slot's rows are its micro-batches' distinct rows one after another, and
 the ids message carries how many each micro-batch has, so both sides cut every round the same way.
+A row that several micro-batches of a requester read is asked (and its gradient sent) by each, but
+moves once, in the round of the first: both sides mark each requester's first entry of every row
+(Asks.fresh, Served.fresh: the same computation on the same ids) and the rounds that move rows move
+first entries only; the requester copies the rest from there (reuse_rows: values are frozen within
+a batch, and the first entry's round comes no later than the micro-batch's own).
 prefetch="dual_buffer" sends every row of N+1 in the NOL round and refreshes the OL ones in the OL
 rounds; prefetch="ids" sends no flags (every row of N+1 waits, every gradient of N goes first) and
 no deferred gradients.
@@ -42,8 +47,8 @@ time: the pipeline's worker, or the caller's while the worker is idle.
 Host reads of tensor values (each a device sync on CUDA) happen only where sizes arrive from the
 peers: once per ask() (the next batch's counts, and with micro-batches its rows per micro-batch)
 and once per flags round (every size the later rounds of N and N+1 need, _host_counts.CountBatch;
-with prefetch="ids" there is no flags round, and with micro-batches the same read sizes the
-update's two parts);
+with prefetch="ids" there is no flags round, and with micro-batches one read in prepare() sizes
+the first entries and the update's two parts);
 selections use those counts (nonzero_static), so no other round waits for the device."""
 
 from __future__ import annotations
@@ -60,7 +65,7 @@ from freescale_comm.communicator import Communicator
 from freescale_comm._core import CommError
 from freescale_comm._device_copy import on_device
 from freescale_comm.pipelines._catalog import Catalog, LocalShard, Slot
-from freescale_comm.pipelines._host_counts import CountBatch, positions, select, select_into
+from freescale_comm.pipelines._host_counts import CountBatch, first_uses, positions, select, select_into
 
 
 @dataclass
@@ -78,6 +83,12 @@ class Asks:
     # last update, per micro-batch; gradients that go first (None: all of them)
     fetch_counts: list[list[int]] = field(default_factory=list)
     grad_counts: list[Optional[list[int]]] = field(default_factory=list)
+    # micro-batches (frozen window: a row's value is the same for the whole batch): per slot, bool [n_s]
+    # whether the entry is its row's first in the batch (only those move; a later micro-batch's copy
+    # comes from the first, reuse_rows), and int64 [n_s] where that first entry is. None: all first
+    fresh: Optional[list[torch.Tensor]] = None
+    source: Optional[list[torch.Tensor]] = None
+    fresh_counts: list[list[int]] = field(default_factory=list)  # per slot [M]: first entries (host)
 
     def bounds(self, slot: int) -> list[int]:
         """[M + 1] boundaries of each micro-batch's rows in rows[slot] (M = 1: [0, n])."""
@@ -123,6 +134,11 @@ class Served:
     # whole batches): rows that wait for the last update; gradients that go first (None: all)
     fetch_counts: dict[int, list[int]] = field(default_factory=dict)
     grad_counts: Optional[dict[int, list[int]]] = None
+    # micro-batches: slot -> bool [asked by all], the entry is its row's first for its requester in the
+    # batch (Asks.fresh: only those are looked up and sent); None: all first. Their host counts, slot ->
+    # [world * M] per (requester, micro-batch), from the flags round
+    fresh: Optional[dict[int, torch.Tensor]] = None
+    fresh_counts: dict[int, list[int]] = field(default_factory=dict)
     # micro-batches: slot -> bool [asked by all], the row's gradient goes first and the next batch's
     # first micro-batch reads it (updated before that micro-batch's fetch, the rest after); and how
     # many, slot -> int (host, from the flags round). None: one update (no next batch, whole batches)
@@ -325,6 +341,10 @@ class PecExchange:
                                                           torch.tensor(flat, dtype=torch.int64),
                                                           output_size=sum(flat)).to(self.device, non_blocking=True)
                 served.micro_bounds[s] = [[0] + list(itertools.accumulate(p)) for p in per]
+            if per_micro > 1:  # each requester's first entry of a row is the one it moves
+                served.fresh = {s: first_uses(served.rows[s], torch.repeat_interleave(
+                    torch.arange(self.world, device=self.device), on_device(served.counts[s], self.device),
+                    output_size=served.rows[s].numel()))[0] for s in self.owned}
         self.asked.append((asks, served))
         return self._take_counts(tails_of)
 
@@ -358,24 +378,44 @@ class PecExchange:
     def _all_after_update(self, asks: Asks, served: Served, prev: Optional[tuple[Asks, Served]]) -> bool:
         """prefetch="ids": every row of N+1 waits for N's update, every gradient of N goes first;
         no flags cross (every rank knows). Returns whether NOL rows move now (the first batch)."""
+        waits = prev is not None  # every (first) entry or none
         for s in self.owned:
-            served.fetch_ol[s] = torch.full((served.rows[s].numel(),), prev is not None, dtype=torch.bool,
-                                            device=self.device)
-        asks.fetch_ol = [torch.full((rows.numel(),), prev is not None, dtype=torch.bool, device=self.device)
-                         for rows in asks.rows]
-        waits = prev is not None  # every row or none: the counts are the sizes, known on the host
-        served.fetch_counts = {s: [n if waits else 0 for n in _sizes(served.bounds(s))] for s in self.owned}
-        asks.fetch_counts = [[n if waits else 0 for n in _sizes(asks.bounds(s))] for s in range(len(asks.rows))]
+            served.fetch_ol[s] = _waiting(served.rows[s], waits, served.fresh[s] if served.fresh is not None else None)
+        asks.fetch_ol = [_waiting(rows, waits, asks.fresh[s] if asks.fresh is not None else None)
+                         for s, rows in enumerate(asks.rows)]
+        batch = CountBatch()
+        fresh = self._count_fresh(asks, served, batch)
         if prev is not None:
             prev[0].grad_ol = [None] * len(self.catalog.slots)
             prev[0].grad_counts = [None] * len(self.catalog.slots)
             prev[1].grad_ol = prev[1].grad_counts = None
-            batch = CountBatch()
-            early = self._mark_early(prev[1], served, batch)
-            if early is not None:  # (one host read: sizes of the two parts of N's update)
-                self._take_early(prev[1], early, batch.read())
+        early = self._mark_early(prev[1], served, batch) if prev is not None else None
+        # (one host read, with micro-batches: the first entries' counts; sizes of the two parts of N's update)
+        counts = batch.read()
+        self._take_fresh(asks, served, fresh, counts)
+        if early is not None:
+            self._take_early(prev[1], early, counts)
+        served.fetch_counts = {s: [n if waits else 0 for n in served.fresh_counts[s]] for s in self.owned}
+        asks.fetch_counts = [[n if waits else 0 for n in asks.fresh_counts[s]] for s in range(len(asks.rows))]
         self.any_overlap = prev is not None
         return prev is None
+
+    def _count_fresh(self, asks: Asks, served: Served, batch: CountBatch) -> Optional[tuple]:
+        """Joins `batch` with the counts of the first entries of both sides (micro-batches); None
+        when every entry is a first one (whole batches: the sizes are the counts)."""
+        if asks.fresh is None:
+            return None
+        return ({s: batch.add(served.fresh[s], served.bounds(s)) for s in self.owned},
+                [batch.add(asks.fresh[s], asks.bounds(s)) for s in range(len(asks.rows))])
+
+    def _take_fresh(self, asks: Asks, served: Served, requests: Optional[tuple], counts: list[list[int]]) -> None:
+        if requests is None:
+            served.fresh_counts = {s: _sizes(served.bounds(s)) for s in self.owned}
+            asks.fresh_counts = [_sizes(asks.bounds(s)) for s in range(len(asks.rows))]
+        else:
+            owned, asked = requests
+            served.fresh_counts = {s: counts[i] for s, i in owned.items()}
+            asks.fresh_counts = [counts[i] for i in asked]
 
     def _flags(self, asks: Asks, served: Served, prev: Optional[tuple[Asks, Served]]) -> bool:
         """The flags round: which of N's gradients go first, which of N+1's rows wait (both sides
@@ -385,6 +425,8 @@ class PecExchange:
             before = prev[1].touched.get(key) if prev is not None else None
             served.fetch_ol[s] = _member(served.rows[s], before) if before is not None and not self.early_overlap_reads \
                 else torch.zeros(served.rows[s].numel(), dtype=torch.bool, device=self.device)
+            if served.fresh is not None:  # a row waits once: its first entry's flag (the requester's too)
+                served.fetch_ol[s] = served.fetch_ol[s] & served.fresh[s]
             if prev is not None:
                 if prev[1].grad_ol is None:
                     prev[1].grad_ol = {}
@@ -395,7 +437,7 @@ class PecExchange:
         # (on the device: no host read before the exchange)
         ol = [served.fetch_ol[s].any() for s in self.owned] + \
             ([prev[1].grad_ol[s].any() for s in self.owned] if prev is not None else [])
-        nol = [(~served.fetch_ol[s]).any() for s in self.owned]
+        nol = [_nol(served.fetch_ol[s], served.fresh[s] if served.fresh is not None else None).any() for s in self.owned]
         none = torch.zeros((), dtype=torch.bool, device=self.device)
         tail = torch.stack([torch.stack(ol).any() if ol else none, torch.stack(nol).any() if nol else none])
         # per requester: N's gradient flags, then N+1's fetch flags, of every slot I own, then the tail
@@ -433,8 +475,10 @@ class PecExchange:
             grad_owned = {s: batch.add(prev[1].grad_ol[s], prev[1].bounds(s)) for s in self.owned}
             grad_asked = [batch.add(prev[0].grad_ol[s], prev[0].bounds(s)) for s in range(len(prev[0].rows))]
         early = self._mark_early(prev[1], served, batch) if prev is not None else None
+        fresh = self._count_fresh(asks, served, batch)
         any_ol, any_nol = batch.add(flags[tail_at], [0, self.world]), batch.add(flags[tail_at + 1], [0, self.world])
         counts = batch.read()
+        self._take_fresh(asks, served, fresh, counts)
         if early is not None:
             self._take_early(prev[1], early, counts)
         served.fetch_counts = {s: counts[i] for s, i in fetch_owned.items()}
@@ -469,19 +513,21 @@ class PecExchange:
         """Looks up and exchanges N+1's rows: "ol", "nol" or "all" of them (of micro-batch `micro`
         only, if given: then only its own range of rows is read, on both sides); places them in
         asks.pieces. Every size comes from the flags round's host counts: no host read here."""
-        def chosen(fetch_ol: torch.Tensor) -> Optional[torch.Tensor]:  # None: every row
-            return fetch_ol if which == "ol" else ~fetch_ol if which == "nol" else None
+        # fetch_ol marks first entries only (a row moves once per batch: Asks.fresh)
+        def chosen(fetch_ol: torch.Tensor, fresh: Optional[torch.Tensor]) -> Optional[torch.Tensor]:  # None: every row
+            return fetch_ol if which == "ol" else _nol(fetch_ol, fresh) if which == "nol" else fresh
 
-        def picked(ol: list[int], totals: list[int]) -> list[int]:  # how many of each total are chosen
+        def picked(ol: list[int], totals: list[int]) -> list[int]:  # how many first entries of each total are chosen
             return ol if which == "ol" else [t - o for t, o in zip(totals, ol)] if which == "nol" else totals
 
         picks = []  # per owned slot: (slot, its rows to send, requester after requester; how many each)
         for s in self.owned:
             parts = served.parts(s, micro)
-            totals = served.counts_in(s, parts)
+            totals = served.per_requester(s, served.fresh_counts[s], micro)
             counts = picked(served.per_requester(s, served.fetch_counts[s], micro), totals)
-            picks.append((s, select(_take(served.rows[s], parts), chosen(_take(served.fetch_ol[s], parts)), sum(counts)),
-                          counts))
+            fresh = _take(served.fresh[s], parts) if served.fresh is not None else None
+            picks.append((s, select(_take(served.rows[s], parts), chosen(_take(served.fetch_ol[s], parts), fresh),
+                                    sum(counts)), counts))
         send_splits = [sum(counts[r] * self.cols[s] for s, _, counts in picks) for r in range(self.world)]
         # looked up straight into the send buffer, requester-major (no copy of the rows after the lookup)
         inp, at = torch.empty(sum(send_splits), device=self.device), 0
@@ -495,11 +541,14 @@ class PecExchange:
         wanted: list[tuple[int, int, Optional[torch.Tensor], int]] = []
         for s in range(len(self.catalog.slots)):
             if micro is None:
-                first, count, ol = 0, asks.rows[s].numel(), sum(asks.fetch_counts[s])
+                first, count = 0, asks.rows[s].numel()
+                ol, total = sum(asks.fetch_counts[s]), sum(asks.fresh_counts[s])
             else:
-                first, count, ol = asks.micro[micro].start[s], asks.micro[micro].count[s], asks.fetch_counts[s][micro]
-            n = picked([ol], [count])[0]
-            wanted.append((first, count, chosen(asks.fetch_ol[s][first:first + count]) if n < count else None, n))
+                first, count = asks.micro[micro].start[s], asks.micro[micro].count[s]
+                ol, total = asks.fetch_counts[s][micro], asks.fresh_counts[s][micro]
+            n = picked([ol], [total])[0]
+            fresh = asks.fresh[s][first:first + count] if asks.fresh is not None else None
+            wanted.append((first, count, chosen(asks.fetch_ol[s][first:first + count], fresh) if n < count else None, n))
         recv_splits = [sum(wanted[s][3] * self.cols[s] for s in self.owned_by[o]) for o in range(self.world)]
         recv = torch.empty(sum(recv_splits), device=self.device)
         priority = self.low if which != "ol" else self.high if not micro else self.micro_priority
@@ -742,6 +791,18 @@ def _member(values: torch.Tensor, sorted_set: torch.Tensor) -> torch.Tensor:
         return torch.zeros_like(values, dtype=torch.bool)
     at = torch.searchsorted(sorted_set, values).clamp_(max=sorted_set.numel() - 1)
     return sorted_set[at] == values
+
+
+def _nol(fetch_ol: torch.Tensor, fresh: Optional[torch.Tensor]) -> torch.Tensor:
+    """The entries whose rows move before the update: first entries that do not wait for it."""
+    return ~fetch_ol if fresh is None else ~fetch_ol & fresh
+
+
+def _waiting(rows: torch.Tensor, waits: bool, fresh: Optional[torch.Tensor]) -> torch.Tensor:
+    """prefetch="ids": bool [n], the entries that move after the update (every first one, or none)."""
+    if fresh is None or not waits:
+        return torch.full((rows.numel(),), waits, dtype=torch.bool, device=rows.device)
+    return fresh
 
 
 def _sizes(bounds: list[int]) -> list[int]:

@@ -87,3 +87,26 @@ def distinct(tensors: list[torch.Tensor]) -> list[tuple[torch.Tensor, torch.Tens
         inverse = torch.empty_like(order).scatter_(0, order, first.cumsum(0) - 1)
         out.append((unique, inverse))
     return out
+
+
+def first_uses(values: torch.Tensor, groups: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """For int64 values [n] (and, if given, int64 groups [n]: entries of different groups never
+    match): bool [n], whether each entry is the first of its value (in its group), and int64 [n],
+    the position of that first entry. Two stable sorts, no host read."""
+    n = values.numel()
+    order = torch.argsort(values, stable=True)
+    if groups is not None:  # (group, value) lexicographic; ties keep their positions' order
+        order = order.index_select(0, torch.argsort(groups.index_select(0, order), stable=True))
+    if n == 0:
+        return torch.ones(0, dtype=torch.bool, device=values.device), order
+    v = values.index_select(0, order)
+    start = torch.ones(n, dtype=torch.bool, device=values.device)  # the first of each run of equal keys
+    start[1:] = v[1:] != v[:-1]
+    if groups is not None:
+        g = groups.index_select(0, order)
+        start[1:] |= g[1:] != g[:-1]
+    # in sorted order, each entry's run start (a running max of the starts' positions); its first
+    # entry is the run's smallest position, which the stable sorts put at the start
+    at = torch.where(start, torch.arange(n, device=values.device), torch.zeros_like(order)).cummax(0).values
+    source = torch.empty_like(order).scatter_(0, order, order.index_select(0, at))
+    return source == torch.arange(n, device=values.device), source

@@ -188,6 +188,9 @@ class TrainPipelinePEC(Generic[In, Out]):
         # trip, less this rank's own update of them, which update_ms counts)
         self.exposed_ms: list[float] = []
         self.rows_asked: list[int] = []  # per step: embedding rows this rank asked its owners for (ids sent)
+        # per step: rows that moved to this rank (with micro-batches, a row two of them read moves once;
+        # dual_buffer moves the ones that wait for the last update twice: counted once)
+        self.rows_fetched: list[int] = []
         # per step, ms the main thread spent applying gradients that go first to its own shards (the
         # TBEs' fused update: compute on the critical path, not a wait; TorchRec runs it in backward)
         self.update_ms: list[float] = []
@@ -318,6 +321,7 @@ class TrainPipelinePEC(Generic[In, Out]):
                 lrs = {id(t): t.get_learning_rate() for t in self._exchange.tbes}
             has_next = self._has_next  # batch N+1 exists (agreed when its counts went out)
             trained_rows = sum(rows.numel() for rows in self._asks.rows)
+            fetched_rows = sum(sum(counts) for counts in self._asks.fresh_counts)
             if not has_next and not self._execute_all_batches:  # the data ran out: stop before training
                 self._drain()
                 raise StopIteration
@@ -381,6 +385,7 @@ class TrainPipelinePEC(Generic[In, Out]):
             raise
         self.exposed_ms.append(sum(self._exposed.values()))
         self.rows_asked.append(trained_rows)
+        self.rows_fetched.append(fetched_rows)
         self.update_ms.append(update)
         self.exposed_by_phase.append(dict(self._exposed))
         self._step += 1
