@@ -123,7 +123,7 @@ class Served:
 
     rows: dict[int, torch.Tensor]  # slot index -> int64 [asked by all]: requester 0's, then 1's...
     counts: dict[int, list[int]]  # slot index -> [world] rows each requester asked
-    touched: dict[tuple, torch.Tensor]  # table shard -> rows read by anyone, sorted (repeats kept: no sync)
+    touched: dict[tuple, torch.Tensor]  # table shard -> rows read by anyone (any order, repeats kept)
     fetch_ol: dict[int, torch.Tensor] = field(default_factory=dict)  # slot -> bool [asked by all]
     grad_ol: Optional[dict[int, torch.Tensor]] = None  # slot -> bool [asked by all]; None: all OL
     micro: Optional[dict[int, torch.Tensor]] = None  # slot -> int64 [asked by all] micro-batch per row (FWP)
@@ -252,6 +252,7 @@ class PecExchange:
         tbes = {id(s.tbe): s.tbe for s in catalog.local.values()}
         self.tbes = list(tbes.values())
         self.iter_base = {id(t): int(t.iter.item()) for t in self.tbes}  # the TBEs' step counters at start
+        self._marks: dict[tuple, torch.Tensor] = {}  # table shard -> bool [its rows], all clear (_members)
 
     # -- helpers -----------------------------------------------------------------------------------
     def _a2a(self, out: torch.Tensor, inp: torch.Tensor, out_splits: list[int], in_splits: list[int],
@@ -327,7 +328,7 @@ class PecExchange:
         for s in self.owned:
             touched.setdefault(self._slot(s).key, []).append(rows_of[s])
         served = Served(rows_of, {s: [counts[r][i] for r in range(self.world)] for i, s in enumerate(self.owned)},
-                        {k: torch.sort(torch.cat(v)).values for k, v in touched.items()})
+                        {k: torch.cat(v) if len(v) > 1 else v[0] for k, v in touched.items()})
         # the next batch's counts and (FWP) these rows per micro-batch: one host read
         host = torch.cat(tails + sizes).tolist()
         tails_of = [host[r * (len(self.owned) + 1):(r + 1) * (len(self.owned) + 1)] for r in range(self.world)]
@@ -420,17 +421,13 @@ class PecExchange:
     def _flags(self, asks: Asks, served: Served, prev: Optional[tuple[Asks, Served]]) -> bool:
         """The flags round: which of N's gradients go first, which of N+1's rows wait (both sides
         learn both). Sets any_overlap; returns whether any rank has NOL rows to send now."""
+        waits = self._members(served.rows, prev[1].touched if prev is not None and not self.early_overlap_reads else {})
         for s in self.owned:
-            key = self._slot(s).key
-            before = prev[1].touched.get(key) if prev is not None else None
-            served.fetch_ol[s] = _member(served.rows[s], before) if before is not None and not self.early_overlap_reads \
-                else torch.zeros(served.rows[s].numel(), dtype=torch.bool, device=self.device)
+            served.fetch_ol[s] = waits[s]
             if served.fresh is not None:  # a row waits once: its first entry's flag (the requester's too)
                 served.fetch_ol[s] = served.fetch_ol[s] & served.fresh[s]
-            if prev is not None:
-                if prev[1].grad_ol is None:
-                    prev[1].grad_ol = {}
-                prev[1].grad_ol[s] = _member(prev[1].rows[s], served.touched[key])
+        if prev is not None:
+            prev[1].grad_ol = self._members(prev[1].rows, served.touched)
         # two bytes more per block: does this owner serve any OL row or OL gradient, any NOL row (every
         # requester gets the same bytes, so every rank ORs the same ones: all agree on skipping an
         # exchange no rank has anything for)
@@ -498,12 +495,37 @@ class PecExchange:
         first: dict[tuple, list[torch.Tensor]] = {}  # table shard -> rows micro-batch 0 reads (any feature)
         for s in self.owned:
             first.setdefault(self._slot(s).key, []).append(_take(served.rows[s], served.parts(s, 0)))
-        first_rows = {key: torch.sort(torch.cat(rows)).values for key, rows in first.items()}
+        read_first = self._members(done.rows, {key: torch.cat(rows) for key, rows in first.items()})
         done.early = {}
         for s in self.owned:
-            mark = _member(done.rows[s], first_rows[self._slot(s).key])
+            mark = read_first[s]
             done.early[s] = mark & done.grad_ol[s] if done.grad_ol is not None else mark
         return {s: batch.add(mark, [0, mark.numel()]) for s, mark in done.early.items()}
+
+    def _members(self, values: dict[int, torch.Tensor], sets: dict[tuple, torch.Tensor]) -> dict[int, torch.Tensor]:
+        """Per owned slot s, bool [values[s].numel()]: whether each of its shard rows is in sets[its
+        table shard] (none where the shard has no set). Each set is marked once in the shard's row
+        marks, looked up by every slot of that shard, then cleared: O(rows) without a sort, one
+        byte per shard row kept (the row itself is dim * 4 bytes and its optimizer state more)."""
+        out = {}
+        by_key: dict[tuple, list[int]] = {}
+        for s in self.owned:
+            by_key.setdefault(self._slot(s).key, []).append(s)
+        for key, slots in by_key.items():
+            rows = sets.get(key)
+            if rows is None or rows.numel() == 0:
+                for s in slots:
+                    out[s] = torch.zeros(values[s].numel(), dtype=torch.bool, device=self.device)
+                continue
+            marks = self._marks.get(key)
+            if marks is None:
+                marks = self._marks[key] = torch.zeros(self.catalog.local[key].weight.shape[0], dtype=torch.bool,
+                                                       device=self.device)
+            marks.index_fill_(0, rows, True)
+            for s in slots:
+                out[s] = marks.index_select(0, values[s])
+            marks.index_fill_(0, rows, False)  # (all clear between calls)
+        return out
 
     @staticmethod
     def _take_early(done: Served, requests: dict[int, int], counts: list[list[int]]) -> None:
@@ -782,15 +804,6 @@ def _divided(grads: torch.Tensor, divisor: int) -> torch.Tensor:
     """grads / divisor in place (a tensor of _apply's own), as TorchRec's AllToAll backward divides
     embedding gradients after the exchange."""
     return grads.div_(divisor) if divisor != 1 else grads
-
-
-def _member(values: torch.Tensor, sorted_set: torch.Tensor) -> torch.Tensor:
-    """torch.isin(values, sorted_set) for a sorted set (each batch's touched rows are sorted once
-    and looked up twice, by two flags rounds; isin would sort them both times)."""
-    if sorted_set.numel() == 0:
-        return torch.zeros_like(values, dtype=torch.bool)
-    at = torch.searchsorted(sorted_set, values).clamp_(max=sorted_set.numel() - 1)
-    return sorted_set[at] == values
 
 
 def _nol(fetch_ol: torch.Tensor, fresh: Optional[torch.Tensor]) -> torch.Tensor:
