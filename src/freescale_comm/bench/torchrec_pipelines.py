@@ -384,7 +384,9 @@ def _train(cfg: PipelineBenchConfig, name: str, rate: float, pg: Any, rank: int,
                         exposed.append({k: blocked.ms[k] - before[k] for k in blocked.ms})
                 last, last_cpu = now, now_cpu
     except Exception as e:  # noqa: BLE001
-        return {"error": f"{type(e).__name__}: {str(e)[:200]}"}
+        # (TorchRec 1.8 and 1.9's TrainPipelineSemiSync needs CUDA: it records tensors on its lookup stream)
+        where = f"TorchRec's {type(pipe).__name__} on {cfg_device(batches)}: " if not hasattr(pipe, "exposed_ms") else ""
+        return {"error": f"{where}{type(e).__name__}: {str(e)[:200]}"}
     finally:
         if hasattr(pipe, "close"):
             pipe.close()
@@ -394,6 +396,11 @@ def _train(cfg: PipelineBenchConfig, name: str, rate: float, pg: Any, rank: int,
     updates = pipe.update_ms[cfg.warmup:] if ours else []
     return {"steps": steps, "cpu": cpu, "exposed": exposed, "rows_asked": rows_asked, "rows_moved": rows_moved,
             "updates": updates}
+
+
+def cfg_device(batches: list[Batch]) -> str:
+    """The device the batches are on, in words (for a baseline's error note)."""
+    return str(batches[0].label.device) if batches else "cpu"
 
 
 def rank_program(info: Any, cfg: PipelineBenchConfig, cores: Optional[tuple[int, ...]]) -> dict[str, Any]:
