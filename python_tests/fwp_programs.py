@@ -40,16 +40,17 @@ def fwp_matches_synchronous(info, steps: int, collisions: list[float], optimizer
 
 
 def fwp_rows_moved(info, steps: int, collisions: list[float]) -> dict:
-    """Per (collision, prefetch mode): the floats this rank received in row rounds and the rows it
-    asked for over the run, with MICRO micro-batches and with one (the whole batch's distinct rows)."""
+    """Per (collision, prefetch mode): the floats this rank received in row rounds and in gradient
+    rounds, and the rows it asked for, over the run, with MICRO micro-batches and with one (the
+    whole batch's distinct rows)."""
     pg = dist.group.WORLD
     report = {}
     for collision in collisions:
         batches = make_batches(steps, dist.get_world_size(), collision, seed=int(collision * 100) + 7, batch=8)
         for mode in MODES:
             runs = {m: train(pg, "pec", "rowwise_adagrad", batches, prefetch=mode, micro_batches=m) for m in (1, MICRO)}
-            report[f"collision={collision} prefetch={mode}"] = {m: {"fetched": r["fetched"], "asked": r["asked"]}
-                                                                 for m, r in runs.items()}
+            report[f"collision={collision} prefetch={mode}"] = {
+                m: {"fetched": r["fetched"], "gradients": r["gradients"], "asked": r["asked"]} for m, r in runs.items()}
     return report
 
 

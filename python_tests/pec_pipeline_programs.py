@@ -181,25 +181,29 @@ def train(pg: dist.ProcessGroup, pipeline: str, optimizer: str, batches: list[li
         pipe = fc.TrainPipelinePEC(dmp, opt, torch.device("cpu"), group=pg, **kwargs)
         pipe._blocking = blocking
     exchanges: list[tuple[int, str]] = []  # PEC: (priority, dtype) of every exchange, in program order
-    fetched = [0]  # PEC: floats this rank received in rounds that move rows (not ids, flags or gradients)
+    # PEC: floats this rank received in the rounds that move rows and in those that move gradients
+    moved = {"rows": 0, "gradients": 0}
     if hasattr(pipe, "_exchange"):
         exchange = pipe._exchange
-        post, rows_round = exchange._a2a, exchange._rows
-        moving = [False]
+        post = exchange._a2a
+        moving = [None]
 
         def counted(out, inp, out_splits, in_splits, priority):
             exchanges.append((priority, str(out.dtype)))
-            if moving[0]:
-                fetched[0] += out.numel()
+            if moving[0] is not None:
+                moved[moving[0]] += out.numel()
             return post(out, inp, out_splits, in_splits, priority)
 
-        def rows(*args, **kwargs):
-            moving[0] = True
-            try:
-                return rows_round(*args, **kwargs)
-            finally:
-                moving[0] = False
-        exchange._a2a, exchange._rows = counted, rows
+        def round_of(kind, fn):
+            def run(*args, **kwargs):
+                moving[0] = kind
+                try:
+                    return fn(*args, **kwargs)
+                finally:
+                    moving[0] = None
+            return run
+        exchange._a2a = counted
+        exchange._rows, exchange._send_grads = round_of("rows", exchange._rows), round_of("gradients", exchange._send_grads)
     outputs = []
     micro_sizes = []  # with micro-batches: the samples of each micro-batch of each batch trained (but the first)
     for _ in range(epochs):
@@ -218,7 +222,7 @@ def train(pg: dist.ProcessGroup, pipeline: str, optimizer: str, batches: list[li
     if hasattr(pipe, "close"):
         pipe.close()
     return {"outputs": outputs, "state": state, "exchanges": exchanges, "micro_sizes": micro_sizes,
-            "fetched": fetched[0], "asked": sum(getattr(pipe, "rows_asked", []))}
+            "fetched": moved["rows"], "gradients": moved["gradients"], "asked": sum(getattr(pipe, "rows_asked", []))}
 
 
 def pec_matches_sparse_dist(info, steps: int, collisions: list[float], optimizers: list[str]) -> dict:

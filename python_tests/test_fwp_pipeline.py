@@ -45,12 +45,13 @@ def test_micro_batches_overlapped_equal_a_synchronous_run_bit_for_bit_on_four_ra
                 assert rows.count(25) == (MICRO - 1) * 8, (case, rows)
 
 
-def test_a_row_two_micro_batches_read_moves_once_per_batch():
+def test_a_row_two_micro_batches_read_moves_once_per_batch_and_so_does_its_gradient():
     """Embeddings are frozen within a batch, so a row that several micro-batches read moves once,
-    with the first, and the later ones copy it. Counted on 2 ranks, 5 steps, collision 0.5 and 1,
-    every prefetch mode: the floats received in row rounds with 4 micro-batches equal those with
-    one micro-batch (each row of the batch once), while the micro-batches asked for more rows than
-    the whole batch has (rows they share: the data has repeats to save)."""
+    with the first, and the later ones copy it; its gradient, summed over them, goes once, with
+    the last. Counted on 2 ranks, 5 steps, collision 0.5 and 1, every prefetch mode: the floats
+    received in row rounds and in gradient rounds with 4 micro-batches equal those with one
+    micro-batch (each row of the batch once), while the micro-batches asked for more rows than the
+    whole batch has (rows they share: the data has repeats to save)."""
     from fwp_programs import MICRO, fwp_rows_moved
 
     for rank, report in enumerate(spawn(fwp_rows_moved, 2, 5, [0.5, 1.0], timeout_s=300)):
@@ -58,14 +59,16 @@ def test_a_row_two_micro_batches_read_moves_once_per_batch():
             whole, micro = runs[1], runs[MICRO]
             assert micro["asked"] > whole["asked"], (rank, case, runs)
             assert micro["fetched"] == whole["fetched"] > 0, (rank, case, runs)
+            assert micro["gradients"] == whole["gradients"] > 0, (rank, case, runs)
 
 
 def test_micro_batches_match_sparse_dist_within_float_rounding():
     """2 ranks, 8 steps, collision 0.5, fused SGD: the pipeline with 1, 2 and 4 micro-batches is
     within 1e-6 (max |a-b| / max |a| per tensor) of TrainPipelineSparseDist on whole batches; whole
-    batches (micro_batches=None) are bit-identical. Where the sums differ: each micro-batch sends a
-    row once and sums its ids' gradients for it (autograd of the gather) before the owner's fused
-    update sums those, where TorchRec's TBE sums every id's gradient at once; dense gradients are
+    batches (micro_batches=None) are bit-identical. Where the sums differ: each micro-batch sums its
+    ids' gradients per row (autograd of the gather), each rank sums those over its micro-batches
+    and sends a row's once, and the owner's fused update sums the ranks', where TorchRec's TBE sums
+    every id's gradient at once; dense gradients are
     sums over micro-batches (DDP all-reduces each micro-batch's, or with static_graph=False the sum
     once, on the last: "4 no_sync"); outputs differ only downstream of these (the dense head's
     weights). A DDP that skipped an all-reduce would fail both (an experiment that bypassed DDP's

@@ -106,14 +106,21 @@ def test_merge_outputs_puts_rows_back_in_sample_order_and_keeps_the_rest_as_list
 @given(st.lists(st.tuples(st.integers(0, 3), st.integers(0, 6)), max_size=40), st.booleans())
 def test_first_uses_marks_each_values_first_entry_in_its_group_and_points_there(entries, grouped):
     """Against a scan: an entry is fresh iff no earlier entry of its group has its value; its source
-    is that value's first entry in its group (its own position when fresh)."""
-    from freescale_comm.pipelines._host_counts import first_uses
+    is that value's first entry in its group (its own position when fresh); it is last iff no later
+    entry of its group has its value."""
+    from freescale_comm.pipelines._host_counts import first_and_last, first_uses
 
     groups = torch.tensor([g for g, _ in entries], dtype=torch.int64)
     values = torch.tensor([v for _, v in entries], dtype=torch.int64)
     fresh, source = first_uses(values, groups if grouped else None)
+    also_fresh, last = first_and_last(values, groups if grouped else None)
     seen: dict[tuple, int] = {}
+    final: dict[tuple, int] = {}
     for i, (g, v) in enumerate(entries):
-        first = seen.setdefault((g if grouped else 0, v), i)
+        key = (g if grouped else 0, v)
+        first = seen.setdefault(key, i)
+        final[key] = i
         assert bool(fresh[i]) == (first == i) and int(source[i]) == first, (entries, grouped, i)
-    assert fresh.shape == source.shape == (len(entries),)
+    for i, (g, v) in enumerate(entries):
+        assert bool(last[i]) == (final[(g if grouped else 0, v)] == i), (entries, grouped, i)
+    assert torch.equal(fresh, also_fresh) and fresh.shape == source.shape == last.shape == (len(entries),)

@@ -20,7 +20,8 @@ waited for the last update (OL rows; with micro-batches, each micro-batch's as i
 fused update of the gradients that go first, on the critical path but compute, not a wait (TorchRec
 runs its update inside backward, uncounted too). ids_sent: embedding rows a rank asks for per step
 (ours only): every id of the batch, or with micro-batches each one's distinct ids; rows_moved: the
-rows that come to it (with micro-batches a row several of them read moves once).
+rows that come to it (with micro-batches a row several of them read moves once, and its gradient
+goes back once).
 bubble_ms = step_ms
 minus the mean rank's time not blocked on embedding communication (idle ranks and exposed comm).
 Each rank stands for one device: its threads run on its own core (bench/placement.py: pinned, the
@@ -521,7 +522,8 @@ def summary(rows: list[dict[str, Any]]) -> str:
 def nestpipe_summary(rows: list[dict[str, Any]]) -> list[str]:
     """NestPipe's goals on these rows: 4 frozen-window micro-batches expose at most 40 % of the
     whole batch's embedding communication (fwp4 vs fwp1) and move at most 1.2x its distinct rows
-    (the embedding rows; the ids and gradients, one per micro-batch and row, are printed beside);
+    (the embedding rows, and so their gradients; the ids, one per micro-batch and row, are printed
+    beside);
     at collision 0.5 the full mix (nestpipe) has the lowest step of every mode run."""
     by = {(r["pipeline"], r["collision_rate"]): r for r in rows if "note" not in r}
     lines = []
@@ -547,8 +549,8 @@ def nestpipe_summary(rows: list[dict[str, Any]]) -> list[str]:
                         ratio = by[("fwp4", rate)]["rows_moved"] / whole["rows_moved"]
                         goal = f": {'met' if ratio <= 1.2 else 'NOT met'} (clustered <= 1.2x)"
                     lines.append(f"collision {rate:.2f}: {m} micro-batches move {', '.join(moved)} the whole batch's "
-                                 f"distinct rows{goal}; their ids and gradients, one per micro-batch and row: "
-                                 f"{', '.join(named)}")
+                                 f"distinct rows{goal} (each row and its gradient once); their ids, one per "
+                                 f"micro-batch and row: {', '.join(named)}")
         mine = [r for (name, r_rate), r in by.items() if r_rate == rate]
         if rate == 0.5 and by.get(("nestpipe", rate)) is not None and len(mine) > 1:
             best = min(mine, key=lambda r: r["step_ms"])

@@ -25,9 +25,10 @@ def route(catalog: Catalog, features: dict[str, Any], step: int) -> Asks:
 def route_micro(catalog: Catalog, micro_features: list[dict[str, Any]], step: int) -> Asks:
     """Asks for one batch cut into micro-batches (`micro_features`: per micro-batch, module fqn ->
     its KeyedJaggedTensor): per slot, each micro-batch's distinct rows, micro-batch after
-    micro-batch. A row two micro-batches read is asked by both (each micro-batch's gradients are
-    its own) but moves once, with the first: the values are frozen within the batch, so the later
-    micro-batch copies it from there (Asks.fresh, reuse_rows). Two host reads for the batch: the
+    micro-batch. A row two micro-batches read is asked by both but moves once, with the first (the
+    values are frozen within the batch, so the later micro-batch copies it from there: Asks.fresh,
+    reuse_rows), and its gradient, summed over both, goes once, with the last (Asks.last,
+    accumulate_gradients). Two host reads for the batch: the
     ids' ranges and shards of every micro-batch, then the distinct rows of every micro-batch and slot."""
     parts = _routed(catalog, micro_features, step)
     micro = [MicroAsk([], [], [], p.positions) for p in parts]
@@ -48,6 +49,7 @@ def route_micro(catalog: Catalog, micro_features: list[dict[str, Any]], step: in
     if len(micro) > 1:
         firsts = [first_uses(r) for r in rows]
         asks.fresh, asks.source = [f for f, _ in firsts], [src for _, src in firsts]
+        asks.last = [first_uses(r.flip(0))[0].flip(0) for r in rows]
     return asks
 
 
@@ -149,6 +151,22 @@ def reuse_rows(asks: Asks, m: int) -> None:
         if repeats:
             at = a + positions(~asks.fresh[s][a:a + n], repeats)
             asks.pieces[s].index_copy_(0, at, asks.pieces[s].index_select(0, asks.source[s].index_select(0, at)))
+
+
+def accumulate_gradients(asks: Asks, totals: list[torch.Tensor], m: int, grads: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Adds micro-batch m's gradients (per slot [its rows, cols]) to each row's total over the
+    batch's micro-batches so far (totals: per slot [n_s, cols], kept at each row's first entry,
+    summed in micro-batch order) and returns per slot the total of each of m's entries' rows: final
+    at the rows' last entries, the ones that send it (Asks.last). Whole batches: grads as given."""
+    if asks.last is None:
+        return grads
+    out = []
+    micro = asks.micro[m]
+    for s, (a, n) in enumerate(zip(micro.start, micro.count)):
+        first = asks.source[s][a:a + n]  # distinct within a micro-batch: each row added once
+        totals[s].index_add_(0, first, grads[s])
+        out.append(totals[s].index_select(0, first))
+    return out
 
 
 def module_output(info: ModuleInfo, kjt: Any, leaves: list[torch.Tensor], positions: list) -> Any:

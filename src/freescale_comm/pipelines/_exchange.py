@@ -29,11 +29,13 @@ Program order, identical on every rank (so the Communicator's sequence numbers m
 
 With micro-batches, each slot's rows are its micro-batches' distinct rows one after another, and
 the ids message carries how many each micro-batch has, so both sides cut every round the same way.
-A row that several micro-batches of a requester read is asked (and its gradient sent) by each, but
-moves once, in the round of the first: both sides mark each requester's first entry of every row
-(Asks.fresh, Served.fresh: the same computation on the same ids) and the rounds that move rows move
-first entries only; the requester copies the rest from there (reuse_rows: values are frozen within
-a batch, and the first entry's round comes no later than the micro-batch's own).
+A row that several micro-batches of a requester read is asked by each, but moves once, in the
+round of the first, and its gradient goes once, in the round of the last: both sides mark each
+requester's first and last entry of every row (Asks.fresh / last, Served.fresh / last: the same
+computation on the same ids); the rounds that move rows move first entries only, the requester
+copying the rest from there (reuse_rows: values are frozen within a batch, and the first entry's
+round comes no later than the micro-batch's own), and the gradient rounds carry last entries only,
+each the row's gradient summed over the micro-batches in order (accumulate_gradients).
 prefetch="dual_buffer" sends every row of N+1 in the NOL round and refreshes the OL ones in the OL
 rounds; prefetch="ids" sends no flags (every row of N+1 waits, every gradient of N goes first) and
 no deferred gradients.
@@ -65,7 +67,7 @@ from freescale_comm.communicator import Communicator
 from freescale_comm._core import CommError
 from freescale_comm._device_copy import on_device
 from freescale_comm.pipelines._catalog import Catalog, LocalShard, Slot
-from freescale_comm.pipelines._host_counts import CountBatch, first_uses, positions, select, select_into
+from freescale_comm.pipelines._host_counts import CountBatch, first_and_last, positions, select, select_into
 
 
 @dataclass
@@ -89,6 +91,10 @@ class Asks:
     fresh: Optional[list[torch.Tensor]] = None
     source: Optional[list[torch.Tensor]] = None
     fresh_counts: list[list[int]] = field(default_factory=list)  # per slot [M]: first entries (host)
+    # and whether the entry is its row's last in the batch: only those send a gradient, the row's
+    # summed over the micro-batches that read it (accumulate_gradients); None: all last
+    last: Optional[list[torch.Tensor]] = None
+    last_counts: list[list[int]] = field(default_factory=list)  # per slot [M]: last entries (host)
 
     def bounds(self, slot: int) -> list[int]:
         """[M + 1] boundaries of each micro-batch's rows in rows[slot] (M = 1: [0, n])."""
@@ -139,6 +145,9 @@ class Served:
     # [world * M] per (requester, micro-batch), from the flags round
     fresh: Optional[dict[int, torch.Tensor]] = None
     fresh_counts: dict[int, list[int]] = field(default_factory=dict)
+    # and each requester's last entry of every row (Asks.last: the only one with a gradient)
+    last: Optional[dict[int, torch.Tensor]] = None
+    last_counts: dict[int, list[int]] = field(default_factory=dict)
     # micro-batches: slot -> bool [asked by all], the row's gradient goes first and the next batch's
     # first micro-batch reads it (updated before that micro-batch's fetch, the rest after); and how
     # many, slot -> int (host, from the flags round). None: one update (no next batch, whole batches)
@@ -342,10 +351,13 @@ class PecExchange:
                                                           torch.tensor(flat, dtype=torch.int64),
                                                           output_size=sum(flat)).to(self.device, non_blocking=True)
                 served.micro_bounds[s] = [[0] + list(itertools.accumulate(p)) for p in per]
-            if per_micro > 1:  # each requester's first entry of a row is the one it moves
-                served.fresh = {s: first_uses(served.rows[s], torch.repeat_interleave(
-                    torch.arange(self.world, device=self.device), on_device(served.counts[s], self.device),
-                    output_size=served.rows[s].numel()))[0] for s in self.owned}
+            if per_micro > 1:  # each requester's first entry of a row moves it, its last sends its gradient
+                served.fresh, served.last = {}, {}
+                for s in self.owned:
+                    requester = torch.repeat_interleave(torch.arange(self.world, device=self.device),
+                                                        on_device(served.counts[s], self.device),
+                                                        output_size=served.rows[s].numel())
+                    served.fresh[s], served.last[s] = first_and_last(served.rows[s], requester)
         self.asked.append((asks, served))
         return self._take_counts(tails_of)
 
@@ -402,21 +414,24 @@ class PecExchange:
         return prev is None
 
     def _count_fresh(self, asks: Asks, served: Served, batch: CountBatch) -> Optional[tuple]:
-        """Joins `batch` with the counts of the first entries of both sides (micro-batches); None
-        when every entry is a first one (whole batches: the sizes are the counts)."""
+        """Joins `batch` with the counts of the first and the last entries of both sides
+        (micro-batches); None when every entry is both (whole batches: the sizes are the counts)."""
         if asks.fresh is None:
             return None
-        return ({s: batch.add(served.fresh[s], served.bounds(s)) for s in self.owned},
-                [batch.add(asks.fresh[s], asks.bounds(s)) for s in range(len(asks.rows))])
+        return tuple(({s: batch.add(getattr(served, f)[s], served.bounds(s)) for s in self.owned},
+                      [batch.add(getattr(asks, f)[s], asks.bounds(s)) for s in range(len(asks.rows))])
+                     for f in ("fresh", "last"))
 
     def _take_fresh(self, asks: Asks, served: Served, requests: Optional[tuple], counts: list[list[int]]) -> None:
         if requests is None:
-            served.fresh_counts = {s: _sizes(served.bounds(s)) for s in self.owned}
-            asks.fresh_counts = [_sizes(asks.bounds(s)) for s in range(len(asks.rows))]
+            served.fresh_counts = served.last_counts = {s: _sizes(served.bounds(s)) for s in self.owned}
+            asks.fresh_counts = asks.last_counts = [_sizes(asks.bounds(s)) for s in range(len(asks.rows))]
         else:
-            owned, asked = requests
+            (owned, asked), (owned_last, asked_last) = requests
             served.fresh_counts = {s: counts[i] for s, i in owned.items()}
             asks.fresh_counts = [counts[i] for i in asked]
+            served.last_counts = {s: counts[i] for s, i in owned_last.items()}
+            asks.last_counts = [counts[i] for i in asked_last]
 
     def _flags(self, asks: Asks, served: Served, prev: Optional[tuple[Asks, Served]]) -> bool:
         """The flags round: which of N's gradients go first, which of N+1's rows wait (both sides
@@ -428,6 +443,8 @@ class PecExchange:
                 served.fetch_ol[s] = served.fetch_ol[s] & served.fresh[s]
         if prev is not None:
             prev[1].grad_ol = self._members(prev[1].rows, served.touched)
+            if prev[1].last is not None:  # a row's gradient goes once: its last entry's flag (the requester's too)
+                prev[1].grad_ol = {s: ol & prev[1].last[s] for s, ol in prev[1].grad_ol.items()}
         # two bytes more per block: does this owner serve any OL row or OL gradient, any NOL row (every
         # requester gets the same bytes, so every rank ORs the same ones: all agree on skipping an
         # exchange no rank has anything for)
@@ -499,7 +516,8 @@ class PecExchange:
         done.early = {}
         for s in self.owned:
             mark = read_first[s]
-            done.early[s] = mark & done.grad_ol[s] if done.grad_ol is not None else mark
+            done.early[s] = mark & done.grad_ol[s] if done.grad_ol is not None else \
+                mark & done.last[s] if done.last is not None else mark
         return {s: batch.add(mark, [0, mark.numel()]) for s, mark in done.early.items()}
 
     def _members(self, values: dict[int, torch.Tensor], sets: dict[tuple, torch.Tensor]) -> dict[int, torch.Tensor]:
@@ -678,19 +696,26 @@ class PecExchange:
         def picked(ol: int, total: int) -> int:
             return ol if first else total - ol
 
+        def within(counts: list[int]) -> int:  # of micro-batch `micro`, or of all
+            return sum(counts) if micro is None else counts[micro]
+
+        # only an entry that is its row's last in the batch sends a gradient (grad_ol marks those only)
         send, send_splits = [], []  # per owner: (gradients, which go, how many) per slot it owns
         for o in range(self.world):
             n = 0
             for s in self.owned_by[o]:
-                g, ol, count = grads[s], asks.grad_ol[s], grads[s].shape[0]
-                if ol is not None:  # else every gradient goes now
-                    if micro is not None:
-                        start = asks.micro[micro].start[s]
-                        ol = ol[start:start + asks.micro[micro].count[s]]
-                    counts = asks.grad_counts[s]
-                    count = picked(sum(counts) if micro is None else counts[micro], count)
-                    ol = ol if first else ~ol
-                send.append((g, ol, count))
+                g, ol = grads[s], asks.grad_ol[s]
+                last = asks.last[s] if asks.last is not None else None
+                if micro is not None and (ol is not None or last is not None):
+                    start, size = asks.micro[micro].start[s], asks.micro[micro].count[s]
+                    ol = ol[start:start + size] if ol is not None else None
+                    last = last[start:start + size] if last is not None else None
+                total = within(asks.last_counts[s])
+                if ol is not None:
+                    count, mask = picked(within(asks.grad_counts[s]), total), ol if first else _nol(ol, last)
+                else:  # every gradient goes now
+                    count, mask = total, last
+                send.append((g, mask, count))
                 n += count * self.cols[s]
             send_splits.append(n)
         rows_of: dict[int, torch.Tensor] = {}
@@ -702,12 +727,15 @@ class PecExchange:
             rows = _take(served.rows[s], parts)
             of = _take(served.micro[s], parts) if micro_of is not None else None
             early = _take(served.early[s], parts) if early_of is not None else None
-            counts = served.counts_in(s, parts)
+            counts = served.per_requester(s, served.last_counts[s], micro)
+            last = _take(served.last[s], parts) if served.last is not None else None
+            mask = last
             if served.grad_ol is not None:
                 grad_ol = _take(served.grad_ol[s], parts)
                 ol = served.per_requester(s, served.grad_counts[s], micro)
                 counts = [picked(c, t) for c, t in zip(ol, counts)]
-                mask = grad_ol if first else ~grad_ol
+                mask = grad_ol if first else _nol(grad_ol, last)
+            if mask is not None:
                 rows = select(rows, mask, sum(counts))
                 of = select(of, mask, sum(counts)) if of is not None else None
                 early = select(early, mask, sum(counts)) if early is not None else None
@@ -806,9 +834,10 @@ def _divided(grads: torch.Tensor, divisor: int) -> torch.Tensor:
     return grads.div_(divisor) if divisor != 1 else grads
 
 
-def _nol(fetch_ol: torch.Tensor, fresh: Optional[torch.Tensor]) -> torch.Tensor:
-    """The entries whose rows move before the update: first entries that do not wait for it."""
-    return ~fetch_ol if fresh is None else ~fetch_ol & fresh
+def _nol(flags: torch.Tensor, among: Optional[torch.Tensor]) -> torch.Tensor:
+    """The entries of `among` (None: all) not flagged: the first entries whose rows do not wait for
+    the update (they move before it), the last entries whose gradients do not go first (deferred)."""
+    return ~flags if among is None else ~flags & among
 
 
 def _waiting(rows: torch.Tensor, waits: bool, fresh: Optional[torch.Tensor]) -> torch.Tensor:

@@ -110,3 +110,11 @@ def first_uses(values: torch.Tensor, groups: Optional[torch.Tensor] = None) -> t
     at = torch.where(start, torch.arange(n, device=values.device), torch.zeros_like(order)).cummax(0).values
     source = torch.empty_like(order).scatter_(0, order, order.index_select(0, at))
     return source == torch.arange(n, device=values.device), source
+
+
+def first_and_last(values: torch.Tensor, groups: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """bool [n] twice: whether each entry is the first of its value (in its group), and whether it
+    is the last (first_uses of the reversed entries)."""
+    first, _ = first_uses(values, groups)
+    last, _ = first_uses(values.flip(0), groups.flip(0) if groups is not None else None)
+    return first, last.flip(0)

@@ -33,7 +33,7 @@ from torch import nn
 from freescale_comm.balancer import PlannedSequences, balance as fc_balance
 from freescale_comm.communicator import Communicator, check_priority
 from freescale_comm.pipelines._catalog import build_catalog, sharded_modules
-from freescale_comm.pipelines._embeddings import micro_leaves, module_output, route, route_micro
+from freescale_comm.pipelines._embeddings import accumulate_gradients, micro_leaves, module_output, route, route_micro
 from freescale_comm.pipelines._exchange import PREFETCH, Asks, PecExchange
 from freescale_comm.pipelines._micro_batches import MicroBatches, SplitBatch, cut, merge_outputs
 from freescale_comm.pipelines._plans_ahead import Plans, plan_ahead
@@ -74,7 +74,9 @@ class TrainPipelinePEC(Generic[In, Out]):
         runs the same number, empty ones included); each micro-batch's forward and backward run
         on its own distinct rows, and the rows that wait for the last update move one round per
         micro-batch, micro-batch m+1's (at next_micro_priority) while m computes, and m's
-        gradients that go first leave while m+1 computes (at micro_gradient_priority). Embedding
+        gradients that go first leave while m+1 computes (at micro_gradient_priority). A row
+        several micro-batches read moves once, with the first, and its gradient, summed over
+        them, once, with the last (rows are frozen within a batch). Embedding
         gradients accumulate over the micro-batches and apply once per batch, through the fused
         optimizer; dense gradients accumulate too (DDP all-reduces each micro-batch's; built with
         static_graph=False, only the last one's, with the sum: see _ddp). The micro-batches'
@@ -404,13 +406,15 @@ class TrainPipelinePEC(Generic[In, Out]):
         returns the merged output and, training, per slot the gradient of each asked row."""
         split: MicroBatches = self._batch
         last = len(split.batches) - 1
-        outputs, leaves = [], []
+        outputs, micro_grads = [], []
+        # per slot, each row's gradient summed over the micro-batches so far (a row sends one gradient
+        # per batch, with the last micro-batch that reads it)
+        totals = [torch.zeros_like(p) for p in self._asks.pieces] if training and self._asks.last is not None else []
         for m, batch in enumerate(split.batches):
             rows = self._micro_rows[m] if m < len(self._micro_rows) else None
             if rows is not None:
                 self._wait(rows, "embeddings")
             mine, reads = micro_leaves(self._asks, m, training)
-            leaves.append(mine)
             self._inputs, self._reads = split.inputs[m], (reads, self._asks.micro[m].positions)
             self._plans_now = self._plans[m] if m < len(self._plans) else {}
             with contextlib.ExitStack() as stack:
@@ -423,15 +427,16 @@ class TrainPipelinePEC(Generic[In, Out]):
                     if self._loss_scale:  # a mean over the micro-batch's samples: weigh it by its share
                         loss = loss * (split.samples[m].numel() / max(split.size, 1))
                     loss.backward()
+            if training:
+                micro_grads.append(accumulate_gradients(self._asks, totals, m, _grads_of(mine)))
             if training and m < last:  # after prepare(N+1) on the worker (its flags say which go first)
-                streamed.append(self._post(self._exchange.stream_gradients, m, _grads_of(mine), lrs, has_next))
+                streamed.append(self._post(self._exchange.stream_gradients, m, micro_grads[-1], lrs, has_next))
             outputs.append(out)
         self._inputs, self._plans_now = {}, {}
         grads = None
-        if training:
-            per_micro = [_grads_of(mine) for mine in leaves]
-            grads = per_micro[0] if len(per_micro) == 1 else \
-                [torch.cat([g[s] for g in per_micro]) for s in range(len(self._asks.rows))]
+        if training:  # per micro-batch, its entries' gradients (with several, each row's total so far)
+            grads = micro_grads[0] if len(micro_grads) == 1 else \
+                [torch.cat([g[s] for g in micro_grads]) for s in range(len(self._asks.rows))]
         if self._merge_output is not None:
             return self._merge_output(outputs, split.samples), grads
         return merge_outputs(outputs, split.samples, split.size), grads
