@@ -19,10 +19,12 @@ read by the batch before and must wait for its update.
 - then the dense all-reduce; with balance, the lengths' all-gather, the plan and the sample move
   before the step (as `simulate`'s balance modes).
 Scaling efficiency = the mean rank's compute / the step (1.0: every rank computes all the time).
+Each micro-batch is charged its share of the batch's rows, as fc.TrainPipelinePEC moves them (a row
+several micro-batches read moves once, with the first, and its gradient once, with the last; only
+the ids message names a row once per micro-batch reading it: 8 bytes, not modelled).
 Not modelled: per-micro-batch fixed costs (kernel launches, a smaller batch's lower efficiency), the
-owners' lookups and updates, distinct ids per micro-batch (each micro-batch is charged its share of
-the batch's rows: clustering keeps that within ~2 % on interest workloads, `freescale-bench
-microbatch`)."""
+owners' lookups and updates, how unevenly the rows fall on the micro-batches (the first ones,
+which move the rows they share with later ones, carry more)."""
 
 from __future__ import annotations
 
