@@ -152,8 +152,9 @@ def test_the_pipeline_reads_the_device_only_where_sizes_arrive():
     would stop running ahead of the GPU) only where sizes arrive. In the exchange's rounds: the ids
     round (the next batch's counts) and the flags round (every later round's sizes, in one read):
     2 per steady-state step with PEC or DBP, whole batches or micro-batches; with every row after
-    the update (prefetch="ids": no flags) and micro-batches, the ids round and the sizes of the
-    update's two parts (the rows the next batch's first micro-batch reads, updated first). In the rest of the pipeline's own work (routing and
+    the update (prefetch="ids": no flags) and micro-batches, the ids round and one read of what
+    the flags round would count: each row's first and last entries and the sizes of the update's
+    two parts (the rows the next batch's first micro-batch reads, updated first). In the rest of the pipeline's own work (routing and
     cutting each batch on the worker, the sharded modules' outputs): routing the next batch (its
     ids' ranges and shards: 1; with micro-batches also their distinct rows: 2) and TorchRec's
     KeyedJaggedTensor reading each input's lengths per key once (2). Before, about 150 per step in
