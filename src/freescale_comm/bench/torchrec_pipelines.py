@@ -13,12 +13,16 @@ noise, against which a difference between pipelines is read); cpu_ms = CPU time 
 (with more ranks than cores, step time follows it more than any overlap); exposed_comm_ms = main-thread time blocked on embedding communication, mean over ranks:
 TorchRec's pipelines: Python-level c10d Work.wait() calls (the id, embedding and gradient
 AllToAlls; DDP's dense all-reduce waits in C++ and is not counted), split by phase: ids (outside
-forward and backward), embeddings (in forward), gradients (in backward). fc.TrainPipelinePEC: its
-waits on the worker that posts every message: the prefetch (ids, flags, NOL rows) and the rows that
-waited for the last update (OL rows; with micro-batches, each micro-batch's as it starts):
-"embeddings"; the OL gradients' round trip: "gradients". update (ours only): the main thread's own
-fused update of the gradients that go first, on the critical path but compute, not a wait (TorchRec
-runs its update inside backward, uncounted too). ids_sent: embedding rows a rank asks for per step
+forward and backward), embeddings (in forward), gradients (in backward). fc.TrainPipelinePEC, by
+the same rule (blocked, not working): its waits on the worker that posts every message and on the
+messages of the rounds it runs itself: the prefetch (ids, flags, NOL rows) and the rows that waited
+for the last update (OL rows; with micro-batches, each micro-batch's as it starts): "embeddings";
+the OL gradients' round trip: "gradients". update and rounds (ours only): the main thread's own
+work on the critical path, compute rather than a wait, as TorchRec's lookups, the unpacking of its
+AllToAlls' outputs and its fused update (inside backward) are uncounted: the fused update of the
+gradients that go first (update), and in the rounds it runs, selecting gradients, looking rows up
+and placing them (rounds; before 2026-11-26 this was counted as exposed, a stricter ruler for ours
+than TorchRec's, which at 512 samples per rank read 2-4x its figure). ids_sent: embedding rows a rank asks for per step
 (ours only): every id of the batch, or with micro-batches each one's distinct ids; rows_moved: the
 rows that come to it (with micro-batches a row several of them read moves once, and its gradient
 goes back once).
@@ -395,8 +399,9 @@ def _train(cfg: PipelineBenchConfig, name: str, rate: float, pg: Any, rank: int,
     rows_asked = pipe.rows_asked[cfg.warmup:] if ours else []
     rows_moved = pipe.rows_fetched[cfg.warmup:] if ours else []
     updates = pipe.update_ms[cfg.warmup:] if ours else []
+    rounds = pipe.round_ms[cfg.warmup:] if ours else []
     return {"steps": steps, "cpu": cpu, "exposed": exposed, "rows_asked": rows_asked, "rows_moved": rows_moved,
-            "updates": updates}
+            "updates": updates, "rounds": rounds}
 
 
 def cfg_device(batches: list[Batch]) -> str:
@@ -480,6 +485,7 @@ def run(cfg: PipelineBenchConfig, timeout_s: float = 1800.0) -> PipelineBenchRes
                 row["ids_sent"] = statistics.fmean(asked)  # per rank and step
                 row["rows_moved"] = statistics.fmean(n for runs in rounds for r in runs for n in r["rows_moved"])
                 row["update_ms"] = statistics.fmean(u for runs in rounds for r in runs for u in r["updates"])
+                row["round_ms"] = statistics.fmean(u for runs in rounds for r in runs for u in r["rounds"])
             row.update(step_ms=step, round_spread=(max(per_round) - min(per_round)) / step, cpu_ms=cpu,
                        exposed_comm_ms=exposed, **{f"exposed_{p}_ms": v for p, v in phases.items()},
                        bubble_ms=statistics.fmean(per_round) - (own - exposed), rounds=len(rounds))
@@ -489,7 +495,7 @@ def run(cfg: PipelineBenchConfig, timeout_s: float = 1800.0) -> PipelineBenchRes
 
 def table(rows: list[dict[str, Any]], title: str) -> str:
     head = (f"{'pipeline':<13}{'collision':>10}{'step_ms':>10}{'spread':>8}{'cpu_ms':>8}{'exposed':>10}{'ids':>8}{'emb':>8}{'grads':>8}"
-            f"{'bubble':>9}{'update':>8}{'ids_sent':>10}{'moved':>8}")
+            f"{'bubble':>9}{'update':>8}{'rounds':>8}{'ids_sent':>10}{'moved':>8}")
     lines = [f"# {title}", head]
     for r in rows:
         if "note" in r:
@@ -498,8 +504,9 @@ def table(rows: list[dict[str, Any]], title: str) -> str:
         lines.append(f"{r['pipeline']:<13}{r['collision_rate']:>10.2f}{r['step_ms']:>10.2f}{r['round_spread']:>8.1%}{r['cpu_ms']:>8.2f}"
                      f"{r['exposed_comm_ms']:>10.2f}"
                      f"{r['exposed_ids_ms']:>8.2f}{r['exposed_embeddings_ms']:>8.2f}{r['exposed_gradients_ms']:>8.2f}"
-                     f"{r['bubble_ms']:>9.2f}" + (f"{r['update_ms']:>8.2f}{r['ids_sent']:>10.0f}{r['rows_moved']:>8.0f}"
-                                                  if "ids_sent" in r else f"{'-':>8}{'-':>10}{'-':>8}"))
+                     f"{r['bubble_ms']:>9.2f}" + (f"{r['update_ms']:>8.2f}{r['round_ms']:>8.2f}{r['ids_sent']:>10.0f}"
+                                                  f"{r['rows_moved']:>8.0f}" if "ids_sent" in r
+                                                  else f"{'-':>8}{'-':>8}{'-':>10}{'-':>8}"))
     return "\n".join(lines)
 
 

@@ -57,6 +57,7 @@ from __future__ import annotations
 
 import collections
 import itertools
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Optional
@@ -236,6 +237,8 @@ class PecExchange:
         self.micro_gradient_priority = micro_gradients if micro_gradients is not None else high
         self.skip_refresh = False
         self.update_ms = 0.0  # ms spent in fused TBE updates so far (any thread): compute, not communication
+        # per thread (ident): ms blocked in waits for this exchange's messages (rows, gradients) so far
+        self.blocked_ms: collections.defaultdict[int, float] = collections.defaultdict(float)
         self.comm, self.catalog = comm, catalog
         self.device = device  # of ids, flags, rows and gradients (the tables'); counts stay on the host
         self.rank, self.world = comm.rank, comm.world_size
@@ -267,6 +270,14 @@ class PecExchange:
     def _a2a(self, out: torch.Tensor, inp: torch.Tensor, out_splits: list[int], in_splits: list[int],
              priority: int):
         return self.comm.all_to_all_single(out, inp, out_splits, in_splits, priority=priority, async_op=True)
+
+    def _waited(self, work) -> None:
+        """work.wait(), the time it blocked added to this thread's blocked_ms."""
+        start = time.perf_counter()
+        try:
+            work.wait()
+        finally:
+            self.blocked_ms[threading.get_ident()] += (time.perf_counter() - start) * 1e3
 
     def _slot(self, index: int) -> Slot:
         return self.catalog.slots[index]
@@ -592,7 +603,7 @@ class PecExchange:
         recv_splits = [sum(wanted[s][3] * self.cols[s] for s in self.owned_by[o]) for o in range(self.world)]
         recv = torch.empty(sum(recv_splits), device=self.device)
         priority = self.low if which != "ol" else self.high if not micro else self.micro_priority
-        self._a2a(recv, inp, recv_splits, send_splits, priority).wait()
+        self._waited(self._a2a(recv, inp, recv_splits, send_splits, priority))
         offset = 0
         for o in range(self.world):
             for s in self.owned_by[o]:
@@ -776,7 +787,7 @@ class PecExchange:
         micro_of: dict[int, list[torch.Tensor]] = {s: [] for s in self.owned}
         split = first_counts is not None and all(f.early_of is not None for f in flights)
         for flight in flights:
-            flight.work.wait()
+            self._waited(flight.work)
             for r, block in enumerate(flight.buffer.split(flight.splits)):  # requester r's, slot after slot
                 offset = 0
                 for s in self.owned:

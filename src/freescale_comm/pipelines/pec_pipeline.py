@@ -23,6 +23,7 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import contextlib
+import threading
 import time
 from typing import Any, Callable, Generic, Iterator, Mapping, Optional, TypeVar
 
@@ -184,11 +185,13 @@ class TrainPipelinePEC(Generic[In, Out]):
         self._drained = False  # the data ran out: the next progress() raises StopIteration
         self._failure: Optional[BaseException] = None  # what broke the pipeline: raised again
         self._closed = False
-        # per step, ms the main thread waited on embedding communication: in all, and by phase
-        # ("ids": counts, ids; "embeddings": flags, NOL rows, the rows that waited for the last update
-        # (OL rows; with micro-batches each one's, as it starts); "gradients": the OL gradients' round
-        # trip, less this rank's own update of them, which update_ms counts)
+        # per step, ms the main thread was blocked on embedding communication (waiting for the worker
+        # or for a message), in all and by phase ("ids": counts, ids; "embeddings": flags, NOL rows, the
+        # rows that waited for the last update (OL rows; with micro-batches each one's, as it starts);
+        # "gradients": the OL gradients' round trip). The work the main thread does in the rounds it
+        # runs itself (selecting, looking up, placing rows) is round_ms; its fused update, update_ms
         self.exposed_ms: list[float] = []
+        self.round_ms: list[float] = []
         self.rows_asked: list[int] = []  # per step: embedding rows this rank asked its owners for (ids sent)
         # per step: rows that moved to this rank (with micro-batches, a row two of them read moves once;
         # dual_buffer moves the ones that wait for the last update twice: counted once)
@@ -292,6 +295,18 @@ class TrainPipelinePEC(Generic[In, Out]):
             self._exposed[phase] += (time.perf_counter() - start) * 1e3
 
 
+    def _blocked(self) -> float:
+        """ms this thread has been blocked in the exchange's waits so far."""
+        return self._exchange.blocked_ms[threading.get_ident()]
+
+    def _round_on_this_thread(self, start: float, update: float, blocked: float, phase: str) -> float:
+        """A round this thread ran since `start` (perf_counter s; `blocked`: _blocked() then): the
+        time it blocked is exposed in `phase`; returns the rest, less `update` ms of fused update,
+        this thread's own work for the round (ms)."""
+        waited = self._blocked() - blocked
+        self._exposed[phase] += waited
+        return (time.perf_counter() - start) * 1e3 - update - waited
+
     # -- the TorchRec contract ---------------------------------------------------------------------
     def progress(self, dataloader_iter: Iterator[In]) -> Out:
         """Trains one batch (forward, backward, optimizer step) and returns its output."""
@@ -352,11 +367,11 @@ class TrainPipelinePEC(Generic[In, Out]):
                 self._wait(prepared, "embeddings")
             # the worker is idle here (everything submitted was waited for): the gradient round trip
             # runs on this thread, no handoff; program order across ranks is unchanged
-            start, updated = time.perf_counter(), self._exchange.update_ms
-            in_flight = tuple(f for f in (future.result() for future in streamed) if f is not None)
+            in_flight = tuple(f for f in (self._wait(future, "gradients") for future in streamed) if f is not None)
+            start, updated, blocked = time.perf_counter(), self._exchange.update_ms, self._blocked()
             self._exchange.gradients(grads, lrs, has_next, in_flight)
             update = self._exchange.update_ms - updated  # this rank's own fused update: compute, not a wait
-            self._exposed["gradients"] += (time.perf_counter() - start) * 1e3 - update
+            rounds = self._round_on_this_thread(start, update, blocked, "gradients")
             if has_next and self._exchange.later is not None:
                 # micro-batch 0's rows move on the worker while this thread applies the rest of the
                 # update (rows micro-batch 0 does not read), before any later micro-batch's fetch
@@ -366,9 +381,9 @@ class TrainPipelinePEC(Generic[In, Out]):
                 update += self._exchange.update_ms - updated
                 self._wait(first, "embeddings")
             elif has_next:  # N+1's rows that waited for this update (with micro-batches: its first one's)
-                start = time.perf_counter()
+                start, blocked = time.perf_counter(), self._blocked()
                 self._exchange.fetch_micro(0 if self._micro_batches is not None else None)
-                self._exposed["embeddings"] += (time.perf_counter() - start) * 1e3
+                rounds += self._round_on_this_thread(start, 0.0, blocked, "embeddings")
             # the next micro-batches' rows, in order, before anything of lower priority
             self._micro_rows = [None] + [self._post(self._exchange.fetch_micro, m)
                                          for m in range(1, self._micro_batches)] \
@@ -389,6 +404,7 @@ class TrainPipelinePEC(Generic[In, Out]):
         self.rows_asked.append(trained_rows)
         self.rows_fetched.append(fetched_rows)
         self.update_ms.append(update)
+        self.round_ms.append(rounds)
         self.exposed_by_phase.append(dict(self._exposed))
         self._step += 1
         if has_next:
