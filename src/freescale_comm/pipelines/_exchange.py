@@ -181,10 +181,6 @@ class Served:
             start += count
         return out
 
-    def counts_in(self, slot: int, parts: Optional[list[slice]]) -> list[int]:
-        """[world] rows of each requester in `parts` (from parts()); all of them if None."""
-        return self.counts[slot] if parts is None else [p.stop - p.start for p in parts]
-
 
 def _take(values: torch.Tensor, parts: Optional[list[slice]]) -> torch.Tensor:
     """values' entries in `parts` (ranges), one after another; all of them if parts is None."""
@@ -414,7 +410,7 @@ class PecExchange:
             prev[0].grad_counts = [None] * len(self.catalog.slots)
             prev[1].grad_ol = prev[1].grad_counts = None
         early = self._mark_early(prev[1], served, batch) if prev is not None else None
-        # (one host read, with micro-batches: the first entries' counts; sizes of the two parts of N's update)
+        # (one host read, with micro-batches: the first and last entries' counts, sizes of the two parts of N's update)
         counts = batch.read()
         self._take_fresh(asks, served, fresh, counts)
         if early is not None:
