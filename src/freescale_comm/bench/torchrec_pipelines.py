@@ -22,10 +22,10 @@ work on the critical path, compute rather than a wait, as TorchRec's lookups, th
 AllToAlls' outputs and its fused update (inside backward) are uncounted: the fused update of the
 gradients that go first (update), and in the rounds it runs, selecting gradients, looking rows up
 and placing them (rounds; before 2026-11-26 this was counted as exposed, a stricter ruler for ours
-than TorchRec's, which at 512 samples per rank read 2-4x its figure). ids_sent: embedding rows a rank asks for per step
-(ours only): every id of the batch, or with micro-batches each one's distinct ids; rows_moved: the
-rows that come to it (with micro-batches a row several of them read moves once, and its gradient
-goes back once).
+than TorchRec's, which at 512 samples per rank read 2-4x its figure). ids_sent: embedding rows a
+rank asks for per step (ours only): every id of the batch, or with micro-batches each one's
+distinct ids; rows_moved: the rows that come to it (with micro-batches a row several of them read
+moves once, and its gradient goes back once).
 bubble_ms = step_ms
 minus the mean rank's time not blocked on embedding communication (idle ranks and exposed comm).
 Each rank stands for one device: its threads run on its own core (bench/placement.py: pinned, the
@@ -390,7 +390,7 @@ def _train(cfg: PipelineBenchConfig, name: str, rate: float, pg: Any, rank: int,
                 last, last_cpu = now, now_cpu
     except Exception as e:  # noqa: BLE001
         # (TorchRec 1.8 and 1.9's TrainPipelineSemiSync needs CUDA: it records tensors on its lookup stream)
-        where = f"TorchRec's {type(pipe).__name__} on {cfg_device(batches)}: " if not hasattr(pipe, "exposed_ms") else ""
+        where = "" if ours else f"TorchRec's {type(pipe).__name__} on CPU: "
         return {"error": f"{where}{type(e).__name__}: {str(e)[:200]}"}
     finally:
         if hasattr(pipe, "close"):
@@ -402,11 +402,6 @@ def _train(cfg: PipelineBenchConfig, name: str, rate: float, pg: Any, rank: int,
     rounds = pipe.round_ms[cfg.warmup:] if ours else []
     return {"steps": steps, "cpu": cpu, "exposed": exposed, "rows_asked": rows_asked, "rows_moved": rows_moved,
             "updates": updates, "rounds": rounds}
-
-
-def cfg_device(batches: list[Batch]) -> str:
-    """The device the batches are on, in words (for a baseline's error note)."""
-    return str(batches[0].label.device) if batches else "cpu"
 
 
 def rank_program(info: Any, cfg: PipelineBenchConfig, cores: Optional[tuple[int, ...]]) -> dict[str, Any]:
