@@ -108,12 +108,12 @@ def test_first_uses_marks_each_values_first_entry_in_its_group_and_points_there(
     """Against a scan: an entry is fresh iff no earlier entry of its group has its value; its source
     is that value's first entry in its group (its own position when fresh); it is last iff no later
     entry of its group has its value."""
-    from freescale_comm.pipelines._host_counts import first_and_last, first_uses
+    from freescale_comm.pipelines._host_counts import first_uses, last_uses
 
     groups = torch.tensor([g for g, _ in entries], dtype=torch.int64)
     values = torch.tensor([v for _, v in entries], dtype=torch.int64)
     fresh, source = first_uses(values, groups if grouped else None)
-    also_fresh, last = first_and_last(values, groups if grouped else None)
+    last = last_uses(values, groups if grouped else None)
     seen: dict[tuple, int] = {}
     final: dict[tuple, int] = {}
     for i, (g, v) in enumerate(entries):
@@ -123,4 +123,4 @@ def test_first_uses_marks_each_values_first_entry_in_its_group_and_points_there(
         assert bool(fresh[i]) == (first == i) and int(source[i]) == first, (entries, grouped, i)
     for i, (g, v) in enumerate(entries):
         assert bool(last[i]) == (final[(g if grouped else 0, v)] == i), (entries, grouped, i)
-    assert torch.equal(fresh, also_fresh) and fresh.shape == source.shape == last.shape == (len(entries),)
+    assert fresh.shape == source.shape == last.shape == (len(entries),)

@@ -12,7 +12,7 @@ import torch
 from freescale_comm._device_copy import on_device
 from freescale_comm.pipelines._catalog import Catalog, ModuleInfo
 from freescale_comm.pipelines._exchange import Asks, MicroAsk
-from freescale_comm.pipelines._host_counts import distinct, first_uses, positions
+from freescale_comm.pipelines._host_counts import distinct, first_uses, last_uses, positions
 
 
 def route(catalog: Catalog, features: dict[str, Any], step: int) -> Asks:
@@ -49,7 +49,7 @@ def route_micro(catalog: Catalog, micro_features: list[dict[str, Any]], step: in
     if len(micro) > 1:
         firsts = [first_uses(r) for r in rows]
         asks.fresh, asks.source = [f for f, _ in firsts], [src for _, src in firsts]
-        asks.last = [first_uses(r.flip(0))[0].flip(0) for r in rows]
+        asks.last = [last_uses(r) for r in rows]
     return asks
 
 

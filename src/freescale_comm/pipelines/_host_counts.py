@@ -112,9 +112,8 @@ def first_uses(values: torch.Tensor, groups: Optional[torch.Tensor] = None) -> t
     return source == torch.arange(n, device=values.device), source
 
 
-def first_and_last(values: torch.Tensor, groups: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """bool [n] twice: whether each entry is the first of its value (in its group), and whether it
-    is the last (first_uses of the reversed entries)."""
-    first, _ = first_uses(values, groups)
+def last_uses(values: torch.Tensor, groups: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """bool [n]: whether each entry is the last of its value (in its group): first_uses of the
+    entries reversed."""
     last, _ = first_uses(values.flip(0), groups.flip(0) if groups is not None else None)
-    return first, last.flip(0)
+    return last.flip(0)

@@ -294,7 +294,6 @@ class TrainPipelinePEC(Generic[In, Out]):
         finally:
             self._exposed[phase] += (time.perf_counter() - start) * 1e3
 
-
     def _blocked(self) -> float:
         """ms this thread has been blocked in the exchange's waits so far."""
         return self._exchange.blocked_ms[threading.get_ident()]
