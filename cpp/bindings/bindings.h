@@ -17,6 +17,7 @@ void register_errors(pybind11::module_& m);
 void register_build_info(pybind11::module_& m);
 void register_communicator(pybind11::module_& m);
 void register_jagged(pybind11::module_& m);
+void register_microbatch(pybind11::module_& m);
 // Test equipment (FREESCALE_TEST_SUPPORT builds: testing/register_emulated.cc adds
 // _core._emulated); a no-op in every other build (no_test_support.cc).
 void register_test_support(pybind11::module_& m);

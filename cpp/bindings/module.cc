@@ -6,5 +6,6 @@ PYBIND11_MODULE(_core, m) {
   freescale::register_build_info(m);
   freescale::register_communicator(m);
   freescale::register_jagged(m);
+  freescale::register_microbatch(m);
   freescale::register_test_support(m);
 }

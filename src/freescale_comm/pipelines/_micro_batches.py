@@ -105,6 +105,8 @@ def sample_keys(catalog: Catalog, inputs: dict[str, Any]) -> tuple[np.ndarray, n
 def cluster(catalog: Catalog, inputs: dict[str, Any], micro_batches: int) -> list[torch.Tensor]:
     """Per micro-batch, the int64 indices of its samples (ascending): fc.microbatch's key-centric
     clustering of this rank's batch, deterministic."""
+    if micro_batches == 1:  # nothing to choose
+        return [torch.arange(batch_size(inputs), dtype=torch.int64)]
     keys, lengths = sample_keys(catalog, inputs)
     plan = cluster_microbatches(keys, lengths, micro_batches)
     return [torch.from_numpy(np.flatnonzero(plan.micro_batch == m)).to(torch.int64) for m in range(micro_batches)]

@@ -1,0 +1,79 @@
+// Key-centric clustering's greedy pass: shared keys pull samples together, the cap balances them,
+// bad inputs are refused naming the field.
+#include <gtest/gtest.h>
+
+#include <vector>
+
+#include "cpp/errors.h"
+#include "cpp/microbatch_cluster.h"
+
+namespace freescale {
+namespace {
+
+struct Batch {
+  std::vector<int64_t> offsets, keys, holders, visit;
+  std::vector<double> cost, weight;
+  ClusterInput input(int micro_batches) const {
+    ClusterInput in;
+    in.samples = static_cast<int64_t>(cost.size());
+    in.num_keys = static_cast<int64_t>(holders.size());
+    in.key_offsets = offsets.data();
+    in.keys = keys.data();
+    in.holders = holders.data();
+    in.cost = cost.data();
+    in.visit = visit.data();
+    in.weight = weight.data();
+    in.weights = static_cast<int64_t>(weight.size());
+    in.micro_batches = micro_batches;
+    double sum = 0;
+    for (double c : cost) sum += c;
+    in.mean = sum / micro_batches;
+    return in;
+  }
+};
+
+// Samples 0 and 2 read key 0, samples 1 and 3 key 1; all cost 1, two micro-batches.
+Batch two_pairs() {
+  return Batch{{0, 1, 2, 3, 4}, {0, 1, 0, 1}, {2, 2}, {0, 1, 2, 3}, {1, 1, 1, 1}, {1.0, 0.5}};
+}
+
+TEST(ClusterGreedy, SamplesSharingAKeyShareAMicroBatch) {
+  const Batch b = two_pairs();
+  const ClusterPlan plan = cluster_greedy(b.input(2));
+  // 0 -> mb 0 (all equal: lowest index); 1 -> mb 1 (no gain: least loaded); 2 follows 0, 3 follows 1
+  EXPECT_EQ(plan.micro_batch, (std::vector<int64_t>{0, 1, 0, 1}));
+  EXPECT_EQ(plan.loads, (std::vector<double>{2, 2}));
+  EXPECT_EQ(plan.distinct_ids, 2);
+  EXPECT_FALSE(plan.cap_bound);
+}
+
+TEST(ClusterGreedy, TheCapKeepsLoadsBalancedAndSaysItBound) {
+  // four samples all reading key 0: gain pulls every one to micro-batch 0, the cap (mean 2 x 1.1
+  // = 2.2, or mean + 1/2) stops the third
+  Batch b{{0, 1, 2, 3, 4}, {0, 0, 0, 0}, {4}, {0, 1, 2, 3}, {1, 1, 1, 1}, {1.0, 0.5, 0.25, 0.125}};
+  const ClusterPlan plan = cluster_greedy(b.input(2));
+  EXPECT_EQ(plan.micro_batch, (std::vector<int64_t>{0, 0, 1, 1}));
+  EXPECT_EQ(plan.distinct_ids, 2);
+  EXPECT_TRUE(plan.cap_bound);
+}
+
+TEST(ClusterGreedy, RefusesInputsNamingTheField) {
+  Batch b = two_pairs();
+  b.visit = {0, 0, 2, 3};
+  EXPECT_THROW(cluster_greedy(b.input(2)), InvalidArgument);
+  b = two_pairs();
+  b.keys[1] = 7;
+  try {
+    cluster_greedy(b.input(2));
+    FAIL() << "a key out of range was accepted";
+  } catch (const InvalidArgument& e) {
+    EXPECT_NE(std::string(e.what()).find("keys[1] = 7"), std::string::npos) << e.what();
+  }
+  b = two_pairs();
+  b.holders[0] = 3;  // more holders than weights
+  EXPECT_THROW(cluster_greedy(b.input(2)), InvalidArgument);
+  EXPECT_THROW(cluster_greedy(two_pairs().input(0)), InvalidArgument);
+}
+
+}  // namespace
+}  // namespace freescale
