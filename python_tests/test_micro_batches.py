@@ -124,3 +124,19 @@ def test_first_uses_marks_each_values_first_entry_in_its_group_and_points_there(
     for i, (g, v) in enumerate(entries):
         assert bool(last[i]) == (final[(g if grouped else 0, v)] == i), (entries, grouped, i)
     assert fresh.shape == source.shape == last.shape == (len(entries),)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.integers(-3, 3), st.sampled_from([0, 1, 5, -7, 2**40, -(2**40), 2**62])), max_size=40),
+       st.booleans(), st.sampled_from([torch.int64, torch.int32]))
+def test_the_host_sort_orders_as_torchs_stable_argsort(entries, grouped, dtype):
+    """stable_order packs (key, position) into one int64 sort where it fits and falls back to
+    torch's stable argsorts where it does not (values 2^62 apart): the same permutation either way."""
+    from freescale_comm.pipelines._host_counts import stable_order
+
+    if dtype == torch.int32:
+        entries = [(g, max(min(v, 2**31 - 1), -(2**31))) for g, v in entries]
+    groups = torch.tensor([g for g, _ in entries], dtype=torch.int64)
+    values = torch.tensor([v for _, v in entries], dtype=dtype)
+    want = sorted(range(len(entries)), key=lambda i: ((entries[i][0] if grouped else 0), entries[i][1], i))
+    assert stable_order(values, groups if grouped else None).tolist() == want

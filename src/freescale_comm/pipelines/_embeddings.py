@@ -12,7 +12,7 @@ import torch
 from freescale_comm._device_copy import on_device
 from freescale_comm.pipelines._catalog import Catalog, ModuleInfo
 from freescale_comm.pipelines._exchange import Asks, MicroAsk
-from freescale_comm.pipelines._host_counts import distinct, first_uses, last_uses, positions
+from freescale_comm.pipelines._host_counts import distinct, first_uses, last_uses, positions, stable_order
 
 
 def route(catalog: Catalog, features: dict[str, Any], step: int) -> Asks:
@@ -119,7 +119,7 @@ def _asks(catalog: Catalog, found: list, host: list[int], step: int) -> Asks:
             counts = host[at:at + len(slots)]
             at += len(slots)
             # each shard's ids in feature order: a stable sort by shard, cut by the counts read
-            for slot, where in zip(slots, torch.argsort(shard, stable=True).split(counts)):
+            for slot, where in zip(slots, stable_order(shard).split(counts)):
                 rows[slot.index] = ids[where] - slot.row0
                 positions[slot.index] = where
         else:  # table-wise: one slot; column-wise: every column shard gets every id

@@ -68,7 +68,8 @@ from freescale_comm.communicator import Communicator
 from freescale_comm._core import CommError
 from freescale_comm._device_copy import on_device
 from freescale_comm.pipelines._catalog import Catalog, LocalShard, Slot
-from freescale_comm.pipelines._host_counts import CountBatch, first_uses, last_uses, positions, select, select_into
+from freescale_comm.pipelines._host_counts import (CountBatch, first_uses, last_uses, positions, select, select_into,
+                                                   stable_order)
 
 
 @dataclass
@@ -806,7 +807,7 @@ class PecExchange:
             rows, grads = torch.cat(rows_of[s]), torch.cat(grads_of[s])
             early = torch.cat([f.early_of[s] for f in flights]) if split else None
             if micro_of[s] and not in_order:
-                order = torch.argsort(torch.cat(micro_of[s]), stable=True)
+                order = stable_order(torch.cat(micro_of[s]))
                 rows, grads = rows[order], grads[order]
                 early = early[order] if early is not None else None
             feature = shard.tbe_features[slot.feature]

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import Optional
 
+import numpy as np
 import torch
 
 from freescale_comm._device_copy import on_device
@@ -71,12 +72,38 @@ def positions(mask: torch.Tensor, count: int) -> torch.Tensor:
     return torch.nonzero_static(mask, size=count).squeeze(1)
 
 
+def stable_order(values: torch.Tensor, groups: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """int64 [n]: the permutation sorting int64 values [n] (with groups [n]: by (group, value)),
+    equal keys in position order, as torch.argsort(stable=True). On the host, where key x n fits
+    in int64, one sort of packed (key, position) integers (NumPy's: ~10x faster than torch's
+    stable argsort at 5,000 entries; these sorts were most of routing a micro-batched batch)."""
+    n = values.numel()
+    if values.device.type == "cpu" and n > 1:
+        v = values.detach().to(torch.int64).contiguous().numpy()
+        low = int(v.min())
+        span = int(v.max()) - low + 1  # keys: (group - lowest group) x span + value - lowest value
+        keys = span
+        if groups is not None:
+            g = groups.detach().to(torch.int64).contiguous().numpy()
+            low_group = int(g.min())
+            keys *= int(g.max()) - low_group + 1
+        if keys * n < 2**62:
+            key = v - low if groups is None else (g - low_group) * span + (v - low)
+            packed = np.sort(key * n + np.arange(n, dtype=np.int64))
+            return torch.from_numpy(packed % n)
+    if groups is None:
+        return torch.argsort(values, stable=True)
+    order = torch.argsort(values, stable=True)
+    return order.index_select(0, torch.argsort(groups.index_select(0, order), stable=True))
+
+
 def distinct(tensors: list[torch.Tensor]) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """torch.unique(t, return_inverse=True) (sorted) of each 1-d tensor, with one host read for
     all of them instead of one per tensor."""
     batch, staged = CountBatch(), []
     for t in tensors:
-        values, order = torch.sort(t, stable=True)
+        order = stable_order(t)
+        values = t.index_select(0, order)
         first = torch.ones_like(values, dtype=torch.bool)  # the first of each run of equal values
         first[1:] = values[1:] != values[:-1]
         staged.append((values, order, first, batch.add(first, [0, values.numel()])))
@@ -92,11 +119,9 @@ def distinct(tensors: list[torch.Tensor]) -> list[tuple[torch.Tensor, torch.Tens
 def first_uses(values: torch.Tensor, groups: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """For int64 values [n] (and, if given, int64 groups [n]: entries of different groups never
     match): bool [n], whether each entry is the first of its value (in its group), and int64 [n],
-    the position of that first entry. Two stable sorts, no host read."""
+    the position of that first entry. One stable sort, no host read."""
     n = values.numel()
-    order = torch.argsort(values, stable=True)
-    if groups is not None:  # (group, value) lexicographic; ties keep their positions' order
-        order = order.index_select(0, torch.argsort(groups.index_select(0, order), stable=True))
+    order = stable_order(values, groups)  # (group, value) lexicographic; ties keep their positions' order
     if n == 0:
         return torch.ones(0, dtype=torch.bool, device=values.device), order
     v = values.index_select(0, order)

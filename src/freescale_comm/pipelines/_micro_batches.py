@@ -25,6 +25,7 @@ import torch
 from freescale_comm._device_copy import to_device
 from freescale_comm.microbatch import cluster_microbatches
 from freescale_comm.pipelines._catalog import Catalog
+from freescale_comm.pipelines._host_counts import stable_order
 
 SplitBatch = Callable[[Any, torch.Tensor], Any]  # (batch, int64 sample indices) -> micro-batch
 
@@ -98,7 +99,7 @@ def sample_keys(catalog: Catalog, inputs: dict[str, Any]) -> tuple[np.ndarray, n
         keys.append(ids + b)
     sample = torch.cat(samples) if samples else torch.empty(0, dtype=torch.int64)
     key = torch.cat(keys) if keys else torch.empty(0, dtype=torch.int64)
-    order = torch.argsort(sample, stable=True)
+    order = stable_order(sample)
     return key[order].numpy(), torch.bincount(sample, minlength=size).numpy()
 
 
