@@ -140,3 +140,21 @@ def test_the_host_sort_orders_as_torchs_stable_argsort(entries, grouped, dtype):
     values = torch.tensor([v for _, v in entries], dtype=dtype)
     want = sorted(range(len(entries)), key=lambda i: ((entries[i][0] if grouped else 0), entries[i][1], i))
     assert stable_order(values, groups if grouped else None).tolist() == want
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(st.lists(st.lists(st.integers(0, 9), max_size=12), max_size=4), max_size=3))
+def test_distinct_gives_each_parts_unique_values_and_inverse(groups):
+    """Per group, one sort for all its parts: each part's torch.unique(return_inverse=True), the
+    parts' values one after another; values shared by adjacent parts still count in each."""
+    from freescale_comm.pipelines._host_counts import distinct
+
+    tensors = [[torch.tensor(part, dtype=torch.int64) for part in parts] for parts in groups]
+    for parts, (unique, counts, inverses) in zip(tensors, distinct(tensors)):
+        at = 0
+        for part, count, inverse in zip(parts, counts, inverses):
+            want, want_inverse = torch.unique(part, return_inverse=True)
+            assert unique[at:at + count].tolist() == want.tolist()
+            assert inverse.tolist() == want_inverse.tolist()
+            at += count
+        assert at == unique.numel() and len(counts) == len(inverses) == len(parts)

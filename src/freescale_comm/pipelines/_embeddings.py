@@ -32,19 +32,15 @@ def route_micro(catalog: Catalog, micro_features: list[dict[str, Any]], step: in
     ids' ranges and shards of every micro-batch, then the distinct rows of every micro-batch and slot."""
     parts = _routed(catalog, micro_features, step)
     micro = [MicroAsk([], [], [], p.positions) for p in parts]
-    uniques = iter(distinct([part.rows[s] for s in range(len(catalog.slots)) for part in parts]))
     rows = []
-    for s in range(len(catalog.slots)):
+    for unique, counts, inverses in distinct([[part.rows[s] for part in parts] for s in range(len(catalog.slots))]):
         start = 0
-        chosen = []
-        for m in micro:
-            unique, inverse = next(uniques)
+        for m, count, inverse in zip(micro, counts, inverses):
             m.start.append(start)
-            m.count.append(unique.numel())
+            m.count.append(count)
             m.inverse.append(inverse)
-            chosen.append(unique)
-            start += unique.numel()
-        rows.append(torch.cat(chosen))
+            start += count
+        rows.append(unique)
     asks = Asks(rows=rows, positions=[None] * len(catalog.slots), step=step, micro=micro)
     if len(micro) > 1:
         firsts = [first_uses(r) for r in rows]

@@ -8,6 +8,7 @@ torch.nonzero_static with the count known, which needs no sync either."""
 
 from __future__ import annotations
 
+import itertools
 from typing import Optional
 
 import numpy as np
@@ -97,22 +98,34 @@ def stable_order(values: torch.Tensor, groups: Optional[torch.Tensor] = None) ->
     return order.index_select(0, torch.argsort(groups.index_select(0, order), stable=True))
 
 
-def distinct(tensors: list[torch.Tensor]) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """torch.unique(t, return_inverse=True) (sorted) of each 1-d tensor, with one host read for
-    all of them instead of one per tensor."""
+def distinct(groups: list[list[torch.Tensor]]) -> list[tuple[torch.Tensor, list[int], list[torch.Tensor]]]:
+    """Per group of 1-d int64 tensors (parts): each part's distinct values, sorted, the parts'
+    one after another (unique [Σ counts]); each part's count; and per part, each entry's index in
+    its part's distinct values (torch.unique(part, return_inverse=True) of every part). One sort
+    per group and one host read for all of them."""
     batch, staged = CountBatch(), []
-    for t in tensors:
-        order = stable_order(t)
-        values = t.index_select(0, order)
-        first = torch.ones_like(values, dtype=torch.bool)  # the first of each run of equal values
-        first[1:] = values[1:] != values[:-1]
-        staged.append((values, order, first, batch.add(first, [0, values.numel()])))
+    for parts in groups:
+        sizes = [p.numel() for p in parts]
+        bounds = [0, *itertools.accumulate(sizes)]
+        values = torch.cat(parts) if parts else torch.empty(0, dtype=torch.int64)
+        part_of = torch.repeat_interleave(torch.arange(len(parts), device=values.device),
+                                          on_device(sizes, values.device), output_size=bounds[-1])
+        order = stable_order(values, part_of)  # by (part, value), ties in position order
+        ordered = values.index_select(0, order)
+        first = torch.ones_like(ordered, dtype=torch.bool)  # the first of each run of equal values in a part
+        first[1:] = ordered[1:] != ordered[:-1]
+        starts = [b for b, n in zip(bounds, sizes) if n]  # a part's first entry starts a run
+        if starts:
+            first[on_device(starts, values.device)] = True
+        staged.append((ordered, order, first, bounds, batch.add(first, bounds)))
     counts = batch.read()
     out = []
-    for values, order, first, i in staged:
-        unique = values.index_select(0, positions(first, counts[i][0]))
-        inverse = torch.empty_like(order).scatter_(0, order, first.cumsum(0) - 1)
-        out.append((unique, inverse))
+    for ordered, order, first, bounds, i in staged:
+        unique = ordered.index_select(0, positions(first, sum(counts[i])))
+        index = torch.empty_like(order).scatter_(0, order, first.cumsum(0) - 1)  # into `unique`
+        base = [0, *itertools.accumulate(counts[i])]
+        inverses = [index[a:b] - base[p] for p, (a, b) in enumerate(zip(bounds, bounds[1:]))]
+        out.append((unique, counts[i], inverses))
     return out
 
 
