@@ -1,30 +1,29 @@
 #include "cpp/microbatch_cluster.h"
 
 #include <algorithm>
+#include <cmath>
 #include <string>
 
 #include "cpp/errors.h"
 
 namespace freescale {
-namespace {
 
-void check(const ClusterInput& in) {
+void check_cluster_input(const ClusterInput& in) {
   if (in.micro_batches < 1) throw InvalidArgument("micro_batches must be >= 1, got " + std::to_string(in.micro_batches));
   if (in.samples < 0 || in.num_keys < 0) throw InvalidArgument("samples and num_keys must be >= 0");
+  if (in.key_offsets == nullptr || (in.samples > 0 && (in.cost == nullptr || in.visit == nullptr)))
+    throw InvalidArgument("key_offsets, cost and visit must be given");
   if (in.key_offsets[0] != 0) throw InvalidArgument("key_offsets[0] must be 0");
   for (int64_t i = 0; i < in.samples; ++i) {
-    if (in.key_offsets[i + 1] < in.key_offsets[i])
-      throw InvalidArgument("key_offsets must not decrease (sample " + std::to_string(i) + ")");
-  }
-  const int64_t nnz = in.key_offsets[in.samples];
-  for (int64_t j = 0; j < nnz; ++j) {
-    if (in.keys[j] < 0 || in.keys[j] >= in.num_keys)
-      throw InvalidArgument("keys[" + std::to_string(j) + "] = " + std::to_string(in.keys[j]) + " is outside [0, num_keys)");
-  }
-  for (int64_t k = 0; k < in.num_keys; ++k) {
-    if (in.holders[k] < 0 || in.holders[k] > in.weights)
-      throw InvalidArgument("holders[" + std::to_string(k) + "] = " + std::to_string(in.holders[k]) +
-                            " is outside [0, weights]: pass a weight per holder count");
+    const int64_t a = in.key_offsets[i], b = in.key_offsets[i + 1];
+    if (b < a) throw InvalidArgument("key_offsets must not decrease (sample " + std::to_string(i) + ")");
+    for (int64_t j = a; j < b; ++j) {
+      if (in.keys[j] < 0 || in.keys[j] >= in.num_keys)
+        throw InvalidArgument("keys[" + std::to_string(j) + "] = " + std::to_string(in.keys[j]) +
+                              " is outside [0, num_keys)");
+      if (j > a && in.keys[j] <= in.keys[j - 1])
+        throw InvalidArgument("keys must be strictly ascending within a sample (keys[" + std::to_string(j) + "])");
+    }
   }
   std::vector<char> seen(static_cast<size_t>(in.samples), 0);
   for (int64_t v = 0; v < in.samples; ++v) {
@@ -35,19 +34,24 @@ void check(const ClusterInput& in) {
   }
 }
 
-}  // namespace
-
 ClusterPlan cluster_greedy(const ClusterInput& in) {
-  check(in);
+  check_cluster_input(in);
   const int m = in.micro_batches;
   const size_t mm = static_cast<size_t>(m);
+  const int64_t pairs = in.key_offsets[in.samples];
+  // per key, the samples not yet placed that hold it (each sample holds a key at most once)
+  std::vector<int64_t> holders(static_cast<size_t>(in.num_keys), 0);
+  for (int64_t j = 0; j < pairs; ++j) ++holders[static_cast<size_t>(in.keys[j])];
+  const int64_t most = holders.empty() ? 0 : *std::max_element(holders.begin(), holders.end());
+  const double q = 1.0 - 1.0 / m;
+  std::vector<double> weight(static_cast<size_t>(std::max<int64_t>(most, 1)));  // weight[r - 1] = q^(r - 1)
+  for (size_t r = 0; r < weight.size(); ++r) weight[r] = std::pow(q, static_cast<double>(r));
+
   ClusterPlan plan;
   plan.micro_batch.assign(static_cast<size_t>(in.samples), 0);
   plan.loads.assign(mm, 0.0);
-  std::vector<int64_t> holders(in.holders, in.holders + in.num_keys);
   std::vector<char> held(static_cast<size_t>(in.num_keys) * mm, 0);  // [key][micro-batch]
   std::vector<double> gain(mm);
-  const double spread = 1.0 - 1.0 / m;
   // better(a, b): a ranks before b (gain descending, then load ascending, then index ascending)
   auto better = [&](int a, int b) {
     if (gain[a] != gain[b]) return gain[a] > gain[b];
@@ -60,14 +64,14 @@ ClusterPlan cluster_greedy(const ClusterInput& in) {
     const int64_t* last = in.keys + in.key_offsets[i + 1];
     std::fill(gain.begin(), gain.end(), 0.0);
     for (const int64_t* k = first; k != last; ++k) {
-      const double w = in.weight[holders[static_cast<size_t>(*k)] - 1];
+      const double w = weight[static_cast<size_t>(holders[static_cast<size_t>(*k)] - 1)];  // holders >= 1 here
       const char* row = held.data() + static_cast<size_t>(*k) * mm;
       for (int b = 0; b < m; ++b) {
         if (row[b]) gain[b] += w;
       }
     }
     const double c = in.cost[i];
-    const double cap = std::max(in.mean * (1 + in.balance_tolerance), in.mean + c * spread);
+    const double cap = std::max(in.mean * (1 + in.balance_tolerance), in.mean + c * (1 - 1.0 / m));
     int best = 0, choice = -1;
     for (int b = 0; b < m; ++b) {
       if (better(b, best)) best = b;

@@ -1,7 +1,7 @@
 // Key-centric micro-batch clustering's greedy pass (freescale_comm.microbatch states the method:
 // a uniformly random split derandomized by conditional expectations). The Python layer prepares
-// the inputs (each sample's distinct keys, the visiting order, the weights) with NumPy; this loop
-// is the sequential part, O(sum over samples of distinct keys x micro-batches).
+// the inputs (each sample's distinct keys, the visiting order) with NumPy; this loop is the
+// sequential part, O(sum over samples of distinct keys x micro-batches).
 #pragma once
 
 #include <cstdint>
@@ -20,23 +20,23 @@ struct ClusterInput {
   int64_t samples = 0;
   int64_t num_keys = 0;
   const int64_t* key_offsets = nullptr;  // [samples + 1]: sample i's keys are keys[key_offsets[i]:key_offsets[i+1]]
-  const int64_t* keys = nullptr;         // dense key indices in [0, num_keys), distinct and ascending per sample
-  const int64_t* holders = nullptr;      // [num_keys]: samples holding each key (copied, then counted down)
-  const double* cost = nullptr;          // [samples], >= 0
+  const int64_t* keys = nullptr;         // dense key indices in [0, num_keys), strictly ascending per sample
+  const double* cost = nullptr;          // [samples], finite, >= 0
   const int64_t* visit = nullptr;        // [samples]: a permutation, the order samples are placed in
-  const double* weight = nullptr;        // [max holders]: weight[r - 1] = (1 - 1/M)^(r - 1)
-  int64_t weights = 0;                   // entries of weight
   int micro_batches = 1;
   double mean = 0.0;               // summed cost / micro_batches (the caller's sum, so caps match its)
   double balance_tolerance = 0.1;  // >= 0
 };
 
+// Throws InvalidArgument naming the bad field: offsets not starting at 0 or decreasing, a key out
+// of range or not ascending within its sample, visit not a permutation, micro_batches < 1.
+void check_cluster_input(const ClusterInput& in);
+
 // Places each sample, in `visit` order, in the micro-batch with the largest gain (the sum over
-// its keys of weight[remaining holders - 1] where the micro-batch holds the key; keys summed in
-// the order given), among those whose load stays within the cap max(mean (1 + tolerance),
-// mean + cost (1 - 1/M)); ties: least loaded, then lowest index. Throws InvalidArgument naming
-// the bad field (offsets not monotone, a key or visit entry out of range, a holder count
-// outside weight).
+// its keys, in the order given, of q^(r - 1) where the micro-batch holds the key; q = 1 - 1/M,
+// r = the samples not yet placed that hold it, this one included), among those whose load stays
+// within the cap max(mean (1 + tolerance), mean + cost (1 - 1/M)); ties: least loaded, then
+// lowest index; none within the cap: the least loaded. Checks its input first (check_cluster_input).
 ClusterPlan cluster_greedy(const ClusterInput& in);
 
 }  // namespace freescale

@@ -11,19 +11,17 @@ namespace freescale {
 namespace {
 
 struct Batch {
-  std::vector<int64_t> offsets, keys, holders, visit;
-  std::vector<double> cost, weight;
+  std::vector<int64_t> offsets, keys, visit;
+  int64_t num_keys;
+  std::vector<double> cost;
   ClusterInput input(int micro_batches) const {
     ClusterInput in;
     in.samples = static_cast<int64_t>(cost.size());
-    in.num_keys = static_cast<int64_t>(holders.size());
+    in.num_keys = num_keys;
     in.key_offsets = offsets.data();
     in.keys = keys.data();
-    in.holders = holders.data();
     in.cost = cost.data();
     in.visit = visit.data();
-    in.weight = weight.data();
-    in.weights = static_cast<int64_t>(weight.size());
     in.micro_batches = micro_batches;
     double sum = 0;
     for (double c : cost) sum += c;
@@ -34,7 +32,7 @@ struct Batch {
 
 // Samples 0 and 2 read key 0, samples 1 and 3 key 1; all cost 1, two micro-batches.
 Batch two_pairs() {
-  return Batch{{0, 1, 2, 3, 4}, {0, 1, 0, 1}, {2, 2}, {0, 1, 2, 3}, {1, 1, 1, 1}, {1.0, 0.5}};
+  return Batch{{0, 1, 2, 3, 4}, {0, 1, 0, 1}, {0, 1, 2, 3}, 2, {1, 1, 1, 1}};
 }
 
 TEST(ClusterGreedy, SamplesSharingAKeyShareAMicroBatch) {
@@ -48,9 +46,9 @@ TEST(ClusterGreedy, SamplesSharingAKeyShareAMicroBatch) {
 }
 
 TEST(ClusterGreedy, TheCapKeepsLoadsBalancedAndSaysItBound) {
-  // four samples all reading key 0: gain pulls every one to micro-batch 0, the cap (mean 2 x 1.1
-  // = 2.2, or mean + 1/2) stops the third
-  Batch b{{0, 1, 2, 3, 4}, {0, 0, 0, 0}, {4}, {0, 1, 2, 3}, {1, 1, 1, 1}, {1.0, 0.5, 0.25, 0.125}};
+  // four samples all reading key 0: gain pulls every one to micro-batch 0; the cap, max(mean 2 x
+  // 1.1, mean 2 + cost 1 x 1/2) = 2.5, stops the third (a load of 3)
+  Batch b{{0, 1, 2, 3, 4}, {0, 0, 0, 0}, {0, 1, 2, 3}, 1, {1, 1, 1, 1}};
   const ClusterPlan plan = cluster_greedy(b.input(2));
   EXPECT_EQ(plan.micro_batch, (std::vector<int64_t>{0, 0, 1, 1}));
   EXPECT_EQ(plan.distinct_ids, 2);
@@ -70,7 +68,8 @@ TEST(ClusterGreedy, RefusesInputsNamingTheField) {
     EXPECT_NE(std::string(e.what()).find("keys[1] = 7"), std::string::npos) << e.what();
   }
   b = two_pairs();
-  b.holders[0] = 3;  // more holders than weights
+  b.offsets = {0, 2, 2, 3, 4};  // sample 0 lists key 0 twice
+  b.keys = {0, 0, 0, 1};
   EXPECT_THROW(cluster_greedy(b.input(2)), InvalidArgument);
   EXPECT_THROW(cluster_greedy(two_pairs().input(0)), InvalidArgument);
 }

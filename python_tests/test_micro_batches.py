@@ -142,6 +142,14 @@ def test_the_host_sort_orders_as_torchs_stable_argsort(entries, grouped, dtype):
     assert stable_order(values, groups if grouped else None).tolist() == want
 
 
+def test_the_host_sort_orders_floats_as_torch_does():
+    """Only integers are packed: floats 0.7 and 0.2 keep their order (not truncated to equal keys)."""
+    from freescale_comm.pipelines._host_counts import stable_order
+
+    values = torch.tensor([0.7, 0.2, 0.5])
+    assert stable_order(values).tolist() == torch.argsort(values, stable=True).tolist() == [1, 2, 0]
+
+
 @settings(max_examples=150, deadline=None)
 @given(st.lists(st.lists(st.lists(st.integers(0, 9), max_size=12), max_size=4), max_size=3))
 def test_distinct_gives_each_parts_unique_values_and_inverse(groups):

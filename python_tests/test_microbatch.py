@@ -104,13 +104,15 @@ def test_the_compiled_placement_is_the_documented_method(batch):
 def test_the_compiled_pass_refuses_inputs_it_cannot_place():
     from freescale_comm import _core
 
-    one = np.array([1.0])
+    one, offsets = np.array([1.0]), np.array([0, 1])
     with pytest.raises(ValueError, match="visit must be a permutation"):
-        _core.cluster_greedy(np.array([0, 1]), np.array([0]), np.array([1]), one, np.array([3]), one, 2, 0.5, 0.1)
+        _core.cluster_greedy(offsets, np.array([0]), 1, one, np.array([3]), 2, 0.5, 0.1)
     with pytest.raises(ValueError, match=r"keys\[0\] = 5 is outside"):
-        _core.cluster_greedy(np.array([0, 1]), np.array([5]), np.array([1]), one, np.array([0]), one, 2, 0.5, 0.1)
-    with pytest.raises(ValueError, match="holders"):
-        _core.cluster_greedy(np.array([0, 1]), np.array([0]), np.array([2]), one, np.array([0]), one, 2, 0.5, 0.1)
+        _core.cluster_greedy(offsets, np.array([5]), 1, one, np.array([0]), 2, 0.5, 0.1)
+    with pytest.raises(ValueError, match="strictly ascending"):  # a key twice in one sample
+        _core.cluster_greedy(np.array([0, 2]), np.array([0, 0]), 1, one, np.array([0]), 2, 0.5, 0.1)
+    with pytest.raises(ValueError, match="key_offsets must be 1-D with 2 entries"):
+        _core.cluster_greedy(np.array([0]), np.array([0]), 1, one, np.array([0]), 2, 0.5, 0.1)
 
 
 def test_samples_sharing_ids_end_in_one_micro_batch():

@@ -4,6 +4,7 @@
 #include <pybind11/pybind11.h>
 
 #include <string>
+#include <vector>
 
 #include "cpp/bindings/bindings.h"
 #include "cpp/errors.h"
@@ -17,11 +18,13 @@ namespace {
 template <typename T>
 using CArray = py::array_t<T, py::array::c_style | py::array::forcecast>;
 
+// A copy of a 1-D array of `want` entries (taken under the GIL: the pass then runs without it on
+// memory no other thread can change).
 template <typename T>
-const T* data_of(const CArray<T>& a, int64_t want, const char* name) {
+std::vector<T> copy_of(const CArray<T>& a, int64_t want, const char* name) {
   if (a.ndim() != 1 || a.shape(0) != want)
     throw InvalidArgument(std::string(name) + " must be 1-D with " + std::to_string(want) + " entries");
-  return a.data();
+  return std::vector<T>(a.data(), a.data() + want);
 }
 
 }  // namespace
@@ -29,23 +32,25 @@ const T* data_of(const CArray<T>& a, int64_t want, const char* name) {
 void register_microbatch(py::module_& m) {
   m.def(
       "cluster_greedy",
-      [](const CArray<int64_t>& key_offsets, const CArray<int64_t>& keys, const CArray<int64_t>& holders,
-         const CArray<double>& cost, const CArray<int64_t>& visit, const CArray<double>& weight, int micro_batches,
-         double mean, double balance_tolerance) {
+      [](const CArray<int64_t>& key_offsets, const CArray<int64_t>& keys, int64_t num_keys, const CArray<double>& cost,
+         const CArray<int64_t>& visit, int micro_batches, double mean, double balance_tolerance) {
+        if (cost.ndim() != 1) throw InvalidArgument("cost must be 1-D (one entry per sample)");
+        const int64_t samples = cost.shape(0);
+        const std::vector<int64_t> offsets = copy_of(key_offsets, samples + 1, "key_offsets");
+        const std::vector<int64_t> key_list = copy_of(keys, offsets.back(), "keys");
+        const std::vector<double> costs = copy_of(cost, samples, "cost");
+        const std::vector<int64_t> order = copy_of(visit, samples, "visit");
         ClusterInput in;
-        in.samples = cost.ndim() == 1 ? cost.shape(0) : -1;
-        if (in.samples < 0) throw InvalidArgument("cost must be 1-D (one entry per sample)");
-        in.key_offsets = data_of(key_offsets, in.samples + 1, "key_offsets");
-        in.keys = data_of(keys, in.key_offsets[in.samples], "keys");
-        in.num_keys = holders.ndim() == 1 ? holders.shape(0) : 0;
-        in.holders = data_of(holders, in.num_keys, "holders");
-        in.cost = cost.data();
-        in.visit = data_of(visit, in.samples, "visit");
-        in.weights = weight.ndim() == 1 ? weight.shape(0) : 0;
-        in.weight = data_of(weight, in.weights, "weight");
+        in.samples = samples;
+        in.num_keys = num_keys;
+        in.key_offsets = offsets.data();
+        in.keys = key_list.data();
+        in.cost = costs.data();
+        in.visit = order.data();
         in.micro_batches = micro_batches;
         in.mean = mean;
         in.balance_tolerance = balance_tolerance;
+        check_cluster_input(in);  // ValueError here, before the GIL is released
         ClusterPlan plan;
         {
           py::gil_scoped_release release;  // the pipeline's worker plans while the caller computes
@@ -55,8 +60,8 @@ void register_microbatch(py::module_& m) {
                               py::array_t<double>(plan.loads.size(), plan.loads.data()), plan.distinct_ids,
                               plan.cap_bound);
       },
-      py::arg("key_offsets"), py::arg("keys"), py::arg("holders"), py::arg("cost"), py::arg("visit"),
-      py::arg("weight"), py::arg("micro_batches"), py::arg("mean"), py::arg("balance_tolerance"),
+      py::arg("key_offsets"), py::arg("keys"), py::arg("num_keys"), py::arg("cost"), py::arg("visit"),
+      py::arg("micro_batches"), py::arg("mean"), py::arg("balance_tolerance"),
       "Key-centric clustering's greedy pass: (micro_batch [samples], loads [M], distinct ids, cap bound). "
       "See freescale_comm.microbatch.");
 }

@@ -100,8 +100,7 @@ def cluster_microbatches(ids: np.ndarray, lengths: np.ndarray, micro_batches: in
     offsets, keys, holders = _sample_key_lists(ids, lengths)
     mean = cost.sum() / m if samples else 0.0
     visit = np.lexsort((np.arange(samples), -cost))  # dearest first, then by index
-    weight = (1.0 - 1.0 / m) ** np.arange(max(int(holders.max(initial=0)), 1), dtype=np.float64)  # [r - 1]
-    where, loads, distinct, cap_bound = _core.cluster_greedy(offsets, keys, holders, cost, visit, weight, m,
+    where, loads, distinct, cap_bound = _core.cluster_greedy(offsets, keys, holders.size, cost, visit, m,
                                                             float(mean), float(balance_tolerance))
     return MicroBatchPlan(where, loads, int(distinct), bool(cap_bound))
 

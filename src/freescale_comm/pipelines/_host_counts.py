@@ -74,12 +74,13 @@ def positions(mask: torch.Tensor, count: int) -> torch.Tensor:
 
 
 def stable_order(values: torch.Tensor, groups: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """int64 [n]: the permutation sorting int64 values [n] (with groups [n]: by (group, value)),
+    """int64 [n]: the permutation sorting integer values [n] (with groups [n]: by (group, value)),
     equal keys in position order, as torch.argsort(stable=True). On the host, where key x n fits
     in int64, one sort of packed (key, position) integers (NumPy's: ~10x faster than torch's
     stable argsort at 5,000 entries; these sorts were most of routing a micro-batched batch)."""
     n = values.numel()
-    if values.device.type == "cpu" and n > 1:
+    integers = not values.is_floating_point() and (groups is None or not groups.is_floating_point())
+    if values.device.type == "cpu" and n > 1 and integers:
         v = values.detach().to(torch.int64).contiguous().numpy()
         low = int(v.min())
         span = int(v.max()) - low + 1  # keys: (group - lowest group) x span + value - lowest value
@@ -104,10 +105,11 @@ def distinct(groups: list[list[torch.Tensor]]) -> list[tuple[torch.Tensor, list[
     its part's distinct values (torch.unique(part, return_inverse=True) of every part). One sort
     per group and one host read for all of them."""
     batch, staged = CountBatch(), []
+    device = next((p.device for parts in groups for p in parts), torch.device("cpu"))
     for parts in groups:
         sizes = [p.numel() for p in parts]
         bounds = [0, *itertools.accumulate(sizes)]
-        values = torch.cat(parts) if parts else torch.empty(0, dtype=torch.int64)
+        values = torch.cat(parts) if parts else torch.empty(0, dtype=torch.int64, device=device)
         part_of = torch.repeat_interleave(torch.arange(len(parts), device=values.device),
                                           on_device(sizes, values.device), output_size=bounds[-1])
         order = stable_order(values, part_of)  # by (part, value), ties in position order
@@ -132,7 +134,7 @@ def distinct(groups: list[list[torch.Tensor]]) -> list[tuple[torch.Tensor, list[
 def first_uses(values: torch.Tensor, groups: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """For int64 values [n] (and, if given, int64 groups [n]: entries of different groups never
     match): bool [n], whether each entry is the first of its value (in its group), and int64 [n],
-    the position of that first entry. One stable sort, no host read."""
+    the position of that first entry. One stable_order, no host read."""
     n = values.numel()
     order = stable_order(values, groups)  # (group, value) lexicographic; ties keep their positions' order
     if n == 0:
