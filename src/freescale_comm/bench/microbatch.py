@@ -5,8 +5,8 @@ workloads:
   interests  each sample reads from one of `groups` interest pools (Zipf within the pool): the
              locality clustering is for (users with shared tastes, sessions of one user);
   zipf       every sample reads the same global Zipf popularity: no locality to find.
-Lengths: kuairand x `scale` (as freescale-bench e2e), at least 1. Pure NumPy, CPU; plan time is
-wall time of one split (median of `repeats`)."""
+Lengths: kuairand x `scale` (as freescale-bench e2e), at least 1. CPU (NumPy and the compiled
+core's placement pass); plan time is wall time of one split (median of `repeats`)."""
 
 from __future__ import annotations
 
