@@ -7,8 +7,9 @@
 #include "cpp/errors.h"
 
 namespace freescale {
+namespace {
 
-void check_cluster_input(const ClusterInput& in) {
+void check(const ClusterInput& in) {
   if (in.micro_batches < 1) throw InvalidArgument("micro_batches must be >= 1, got " + std::to_string(in.micro_batches));
   if (in.samples < 0 || in.num_keys < 0) throw InvalidArgument("samples and num_keys must be >= 0");
   if (in.key_offsets == nullptr || (in.samples > 0 && (in.cost == nullptr || in.visit == nullptr)))
@@ -34,8 +35,10 @@ void check_cluster_input(const ClusterInput& in) {
   }
 }
 
+}  // namespace
+
 ClusterPlan cluster_greedy(const ClusterInput& in) {
-  check_cluster_input(in);
+  check(in);
   const int m = in.micro_batches;
   const size_t mm = static_cast<size_t>(m);
   const int64_t pairs = in.key_offsets[in.samples];

@@ -28,15 +28,13 @@ struct ClusterInput {
   double balance_tolerance = 0.1;  // >= 0
 };
 
-// Throws InvalidArgument naming the bad field: offsets not starting at 0 or decreasing, a key out
-// of range or not ascending within its sample, visit not a permutation, micro_batches < 1.
-void check_cluster_input(const ClusterInput& in);
-
 // Places each sample, in `visit` order, in the micro-batch with the largest gain (the sum over
 // its keys, in the order given, of q^(r - 1) where the micro-batch holds the key; q = 1 - 1/M,
 // r = the samples not yet placed that hold it, this one included), among those whose load stays
 // within the cap max(mean (1 + tolerance), mean + cost (1 - 1/M)); ties: least loaded, then
-// lowest index; none within the cap: the least loaded. Checks its input first (check_cluster_input).
+// lowest index; none within the cap: the least loaded. Throws InvalidArgument naming the bad field
+// first: offsets not starting at 0 or decreasing, a key out of range or not ascending within its
+// sample, visit not a permutation, micro_batches < 1.
 ClusterPlan cluster_greedy(const ClusterInput& in);
 
 }  // namespace freescale

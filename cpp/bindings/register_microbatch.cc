@@ -18,8 +18,8 @@ namespace {
 template <typename T>
 using CArray = py::array_t<T, py::array::c_style | py::array::forcecast>;
 
-// A copy of a 1-D array of `want` entries (taken under the GIL: the pass then runs without it on
-// memory no other thread can change).
+// A copy of a 1-D array of `want` entries (taken under the GIL: the pass then checks and runs
+// without it, on memory no other thread can change).
 template <typename T>
 std::vector<T> copy_of(const CArray<T>& a, int64_t want, const char* name) {
   if (a.ndim() != 1 || a.shape(0) != want)
@@ -50,11 +50,10 @@ void register_microbatch(py::module_& m) {
         in.micro_batches = micro_batches;
         in.mean = mean;
         in.balance_tolerance = balance_tolerance;
-        check_cluster_input(in);  // ValueError here, before the GIL is released
         ClusterPlan plan;
         {
           py::gil_scoped_release release;  // the pipeline's worker plans while the caller computes
-          plan = cluster_greedy(in);
+          plan = cluster_greedy(in);       // (checks its input: ValueError once the GIL is back)
         }
         return py::make_tuple(py::array_t<int64_t>(plan.micro_batch.size(), plan.micro_batch.data()),
                               py::array_t<double>(plan.loads.size(), plan.loads.data()), plan.distinct_ids,
