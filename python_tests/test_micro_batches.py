@@ -108,12 +108,11 @@ def test_first_uses_marks_each_values_first_entry_in_its_group_and_points_there(
     """Against a scan: an entry is fresh iff no earlier entry of its group has its value; its source
     is that value's first entry in its group (its own position when fresh); it is last iff no later
     entry of its group has its value."""
-    from freescale_comm.pipelines._host_counts import first_uses, last_uses
+    from freescale_comm.pipelines._host_counts import first_uses
 
     groups = torch.tensor([g for g, _ in entries], dtype=torch.int64)
     values = torch.tensor([v for _, v in entries], dtype=torch.int64)
-    fresh, source = first_uses(values, groups if grouped else None)
-    last = last_uses(values, groups if grouped else None)
+    fresh, source, last = first_uses(values, groups if grouped else None)
     seen: dict[tuple, int] = {}
     final: dict[tuple, int] = {}
     for i, (g, v) in enumerate(entries):

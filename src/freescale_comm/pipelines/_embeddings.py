@@ -12,7 +12,7 @@ import torch
 from freescale_comm._device_copy import on_device
 from freescale_comm.pipelines._catalog import Catalog, ModuleInfo
 from freescale_comm.pipelines._exchange import Asks, MicroAsk
-from freescale_comm.pipelines._host_counts import distinct, first_uses, last_uses, positions, stable_order
+from freescale_comm.pipelines._host_counts import distinct, first_uses, positions, stable_order
 
 
 def route(catalog: Catalog, features: dict[str, Any], step: int) -> Asks:
@@ -43,9 +43,8 @@ def route_micro(catalog: Catalog, micro_features: list[dict[str, Any]], step: in
         rows.append(unique)
     asks = Asks(rows=rows, positions=[None] * len(catalog.slots), step=step, micro=micro)
     if len(micro) > 1:
-        firsts = [first_uses(r) for r in rows]
-        asks.fresh, asks.source = [f for f, _ in firsts], [src for _, src in firsts]
-        asks.last = [last_uses(r) for r in rows]
+        uses = [first_uses(r) for r in rows]
+        asks.fresh, asks.source, asks.last = ([u[i] for u in uses] for i in range(3))
     return asks
 
 

@@ -68,7 +68,7 @@ from freescale_comm.communicator import Communicator
 from freescale_comm._core import CommError
 from freescale_comm._device_copy import on_device
 from freescale_comm.pipelines._catalog import Catalog, LocalShard, Slot
-from freescale_comm.pipelines._host_counts import (CountBatch, first_uses, last_uses, positions, select, select_into,
+from freescale_comm.pipelines._host_counts import (CountBatch, first_uses, positions, select, select_into,
                                                    stable_order)
 
 
@@ -365,8 +365,7 @@ class PecExchange:
                     requester = torch.repeat_interleave(torch.arange(self.world, device=self.device),
                                                         on_device(served.counts[s], self.device),
                                                         output_size=served.rows[s].numel())
-                    served.fresh[s] = first_uses(served.rows[s], requester)[0]
-                    served.last[s] = last_uses(served.rows[s], requester)
+                    served.fresh[s], _, served.last[s] = first_uses(served.rows[s], requester)
         self.asked.append((asks, served))
         return self._take_counts(tails_of)
 

@@ -131,14 +131,16 @@ def distinct(groups: list[list[torch.Tensor]]) -> list[tuple[torch.Tensor, list[
     return out
 
 
-def first_uses(values: torch.Tensor, groups: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+def first_uses(values: torch.Tensor, groups: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """For int64 values [n] (and, if given, int64 groups [n]: entries of different groups never
-    match): bool [n], whether each entry is the first of its value (in its group), and int64 [n],
-    the position of that first entry. One stable_order, no host read."""
+    match): bool [n], whether each entry is the first of its value (in its group); int64 [n], the
+    position of that first entry; and bool [n], whether it is the last. One stable_order, no host
+    read."""
     n = values.numel()
     order = stable_order(values, groups)  # (group, value) lexicographic; ties keep their positions' order
     if n == 0:
-        return torch.ones(0, dtype=torch.bool, device=values.device), order
+        none = torch.ones(0, dtype=torch.bool, device=values.device)
+        return none, order, none
     v = values.index_select(0, order)
     start = torch.ones(n, dtype=torch.bool, device=values.device)  # the first of each run of equal keys
     start[1:] = v[1:] != v[:-1]
@@ -146,14 +148,11 @@ def first_uses(values: torch.Tensor, groups: Optional[torch.Tensor] = None) -> t
         g = groups.index_select(0, order)
         start[1:] |= g[1:] != g[:-1]
     # in sorted order, each entry's run start (a running max of the starts' positions); its first
-    # entry is the run's smallest position, which the stable sorts put at the start
+    # entry is the run's smallest position, which the stable sort puts at the start, and its last
+    # entry the largest, at the end (the entry before the next run's start)
     at = torch.where(start, torch.arange(n, device=values.device), torch.zeros_like(order)).cummax(0).values
     source = torch.empty_like(order).scatter_(0, order, order.index_select(0, at))
-    return source == torch.arange(n, device=values.device), source
-
-
-def last_uses(values: torch.Tensor, groups: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """bool [n]: whether each entry is the last of its value (in its group): first_uses of the
-    entries reversed."""
-    last, _ = first_uses(values.flip(0), groups.flip(0) if groups is not None else None)
-    return last.flip(0)
+    end = torch.ones_like(start)
+    end[:-1] = start[1:]
+    last = torch.empty_like(end).scatter_(0, order, end)
+    return source == torch.arange(n, device=values.device), source, last
