@@ -41,8 +41,8 @@ def fwp_matches_synchronous(info, steps: int, collisions: list[float], optimizer
 
 def fwp_rows_moved(info, steps: int, collisions: list[float]) -> dict:
     """Per (collision, prefetch mode): the floats this rank received in row rounds and in gradient
-    rounds, and the rows it asked for, over the run, with MICRO micro-batches and with one (the
-    whole batch's distinct rows)."""
+    rounds, the ids it received in ask rounds (as owner) and those it says it sent (rows_asked), over the
+    run, with MICRO micro-batches and with one (the whole batch's distinct rows)."""
     pg = dist.group.WORLD
     report = {}
     for collision in collisions:
@@ -50,7 +50,8 @@ def fwp_rows_moved(info, steps: int, collisions: list[float]) -> dict:
         for mode in MODES:
             runs = {m: train(pg, "pec", "rowwise_adagrad", batches, prefetch=mode, micro_batches=m) for m in (1, MICRO)}
             report[f"collision={collision} prefetch={mode}"] = {
-                m: {"fetched": r["fetched"], "gradients": r["gradients"], "asked": r["asked"]} for m, r in runs.items()}
+                m: {"fetched": r["fetched"], "gradients": r["gradients"], "asked": r["asked"], "ids": r["ids"]}
+                for m, r in runs.items()}
     return report
 
 

@@ -182,7 +182,9 @@ def train(pg: dist.ProcessGroup, pipeline: str, optimizer: str, batches: list[li
         pipe._blocking = blocking
     exchanges: list[tuple[int, str]] = []  # PEC: (priority, dtype) of every exchange, in program order
     # PEC: floats this rank received in the rounds that move rows and in those that move gradients
-    moved = {"rows": 0, "gradients": 0}
+    # and the ids it received in ask rounds (each message less its counts: per requester, per owned
+    # slot its rows per micro-batch, then the next batch's counts and flag)
+    moved = {"rows": 0, "gradients": 0, "ids": 0}
     if hasattr(pipe, "_exchange"):
         exchange = pipe._exchange
         post = exchange._a2a
@@ -191,7 +193,8 @@ def train(pg: dist.ProcessGroup, pipeline: str, optimizer: str, batches: list[li
         def counted(out, inp, out_splits, in_splits, priority):
             exchanges.append((priority, str(out.dtype)))
             if moving[0] is not None:
-                moved[moving[0]] += out.numel()
+                counts = exchange.world * len(exchange.owned) * ((exchange.micro_batches or 0) + 1) + exchange.world
+                moved[moving[0]] += out.numel() - (counts if moving[0] == "ids" else 0)
             return post(out, inp, out_splits, in_splits, priority)
 
         def round_of(kind, fn):
@@ -204,6 +207,7 @@ def train(pg: dist.ProcessGroup, pipeline: str, optimizer: str, batches: list[li
             return run
         exchange._a2a = counted
         exchange._rows, exchange._send_grads = round_of("rows", exchange._rows), round_of("gradients", exchange._send_grads)
+        exchange.ask = round_of("ids", exchange.ask)
     outputs = []
     micro_sizes = []  # with micro-batches: the samples of each micro-batch of each batch trained (but the first)
     for _ in range(epochs):
@@ -222,7 +226,8 @@ def train(pg: dist.ProcessGroup, pipeline: str, optimizer: str, batches: list[li
     if hasattr(pipe, "close"):
         pipe.close()
     return {"outputs": outputs, "state": state, "exchanges": exchanges, "micro_sizes": micro_sizes,
-            "fetched": moved["rows"], "gradients": moved["gradients"], "asked": sum(getattr(pipe, "rows_asked", []))}
+            "fetched": moved["rows"], "gradients": moved["gradients"], "ids": moved["ids"],
+            "asked": sum(getattr(pipe, "rows_asked", []))}
 
 
 def pec_matches_sparse_dist(info, steps: int, collisions: list[float], optimizers: list[str]) -> dict:

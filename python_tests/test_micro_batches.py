@@ -165,3 +165,64 @@ def test_distinct_gives_each_parts_unique_values_and_inverse(groups):
             assert inverse.tolist() == want_inverse.tolist()
             at += count
         assert at == unique.numel() and len(counts) == len(inverses) == len(parts)
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(st.lists(st.lists(st.integers(0, 9), max_size=12), min_size=1, max_size=5), max_size=3))
+def test_distinct_union_gives_every_value_once_with_the_parts_holding_it(groups):
+    """distinct(union=True): per group, the values of all its parts once, ascending, each with a
+    bit mask of the parts that hold it (bit p: part p), beside the per-part results unchanged."""
+    from freescale_comm.pipelines._host_counts import distinct
+
+    tensors = [[torch.tensor(part, dtype=torch.int64) for part in parts] for parts in groups]
+    plain = distinct(tensors)
+    for parts, found, alone in zip(groups, distinct(tensors, union=True), plain):
+        unique, counts, inverses, rows, masks = found
+        assert unique.tolist() == alone[0].tolist() and counts == alone[1]
+        assert [i.tolist() for i in inverses] == [i.tolist() for i in alone[2]]
+        want = sorted({v for part in parts for v in part})
+        want_masks = [sum(1 << p for p, part in enumerate(parts) if v in part) for v in want]
+        assert rows.tolist() == want and masks.tolist() == want_masks
+        # the device path (torch ops, the count in the same host read) gives the same
+        from freescale_comm.pipelines._host_counts import CountBatch, _union_read, _union_staged
+
+        values = torch.tensor([v for part in parts for v in part], dtype=torch.int64)
+        part_of = torch.tensor([p for p, part in enumerate(parts) for _ in part], dtype=torch.int64)
+        batch = CountBatch()
+        staged = _union_staged(values, part_of, batch)
+        rows, masks = _union_read(*staged, batch.read())
+        assert rows.tolist() == want and masks.tolist() == want_masks
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(st.lists(st.integers(0, 2**20), max_size=10), min_size=2, max_size=8))
+def test_packed_ids_rebuild_the_requesters_layout_and_its_first_and_last_entries(parts):
+    """What the owner rebuilds from each distinct row once (packed with its micro-batches' bits)
+    equals the requester's micro-batch-major layout (each micro-batch's distinct rows, ascending),
+    the micro-batch of every entry, and first_uses' first and last entries of each row."""
+    from freescale_comm.pipelines._host_counts import distinct, first_uses
+    from freescale_comm.pipelines._packed_ids import pack, unpack
+
+    micro = len(parts)
+    unique, counts, _, rows, masks = distinct([[torch.tensor(p, dtype=torch.int64) for p in parts]], union=True)[0]
+    wire = pack(rows, masks, micro)
+    assert wire.numel() == len({v for p in parts for v in p})  # each distinct row once
+    got_rows, got_micro, fresh, last = unpack(wire, micro, counts)
+    assert got_rows.tolist() == unique.tolist()
+    assert got_micro.tolist() == [m for m, c in enumerate(counts) for _ in range(c)]
+    want_fresh, _, want_last = first_uses(unique)
+    assert fresh.tolist() == want_fresh.tolist() and last.tolist() == want_last.tolist()
+
+
+def test_packing_is_refused_where_rows_or_micro_batches_would_not_fit():
+    """row << M | mask must stay below 2^63: a slot of 2^(62 - M) rows packs, one row more does
+    not; one micro-batch has nothing to pack."""
+    from types import SimpleNamespace
+
+    from freescale_comm.pipelines._packed_ids import packs
+
+    def catalog(rows: int) -> SimpleNamespace:
+        return SimpleNamespace(slots=[SimpleNamespace(rows=10), SimpleNamespace(rows=rows)])
+
+    assert packs(catalog(1 << 58), 4) and not packs(catalog((1 << 58) + 1), 4)
+    assert not packs(catalog(10), 1) and packs(catalog(10), 2) and not packs(catalog(10), 62)

@@ -23,8 +23,8 @@ AllToAlls' outputs and its fused update (inside backward) are uncounted: the fus
 gradients that go first (update), and in the rounds it runs, selecting gradients, looking rows up
 and placing them (rounds; before 2026-11-26 this was counted as exposed, a stricter ruler for ours
 than TorchRec's, which at 512 samples per rank read 2-4x its figure). ids_sent: embedding rows a
-rank asks for per step (ours only): every id of the batch, or with micro-batches each one's
-distinct ids; rows_moved: the rows that come to it (with micro-batches a row several of them read
+rank asks for per step (ours only): every id of the batch, or with micro-batches each distinct
+row of the batch once (packed with the micro-batches reading it); rows_moved: the rows that come to it (with micro-batches a row several of them read
 moves once, and its gradient goes back once).
 bubble_ms = step_ms
 minus the mean rank's time not blocked on embedding communication (idle ranks and exposed comm).
@@ -523,9 +523,8 @@ def summary(rows: list[dict[str, Any]]) -> str:
 
 def nestpipe_summary(rows: list[dict[str, Any]]) -> list[str]:
     """NestPipe's goals on these rows: 4 frozen-window micro-batches expose at most 40 % of the
-    whole batch's embedding communication (fwp4 vs fwp1) and move at most 1.2x its distinct rows
-    (the embedding rows, and so their gradients; the ids, one per micro-batch and row, are printed
-    beside);
+    whole batch's embedding communication (fwp4 vs fwp1) and send at most 1.2x its distinct ids
+    and move at most 1.2x its distinct rows (the embedding rows, and so their gradients);
     at collision 0.5 the full mix (nestpipe) has the lowest step of every mode run."""
     by = {(r["pipeline"], r["collision_rate"]): r for r in rows if "note" not in r}
     lines = []
@@ -548,11 +547,12 @@ def nestpipe_summary(rows: list[dict[str, Any]]) -> list[str]:
                 if moved:
                     goal = ""
                     if by.get((f"fwp{m}", rate)) is not None and m == 4:
-                        ratio = by[("fwp4", rate)]["rows_moved"] / whole["rows_moved"]
-                        goal = f": {'met' if ratio <= 1.2 else 'NOT met'} (clustered <= 1.2x)"
+                        fwp = by[("fwp4", rate)]
+                        ratio = max(fwp["rows_moved"] / whole["rows_moved"], fwp["ids_sent"] / whole["ids_sent"])
+                        goal = f": {'met' if ratio <= 1.2 else 'NOT met'} (clustered <= 1.2x, rows and ids)"
                     lines.append(f"collision {rate:.2f}: {m} micro-batches move {', '.join(moved)} the whole batch's "
-                                 f"distinct rows{goal} (each row and its gradient once); their ids, one per "
-                                 f"micro-batch and row: {', '.join(named)}")
+                                 f"distinct rows (each row and its gradient once) and send {', '.join(named)} "
+                                 f"its ids{goal}")
         mine = [r for (name, r_rate), r in by.items() if r_rate == rate]
         if rate == 0.5 and by.get(("nestpipe", rate)) is not None and len(mine) > 1:
             best = min(mine, key=lambda r: r["step_ms"])

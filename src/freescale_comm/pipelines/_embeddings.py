@@ -13,6 +13,7 @@ from freescale_comm._device_copy import on_device
 from freescale_comm.pipelines._catalog import Catalog, ModuleInfo
 from freescale_comm.pipelines._exchange import Asks, MicroAsk
 from freescale_comm.pipelines._host_counts import distinct, first_uses, positions, stable_order
+from freescale_comm.pipelines._packed_ids import pack, packs
 
 
 def route(catalog: Catalog, features: dict[str, Any], step: int) -> Asks:
@@ -25,15 +26,18 @@ def route(catalog: Catalog, features: dict[str, Any], step: int) -> Asks:
 def route_micro(catalog: Catalog, micro_features: list[dict[str, Any]], step: int) -> Asks:
     """Asks for one batch cut into micro-batches (`micro_features`: per micro-batch, module fqn ->
     its KeyedJaggedTensor): per slot, each micro-batch's distinct rows, micro-batch after
-    micro-batch. A row two micro-batches read is asked by both but moves once, with the first (the
+    micro-batch (Asks.wire: what the ids message carries, each distinct row of the batch once with
+    the micro-batches reading it, _packed_ids). A row two micro-batches read moves once, with the first (the
     values are frozen within the batch, so the later micro-batch copies it from there: Asks.fresh,
     reuse_rows), and its gradient, summed over both, goes once, with the last (Asks.last,
     accumulate_gradients). Two host reads for the batch: the
     ids' ranges and shards of every micro-batch, then the distinct rows of every micro-batch and slot."""
     parts = _routed(catalog, micro_features, step)
     micro = [MicroAsk([], [], [], p.positions) for p in parts]
-    rows = []
-    for unique, counts, inverses in distinct([[part.rows[s] for part in parts] for s in range(len(catalog.slots))]):
+    packed = packs(catalog, len(parts))
+    rows, wire = [], []
+    for unique, counts, inverses, *union in distinct([[part.rows[s] for part in parts]
+                                                      for s in range(len(catalog.slots))], union=packed):
         start = 0
         for m, count, inverse in zip(micro, counts, inverses):
             m.start.append(start)
@@ -41,7 +45,10 @@ def route_micro(catalog: Catalog, micro_features: list[dict[str, Any]], step: in
             m.inverse.append(inverse)
             start += count
         rows.append(unique)
-    asks = Asks(rows=rows, positions=[None] * len(catalog.slots), step=step, micro=micro)
+        if packed:
+            wire.append(pack(*union, len(parts)))
+    asks = Asks(rows=rows, positions=[None] * len(catalog.slots), step=step, micro=micro,
+                wire=wire if packed else None)
     if len(micro) > 1:
         uses = [first_uses(r) for r in rows]
         asks.fresh, asks.source, asks.last = ([u[i] for u in uses] for i in range(3))

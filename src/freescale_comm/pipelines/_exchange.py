@@ -28,11 +28,14 @@ Program order, identical on every rank (so the Communicator's sequence numbers m
     NOL grads f32   the rest, applied by the owner before it next looks a row up     (deferred)
 
 With micro-batches, each slot's rows are its micro-batches' distinct rows one after another, and
-the ids message carries how many each micro-batch has, so both sides cut every round the same way.
-A row that several micro-batches of a requester read is asked by each, but moves once, in the
-round of the first, and its gradient goes once, in the round of the last: both sides mark each
-requester's first and last entry of every row (Asks.fresh / last, Served.fresh / last: the same
-computation on the same ids); the rounds that move rows move first entries only, the requester
+the ids message carries how many each micro-batch has, so both sides cut every round the same way;
+its ids are each distinct row of the batch once, packed with the micro-batches reading it, from
+which the owner rebuilds that layout (_packed_ids; where shard rows are too large to pack, each
+micro-batch's rows go as they are). A row that several micro-batches of a requester read is
+asked once, moves once, in the round of the first, and its gradient goes once, in the round of
+the last: both sides mark each requester's first and last entry of every row (Asks.fresh / last,
+Served.fresh / last: the requester from its layout, the owner from each row's lowest and highest
+micro-batch bit); the rounds that move rows move first entries only, the requester
 copying the rest from there (reuse_rows: values are frozen within a batch, and the first entry's
 round comes no later than the micro-batch's own), and the gradient rounds carry last entries only,
 each the row's gradient summed over the micro-batches in order (accumulate_gradients).
@@ -70,6 +73,7 @@ from freescale_comm._device_copy import on_device
 from freescale_comm.pipelines._catalog import Catalog, LocalShard, Slot
 from freescale_comm.pipelines._host_counts import (CountBatch, first_uses, positions, select, select_into,
                                                    stable_order)
+from freescale_comm.pipelines._packed_ids import packs, unpack
 
 
 @dataclass
@@ -97,6 +101,13 @@ class Asks:
     # summed over the micro-batches that read it (accumulate_gradients); None: all last
     last: Optional[list[torch.Tensor]] = None
     last_counts: list[list[int]] = field(default_factory=list)  # per slot [M]: last entries (host)
+    # micro-batches: per slot, what the ids message carries, each distinct row of the batch once,
+    # packed with the micro-batches reading it (int64 [D], _packed_ids); None: `rows` as they are
+    wire: Optional[list[torch.Tensor]] = None
+
+    def sent(self, slot: int) -> torch.Tensor:
+        """The ids this batch's message carries for `slot`."""
+        return self.rows[slot] if self.wire is None else self.wire[slot]
 
     def bounds(self, slot: int) -> list[int]:
         """[M + 1] boundaries of each micro-batch's rows in rows[slot] (M = 1: [0, n])."""
@@ -248,6 +259,8 @@ class PecExchange:
         # the rest of a split update: (per TBE: feature -> (rows, undivided gradients, early mask,
         # rows not early)), batch step, learning rates, gradient divisor
         self.later: Optional[tuple[dict[int, dict[int, tuple]], int, dict[int, float], int]] = None
+        # micro-batches: the ids message carries each distinct row once, packed (_packed_ids)
+        self.packed = micro_batches is not None and packs(catalog, micro_batches)
         self.owned = [s.index for s in catalog.owned_by(self.rank)]  # slots I serve, in order
         self.owned_by = [[s.index for s in catalog.owned_by(r)] for r in range(self.world)]
         self.cols = [s.cols for s in catalog.slots]
@@ -284,7 +297,7 @@ class PecExchange:
         """Per owner: my ids per slot it owns, then 1 if I have that batch (0: out of data; 2: this
         rank could not read or route it, so every rank fails together instead of waiting)."""
         flag = 2 if failed else int(asks is not None)
-        return [[asks.rows[s].numel() if asks is not None else 0 for s in self.owned_by[o]] + [flag]
+        return [[asks.sent(s).numel() if asks is not None else 0 for s in self.owned_by[o]] + [flag]
                 for o in range(self.world)]
 
     def _take_counts(self, tails: list[list[int]]) -> bool:
@@ -324,7 +337,7 @@ class PecExchange:
         per_micro = self.micro_batches or 0  # FWP: each owned slot's rows per micro-batch follow the ids
         send, send_splits = [], []
         for o in range(self.world):
-            ids = [asks.rows[s] for s in self.owned_by[o]]
+            ids = [asks.sent(s) for s in self.owned_by[o]]
             sizes = [c for s in self.owned_by[o] for c in asks.micro_counts(s)] if per_micro else []
             send += ids + [on_device(sizes + tail[o], self.device)]
             send_splits.append(sum(i.numel() for i in ids) + len(sizes) + len(tail[o]))
@@ -340,32 +353,45 @@ class PecExchange:
                 asked[s].append(rows)
             sizes.append(block[ids_from[r]:ids_from[r] + extra])
             tails.append(block[ids_from[r] + extra:])
-        rows_of = {s: torch.cat(asked[s]) for s in self.owned}
-        touched: dict[tuple, list[torch.Tensor]] = {}
-        for s in self.owned:
-            touched.setdefault(self._slot(s).key, []).append(rows_of[s])
-        served = Served(rows_of, {s: [counts[r][i] for r in range(self.world)] for i, s in enumerate(self.owned)},
-                        {k: torch.cat(v) if len(v) > 1 else v[0] for k, v in touched.items()})
         # the next batch's counts and (FWP) these rows per micro-batch: one host read
         host = torch.cat(tails + sizes).tolist()
         tails_of = [host[r * (len(self.owned) + 1):(r + 1) * (len(self.owned) + 1)] for r in range(self.world)]
+        at = self.world * (len(self.owned) + 1)
+        per = {s: [host[at + r * extra + i * per_micro:at + r * extra + (i + 1) * per_micro] for r in range(self.world)]
+               for i, s in enumerate(self.owned)} if per_micro else {}  # slot -> [requester][M] rows per micro-batch
+        touched: dict[tuple, list[torch.Tensor]] = {}
+        fresh: dict[int, torch.Tensor] = {}
+        last: dict[int, torch.Tensor] = {}
+        if self.packed:  # each requester's distinct rows once: its micro-batch-major rows rebuilt
+            rows_of = {}
+            for s in self.owned:
+                unpacked = [unpack(wire, per_micro, sizes_r) for wire, sizes_r in zip(asked[s], per[s])]
+                rows_of[s] = torch.cat([u[0] for u in unpacked])
+                fresh[s], last[s] = torch.cat([u[2] for u in unpacked]), torch.cat([u[3] for u in unpacked])
+                touched.setdefault(self._slot(s).key, []).extend(wire >> per_micro for wire in asked[s])
+            entries = {s: [sum(p) for p in per[s]] for s in self.owned}
+        else:
+            rows_of = {s: torch.cat(asked[s]) for s in self.owned}
+            for s in self.owned:
+                touched.setdefault(self._slot(s).key, []).append(rows_of[s])
+            entries = {s: [counts[r][i] for r in range(self.world)] for i, s in enumerate(self.owned)}
+        served = Served(rows_of, entries, {k: torch.cat(v) if len(v) > 1 else v[0] for k, v in touched.items()})
         if per_micro:  # per requester: [owned slots * M], slot-major
-            at = self.world * (len(self.owned) + 1)
             served.micro, served.micro_bounds = {}, {}
-            for i, s in enumerate(self.owned):
-                per = [host[at + r * extra + i * per_micro:at + r * extra + (i + 1) * per_micro] for r in range(self.world)]
-                flat = [c for p in per for c in p]
+            for s in self.owned:
+                flat = [c for p in per[s] for c in p]
                 served.micro[s] = torch.repeat_interleave(torch.arange(per_micro).repeat(self.world),
                                                           torch.tensor(flat, dtype=torch.int64),
                                                           output_size=sum(flat)).to(self.device, non_blocking=True)
-                served.micro_bounds[s] = [[0] + list(itertools.accumulate(p)) for p in per]
+                served.micro_bounds[s] = [[0] + list(itertools.accumulate(p)) for p in per[s]]
             if per_micro > 1:  # each requester's first entry of a row moves it, its last sends its gradient
-                served.fresh, served.last = {}, {}
-                for s in self.owned:
-                    requester = torch.repeat_interleave(torch.arange(self.world, device=self.device),
-                                                        on_device(served.counts[s], self.device),
-                                                        output_size=served.rows[s].numel())
-                    served.fresh[s], _, served.last[s] = first_uses(served.rows[s], requester)
+                if not self.packed:
+                    for s in self.owned:
+                        requester = torch.repeat_interleave(torch.arange(self.world, device=self.device),
+                                                            on_device(served.counts[s], self.device),
+                                                            output_size=served.rows[s].numel())
+                        fresh[s], _, last[s] = first_uses(served.rows[s], requester)
+                served.fresh, served.last = fresh, last
         self.asked.append((asks, served))
         return self._take_counts(tails_of)
 

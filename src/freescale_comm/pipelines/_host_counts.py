@@ -9,7 +9,7 @@ torch.nonzero_static with the count known, which needs no sync either."""
 from __future__ import annotations
 
 import itertools
-from typing import Optional
+from typing import Iterator, Optional
 
 import numpy as np
 import torch
@@ -99,12 +99,14 @@ def stable_order(values: torch.Tensor, groups: Optional[torch.Tensor] = None) ->
     return order.index_select(0, torch.argsort(groups.index_select(0, order), stable=True))
 
 
-def distinct(groups: list[list[torch.Tensor]]) -> list[tuple[torch.Tensor, list[int], list[torch.Tensor]]]:
+def distinct(groups: list[list[torch.Tensor]], union: bool = False) -> list[tuple]:
     """Per group of 1-d int64 tensors (parts): each part's distinct values, sorted, the parts'
     one after another (unique [Σ counts]); each part's count; and per part, each entry's index in
     its part's distinct values (torch.unique(part, return_inverse=True) of every part). One sort
-    per group and one host read for all of them."""
-    batch, staged = CountBatch(), []
+    per group and one host read for all of them. With `union` (at most 62 parts), also the group's
+    distinct values over all its parts, ascending (int64 [D]), and for each a bit mask of the parts
+    holding it (int64 [D], bit p: part p): one more sort per group, the same host read."""
+    batch, staged, unions = CountBatch(), [], []
     device = next((p.device for parts in groups for p in parts), torch.device("cpu"))
     for parts in groups:
         sizes = [p.numel() for p in parts]
@@ -120,6 +122,8 @@ def distinct(groups: list[list[torch.Tensor]]) -> list[tuple[torch.Tensor, list[
         if starts:
             first[on_device(starts, values.device)] = True
         staged.append((ordered, order, first, bounds, batch.add(first, bounds)))
+        if union:
+            unions.append((values, part_of) if values.device.type == "cpu" else _union_staged(values, part_of, batch))
     counts = batch.read()
     out = []
     for ordered, order, first, bounds, i in staged:
@@ -128,7 +132,62 @@ def distinct(groups: list[list[torch.Tensor]]) -> list[tuple[torch.Tensor, list[
         base = [0, *itertools.accumulate(counts[i])]
         inverses = [index[a:b] - base[p] for p, (a, b) in enumerate(zip(bounds, bounds[1:]))]
         out.append((unique, counts[i], inverses))
+    if union:
+        on_host = _unions_on_host([u for u in unions if len(u) == 2])
+        out = [found + (next(on_host) if len(done) == 2 else _union_read(*done, counts))
+               for found, done in zip(out, unions)]
     return out
+
+
+def _unions_on_host(groups: list[tuple[torch.Tensor, torch.Tensor]]) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """distinct(union=True) of CPU groups ((values, part of each), int64 [n_g] each) in NumPy, one
+    sort of (group, value, part) keys for all of them (a few NumPy calls cost less than the torch
+    ops of _union_staged / _union_read per group). Yields each group's (rows, masks)."""
+    arrays = [(v.detach().to(torch.int64).numpy(), p.detach().to(torch.int64).numpy()) for v, p in groups]
+    lows = [int(v.min()) if v.size else 0 for v, _ in arrays]
+    spans = [int(v.max()) - low + 1 if v.size else 0 for (v, _), low in zip(arrays, lows)]
+    parts = max((int(p.max()) + 1 for _, p in arrays if p.size), default=1)
+    if (sum(spans) + 1) * parts * 2 >= 2**62:  # keys would not fit: the torch path, group by group
+        for values, part_of in groups:
+            batch = CountBatch()
+            staged = _union_staged(values, part_of, batch)
+            yield _union_read(*staged, batch.read())
+        return
+    bases = np.cumsum([0] + spans)  # group g's values sit at bases[g] + (value - its lowest)
+    keys = np.concatenate([(base + v - low) * parts + p for (v, p), base, low in zip(arrays, bases, lows)]
+                          + [np.zeros(0, dtype=np.int64)])
+    pairs = np.sort(keys)  # by group, value, then part (np.sort: np.unique is ~20x slower)
+    pairs = pairs[np.concatenate(([True], pairs[1:] != pairs[:-1]))[:pairs.size]]  # each (value, part) once
+    value, part = np.divmod(pairs, parts)
+    start = np.flatnonzero(np.concatenate(([True], value[1:] != value[:-1]))[:value.size])
+    masks = np.add.reduceat(np.left_shift(1, part), start) if start.size else start  # each part once: sum = OR
+    value = value[start]
+    ends = np.searchsorted(value, bases[1:])  # group g's values: [ends[g - 1], ends[g])
+    for g, (low, base) in enumerate(zip(lows, bases)):
+        a, b = (ends[g - 1] if g else 0), ends[g]
+        yield torch.from_numpy(value[a:b] - base + low), torch.from_numpy(masks[a:b].astype(np.int64))
+
+
+def _union_staged(values: torch.Tensor, part_of: torch.Tensor, batch: CountBatch) -> tuple:
+    """distinct(union=True) before the read: the group's entries by (value, part); the first entry
+    of each value and of each (value, part) pair; the count of values, requested from `batch`."""
+    order = stable_order(part_of, values)  # by value, then part
+    v, p = values.index_select(0, order), part_of.index_select(0, order)
+    value_start = torch.ones_like(v, dtype=torch.bool)
+    value_start[1:] = v[1:] != v[:-1]
+    pair_start = value_start.clone()
+    pair_start[1:] |= p[1:] != p[:-1]
+    return v, p, value_start, pair_start, batch.add(value_start, [0, v.numel()])
+
+
+def _union_read(v: torch.Tensor, p: torch.Tensor, value_start: torch.Tensor, pair_start: torch.Tensor, request: int,
+                counts: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """distinct(union=True) after the read: the distinct values ascending and their parts' masks."""
+    count = counts[request][0]
+    rows = v.index_select(0, positions(value_start, count))
+    bits = torch.where(pair_start, torch.ones_like(p) << p, torch.zeros_like(p))  # each (value, part) once
+    masks = torch.zeros(count, dtype=torch.int64, device=v.device).scatter_add_(0, value_start.cumsum(0) - 1, bits)
+    return rows, masks
 
 
 def first_uses(values: torch.Tensor, groups: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

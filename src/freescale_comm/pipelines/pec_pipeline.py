@@ -192,7 +192,9 @@ class TrainPipelinePEC(Generic[In, Out]):
         # runs itself (selecting, looking up, placing rows) is round_ms; its fused update, update_ms
         self.exposed_ms: list[float] = []
         self.round_ms: list[float] = []
-        self.rows_asked: list[int] = []  # per step: embedding rows this rank asked its owners for (ids sent)
+        # per step: the ids this rank sent its owners (every id; with micro-batches each distinct row of
+        # the batch once, with the micro-batches reading it)
+        self.rows_asked: list[int] = []
         # per step: rows that moved to this rank (with micro-batches, a row two of them read moves once;
         # dual_buffer moves the ones that wait for the last update twice: counted once)
         self.rows_fetched: list[int] = []
@@ -336,7 +338,7 @@ class TrainPipelinePEC(Generic[In, Out]):
                 # read now, while no update runs on the worker (those pin an earlier batch's rate)
                 lrs = {id(t): t.get_learning_rate() for t in self._exchange.tbes}
             has_next = self._has_next  # batch N+1 exists (agreed when its counts went out)
-            trained_rows = sum(rows.numel() for rows in self._asks.rows)
+            trained_rows = sum(self._asks.sent(s).numel() for s in range(len(self._asks.rows)))
             fetched_rows = sum(sum(counts) for counts in self._asks.fresh_counts)
             if not has_next and not self._execute_all_batches:  # the data ran out: stop before training
                 self._drain()
