@@ -5,6 +5,8 @@ on whole batches."""
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.distributed as dist
 
@@ -49,10 +51,27 @@ def fwp_rows_moved(info, steps: int, collisions: list[float]) -> dict:
         batches = make_batches(steps, dist.get_world_size(), collision, seed=int(collision * 100) + 7, batch=8)
         for mode in MODES:
             runs = {m: train(pg, "pec", "rowwise_adagrad", batches, prefetch=mode, micro_batches=m) for m in (1, MICRO)}
+            with _unpacked():  # where shard rows are too large to pack: each micro-batch's rows as they are
+                runs["unpacked"] = train(pg, "pec", "rowwise_adagrad", batches, prefetch=mode, micro_batches=MICRO)
             report[f"collision={collision} prefetch={mode}"] = {
-                m: {"fetched": r["fetched"], "gradients": r["gradients"], "asked": r["asked"], "ids": r["ids"]}
-                for m, r in runs.items()}
+                m: {"fetched": r["fetched"], "gradients": r["gradients"], "asked": r["asked"], "ids": r["ids"],
+                    **_diff(runs[MICRO], r)} for m, r in runs.items() if m != 1} | {
+                1: {"fetched": runs[1]["fetched"], "gradients": runs[1]["gradients"], "asked": runs[1]["asked"],
+                    "ids": runs[1]["ids"]}}
     return report
+
+
+@contextlib.contextmanager
+def _unpacked():
+    """Batches of micro-batches send their rows unpacked, as for shard rows of 2^(62 - M) or more."""
+    from freescale_comm.pipelines import _embeddings, _exchange
+
+    saved = _embeddings.packs, _exchange.packs
+    _embeddings.packs = _exchange.packs = lambda catalog, micro_batches: False
+    try:
+        yield
+    finally:
+        _embeddings.packs, _exchange.packs = saved
 
 
 def fwp_near_sparse_dist(info, steps: int, collision: float, optimizer: str, micro: list) -> dict:
