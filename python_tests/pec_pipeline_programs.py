@@ -591,13 +591,19 @@ def exchange_host_reads(info, modes: dict[str, dict], steps: tuple[int, int] = (
     the tables and batches on CUDA) per steady-state step, (reads over steps[1] steps - reads over
     steps[0]) / (steps[1] - steps[0]), collision 0.5, 2 ranks: "exchange" inside the exchange's
     rounds; "pipeline" in the rest of the pipeline's own work: routing (and cutting) each batch on
-    the worker, the sharded modules' outputs; with what they were, over the longer run."""
+    the worker, the sharded modules' outputs; with what they were, over the longer run. Every path
+    with a NumPy fast lane for CPU tensors takes the one a device would (this process only)."""
     from host_reads import counting
+
+    from freescale_comm.pipelines import _host_counts
 
     pg = dist.group.WORLD
     rank = dist.get_rank()
     batches = make_batches(max(steps), dist.get_world_size(), 0.5, seed=5)
     out = {}
+    # the model is of a device: distinct() takes its device path (torch ops, one host read), not the
+    # NumPy one CPU tensors get
+    _host_counts._distinct_on_host = lambda groups, union: None
 
     def fresh(kwargs: dict) -> tuple:  # a pipeline on a new model, and fbgemm's host-resident tensors
         dmp, opt = build(pg, "rowwise_adagrad")

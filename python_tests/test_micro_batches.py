@@ -156,15 +156,19 @@ def test_distinct_gives_each_parts_unique_values_and_inverse(groups):
     parts' values one after another; values shared by adjacent parts still count in each."""
     from freescale_comm.pipelines._host_counts import distinct
 
+    from freescale_comm.pipelines._host_counts import _distinct_on_device
+
     tensors = [[torch.tensor(part, dtype=torch.int64) for part in parts] for parts in groups]
-    for parts, (unique, counts, inverses) in zip(tensors, distinct(tensors)):
-        at = 0
-        for part, count, inverse in zip(parts, counts, inverses):
-            want, want_inverse = torch.unique(part, return_inverse=True)
-            assert unique[at:at + count].tolist() == want.tolist()
-            assert inverse.tolist() == want_inverse.tolist()
-            at += count
-        assert at == unique.numel() and len(counts) == len(inverses) == len(parts)
+    # on CPU NumPy, every group at once; on a device torch ops, a sort per group: both checked here
+    for found in (distinct(tensors), _distinct_on_device(tensors)):
+        for parts, (unique, counts, inverses) in zip(tensors, found):
+            at = 0
+            for part, count, inverse in zip(parts, counts, inverses):
+                want, want_inverse = torch.unique(part, return_inverse=True)
+                assert unique[at:at + count].tolist() == want.tolist()
+                assert inverse.tolist() == want_inverse.tolist()
+                at += count
+            assert at == unique.numel() and len(counts) == len(inverses) == len(parts)
 
 
 @settings(max_examples=150, deadline=None)
@@ -183,15 +187,12 @@ def test_distinct_union_gives_every_value_once_with_the_parts_holding_it(groups)
         want = sorted({v for part in parts for v in part})
         want_masks = [sum(1 << p for p, part in enumerate(parts) if v in part) for v in want]
         assert rows.tolist() == want and masks.tolist() == want_masks
-        # the device path (torch ops, the count in the same host read) gives the same
-        from freescale_comm.pipelines._host_counts import CountBatch, _union_read, _union_staged
+    # the device path (torch ops, the unions' counts in the same host read) gives the same
+    from freescale_comm.pipelines._host_counts import _distinct_on_device
 
-        values = torch.tensor([v for part in parts for v in part], dtype=torch.int64)
-        part_of = torch.tensor([p for p, part in enumerate(parts) for _ in part], dtype=torch.int64)
-        batch = CountBatch()
-        staged = _union_staged(values, part_of, batch)
-        rows, masks = _union_read(*staged, batch.read())
-        assert rows.tolist() == want and masks.tolist() == want_masks
+    for found, alone in zip(_distinct_on_device(tensors, union=True), distinct(tensors, union=True)):
+        assert all(torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b
+                   for a, b in zip(found[:2] + found[3:], alone[:2] + alone[3:]))
 
 
 @settings(max_examples=150, deadline=None)
@@ -226,3 +227,16 @@ def test_packing_is_refused_where_rows_or_micro_batches_would_not_fit():
 
     assert packs(catalog(1 << 58), 4) and not packs(catalog((1 << 58) + 1), 4)
     assert not packs(catalog(10), 1) and packs(catalog(10), 2) and not packs(catalog(10), 62)
+
+
+def test_distinct_of_values_too_far_apart_to_pack_takes_the_device_path():
+    """Values 2^60 apart do not fit NumPy's packed keys: distinct() answers through torch ops, the
+    same as torch.unique."""
+    from freescale_comm.pipelines._host_counts import _distinct_on_host, distinct
+
+    parts = [torch.tensor([2**60, 0, 2**60]), torch.tensor([5, 2**60])]
+    assert _distinct_on_host([parts], union=True) is None
+    unique, counts, inverses, rows, masks = distinct([parts], union=True)[0]
+    assert unique.tolist() == [0, 2**60, 5, 2**60] and counts == [2, 2]
+    assert [i.tolist() for i in inverses] == [[1, 0, 1], [0, 1]]
+    assert rows.tolist() == [0, 5, 2**60] and masks.tolist() == [1, 2, 3]

@@ -102,10 +102,83 @@ def stable_order(values: torch.Tensor, groups: Optional[torch.Tensor] = None) ->
 def distinct(groups: list[list[torch.Tensor]], union: bool = False) -> list[tuple]:
     """Per group of 1-d int64 tensors (parts): each part's distinct values, sorted, the parts'
     one after another (unique [Σ counts]); each part's count; and per part, each entry's index in
-    its part's distinct values (torch.unique(part, return_inverse=True) of every part). One sort
-    per group and one host read for all of them. With `union` (at most 62 parts), also the group's
-    distinct values over all its parts, ascending (int64 [D]), and for each a bit mask of the parts
-    holding it (int64 [D], bit p: part p): one more sort per group, the same host read."""
+    its part's distinct values (torch.unique(part, return_inverse=True) of every part). With
+    `union` (at most 62 parts), also the group's distinct values over all its parts, ascending
+    (int64 [D]), and for each a bit mask of the parts holding it (int64 [D], bit p: part p).
+    On CPU one NumPy sort for every group's parts (and one for the unions); on a device one sort
+    per group (and one per union) and one host read for all of them."""
+    device = next((p.device for parts in groups for p in parts), torch.device("cpu"))
+    if device.type == "cpu":
+        found = _distinct_on_host(groups, union)
+        if found is not None:
+            return found
+    return _distinct_on_device(groups, union)
+
+
+def _distinct_on_host(groups: list[list[torch.Tensor]], union: bool) -> Optional[list[tuple]]:
+    """distinct() of CPU groups in NumPy, every group at once: one sort of packed (part, value,
+    position) keys over all groups' parts (and, with `union`, one of (group, value, part) keys).
+    None where the keys would not fit in int64 (then the device path)."""
+    sizes = [p.numel() for parts in groups for p in parts]  # per part of every group
+    part_base = np.cumsum([0] + [len(parts) for parts in groups])  # first part of each group
+    parts_total, n = len(sizes), sum(sizes)
+    v = np.concatenate([_as_int64(p) for parts in groups for p in parts] + [np.zeros(0, dtype=np.int64)])
+    low = int(v.min()) if n else 0
+    span = int(v.max()) - low + 1 if n else 1
+    if max(parts_total, 1) * span * max(n, 1) >= 2**62 or (union and max(len(groups), 1) * span * 64 >= 2**62):
+        return None
+    part = np.repeat(np.arange(parts_total, dtype=np.int64), sizes)  # of every part of every group
+    keys = part * span + (v - low)
+    order = np.sort(keys * n + np.arange(n, dtype=np.int64)) % n if n else keys  # stable: ties by position
+    ordered = keys[order]
+    first = np.ones(n, dtype=bool)  # the first entry of each (part, value)
+    first[1:] = ordered[1:] != ordered[:-1]
+    runs = ordered[first]
+    counts = np.bincount(runs // span, minlength=parts_total)  # distinct values per part
+    run_base = np.concatenate(([0], np.cumsum(counts)))  # first run of each part
+    index = np.empty(n, dtype=np.int64)
+    index[order] = np.cumsum(first) - 1  # each entry's run among all parts' runs
+    index -= np.repeat(run_base[:-1], sizes)  # ... among its own part's
+    # one tensor each for every group's unique values and every part's inverse, then views
+    group_runs = np.diff(run_base[part_base]).tolist()
+    unique = torch.from_numpy(runs % span + low).split(group_runs)
+    inverses = torch.from_numpy(index).split(sizes)
+    unions = _unions_on_host(runs, part_base, low, span) if union else None
+    counts = counts.tolist()
+    out = []
+    for g in range(len(groups)):
+        a, b = part_base[g], part_base[g + 1]
+        found = (unique[g], counts[a:b], list(inverses[a:b]))
+        out.append(found + next(unions) if union else found)
+    return out
+
+
+def _unions_on_host(runs: np.ndarray, part_base: np.ndarray, low: int,
+                    span: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """The unions of _distinct_on_host's groups from its runs (each distinct (global part, value -
+    low) once, as part * span + value - low), each group's first part: one sort of (group, value,
+    part) keys for all; yields each group's (rows, masks)."""
+    groups = len(part_base) - 1
+    part = runs // span
+    group = np.searchsorted(part_base, part, side="right") - 1
+    pairs = np.sort((group * span + runs % span) * 64 + (part - part_base[group]))  # by group, value, part
+    value, local = np.divmod(pairs, 64)
+    start = np.flatnonzero(np.concatenate(([True], value[1:] != value[:-1]))[:value.size])
+    masks = np.add.reduceat(np.left_shift(1, local), start) if start.size else start  # each part once: sum = OR
+    value = value[start]
+    per_group = np.diff(np.searchsorted(value, np.arange(1, groups + 1) * span), prepend=0).tolist()
+    rows = torch.from_numpy(value % span + low).split(per_group)
+    masks = torch.from_numpy(masks.astype(np.int64)).split(per_group)
+    yield from zip(rows, masks)
+
+
+def _as_int64(t: torch.Tensor) -> np.ndarray:
+    """A CPU integer tensor as an int64 NumPy array (no copy when it is one already)."""
+    return t.numpy() if t.dtype == torch.int64 and not t.requires_grad else t.detach().to(torch.int64).numpy()
+
+
+def _distinct_on_device(groups: list[list[torch.Tensor]], union: bool = False) -> list[tuple]:
+    """distinct() in torch ops: one sort per group (and per union), one host read for all."""
     batch, staged, unions = CountBatch(), [], []
     device = next((p.device for parts in groups for p in parts), torch.device("cpu"))
     for parts in groups:
@@ -123,7 +196,7 @@ def distinct(groups: list[list[torch.Tensor]], union: bool = False) -> list[tupl
             first[on_device(starts, values.device)] = True
         staged.append((ordered, order, first, bounds, batch.add(first, bounds)))
         if union:
-            unions.append((values, part_of) if values.device.type == "cpu" else _union_staged(values, part_of, batch))
+            unions.append(_union_staged(values, part_of, batch))
     counts = batch.read()
     out = []
     for ordered, order, first, bounds, i in staged:
@@ -133,39 +206,8 @@ def distinct(groups: list[list[torch.Tensor]], union: bool = False) -> list[tupl
         inverses = [index[a:b] - base[p] for p, (a, b) in enumerate(zip(bounds, bounds[1:]))]
         out.append((unique, counts[i], inverses))
     if union:
-        on_host = _unions_on_host([u for u in unions if len(u) == 2])
-        out = [found + (next(on_host) if len(done) == 2 else _union_read(*done, counts))
-               for found, done in zip(out, unions)]
+        out = [found + _union_read(*staged_union, counts) for found, staged_union in zip(out, unions)]
     return out
-
-
-def _unions_on_host(groups: list[tuple[torch.Tensor, torch.Tensor]]) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-    """distinct(union=True) of CPU groups ((values, part of each), int64 [n_g] each) in NumPy, one
-    sort of (group, value, part) keys for all of them (a few NumPy calls cost less than the torch
-    ops of _union_staged / _union_read per group). Yields each group's (rows, masks)."""
-    arrays = [(v.detach().to(torch.int64).numpy(), p.detach().to(torch.int64).numpy()) for v, p in groups]
-    lows = [int(v.min()) if v.size else 0 for v, _ in arrays]
-    spans = [int(v.max()) - low + 1 if v.size else 0 for (v, _), low in zip(arrays, lows)]
-    parts = max((int(p.max()) + 1 for _, p in arrays if p.size), default=1)
-    if (sum(spans) + 1) * parts * 2 >= 2**62:  # keys would not fit: the torch path, group by group
-        for values, part_of in groups:
-            batch = CountBatch()
-            staged = _union_staged(values, part_of, batch)
-            yield _union_read(*staged, batch.read())
-        return
-    bases = np.cumsum([0] + spans)  # group g's values sit at bases[g] + (value - its lowest)
-    keys = np.concatenate([(base + v - low) * parts + p for (v, p), base, low in zip(arrays, bases, lows)]
-                          + [np.zeros(0, dtype=np.int64)])
-    pairs = np.sort(keys)  # by group, value, then part (np.sort: np.unique is ~20x slower)
-    pairs = pairs[np.concatenate(([True], pairs[1:] != pairs[:-1]))[:pairs.size]]  # each (value, part) once
-    value, part = np.divmod(pairs, parts)
-    start = np.flatnonzero(np.concatenate(([True], value[1:] != value[:-1]))[:value.size])
-    masks = np.add.reduceat(np.left_shift(1, part), start) if start.size else start  # each part once: sum = OR
-    value = value[start]
-    ends = np.searchsorted(value, bases[1:])  # group g's values: [ends[g - 1], ends[g])
-    for g, (low, base) in enumerate(zip(lows, bases)):
-        a, b = (ends[g - 1] if g else 0), ends[g]
-        yield torch.from_numpy(value[a:b] - base + low), torch.from_numpy(masks[a:b].astype(np.int64))
 
 
 def _union_staged(values: torch.Tensor, part_of: torch.Tensor, batch: CountBatch) -> tuple:
