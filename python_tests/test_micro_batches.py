@@ -240,3 +240,23 @@ def test_distinct_of_values_too_far_apart_to_pack_takes_the_device_path():
     assert unique.tolist() == [0, 2**60, 5, 2**60] and counts == [2, 2]
     assert [i.tolist() for i in inverses] == [[1, 0, 1], [0, 1]]
     assert rows.tolist() == [0, 5, 2**60] and masks.tolist() == [1, 2, 3]
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.integers(2, 61).flatmap(lambda m: st.tuples(
+    st.just(m), st.lists(st.lists(st.integers(0, 2**(62 - m) - 1), max_size=6), min_size=m, max_size=m))))
+def test_packed_ids_hold_the_largest_rows_that_fit(case):
+    """At the packing limit (shard rows up to 2^(62 - M) - 1, M up to 61 micro-batches) the packed
+    ids stay non-negative and unpack to the same rows, micro-batches and first / last entries."""
+    from freescale_comm.pipelines._host_counts import distinct, first_uses
+    from freescale_comm.pipelines._packed_ids import pack, unpack
+
+    micro, parts = case
+    unique, counts, _, rows, masks = distinct([[torch.tensor(p, dtype=torch.int64) for p in parts]], union=True)[0]
+    wire = pack(rows, masks, micro)
+    assert bool((wire >= 0).all())
+    got_rows, got_micro, fresh, last = unpack(wire, micro, counts)
+    assert got_rows.tolist() == unique.tolist()
+    assert got_micro.tolist() == [m for m, c in enumerate(counts) for _ in range(c)]
+    want_fresh, _, want_last = first_uses(unique)
+    assert fresh.tolist() == want_fresh.tolist() and last.tolist() == want_last.tolist()
