@@ -81,12 +81,12 @@ def stable_order(values: torch.Tensor, groups: Optional[torch.Tensor] = None) ->
     n = values.numel()
     integers = not values.is_floating_point() and (groups is None or not groups.is_floating_point())
     if values.device.type == "cpu" and n > 1 and integers:
-        v = values.detach().to(torch.int64).contiguous().numpy()
+        v = _as_int64(values)
         low = int(v.min())
         span = int(v.max()) - low + 1  # keys: (group - lowest group) x span + value - lowest value
         keys = span
         if groups is not None:
-            g = groups.detach().to(torch.int64).contiguous().numpy()
+            g = _as_int64(groups)
             low_group = int(g.min())
             keys *= int(g.max()) - low_group + 1
         if keys * n < 2**62:
