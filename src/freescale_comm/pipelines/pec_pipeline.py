@@ -32,6 +32,7 @@ import torch.distributed as dist
 from torch import nn
 
 from freescale_comm.balancer import PlannedSequences, balance as fc_balance
+from freescale_comm.pipelines import _streams
 from freescale_comm.communicator import Communicator, check_priority
 from freescale_comm.pipelines._catalog import build_catalog, sharded_modules
 from freescale_comm.pipelines._embeddings import accumulate_gradients, micro_leaves, module_output, route, route_micro
@@ -171,6 +172,8 @@ class TrainPipelinePEC(Generic[In, Out]):
         self._worker = concurrent.futures.ThreadPoolExecutor(  # the CUDA device is per thread
             1, thread_name_prefix="freescale-pec",
             initializer=(lambda: torch.cuda.set_device(data_device)) if data_device.type == "cuda" else None)
+        # on CUDA the worker runs on its own stream; each post and join is also a stream edge (_streams)
+        self._streams = _streams.for_device(data_device)
         self._batch: Optional[Any] = None  # batch N (MicroBatches with micro_batches), its rows fetched
         self._inputs: dict[str, Any] = {}  # the sharded-module inputs of what forward runs on now
         self._reads: tuple[list, list] = ([], [])  # per slot: rows each id reads, positions (module_output)
@@ -252,11 +255,21 @@ class TrainPipelinePEC(Generic[In, Out]):
         return split, {}, route_micro(self._catalog, split.inputs, step)
 
     def _post(self, fn: Callable[..., Any], *args: Any) -> concurrent.futures.Future:
-        """Runs fn on the worker (FIFO: program order); the reference mode waits for it here."""
-        future = self._worker.submit(fn, *args)
+        """Runs fn on the worker (FIFO: program order) after everything this thread issued so far,
+        on the device too; join the future with _wait / _join. The reference mode waits for it here."""
+        mark = self._streams.posted()
+        self._streams.cross(True, args, self._exchange, self._routed)
+        future = self._worker.submit(self._streams.run, mark, fn, args)
         if self._blocking:
             concurrent.futures.wait([future])
         return future
+
+    def _join(self, future: concurrent.futures.Future) -> Any:
+        """A worker task's result; what this thread issues next runs after the task, on the device too."""
+        result, done = future.result()
+        self._streams.joined(done)
+        self._streams.cross(False, result, self._exchange, self._routed)
+        return result
 
     def _announce(self, batch: Optional[In]) -> bool:
         """Worker: the first batch's counts. Whether it exists on every rank."""
@@ -292,7 +305,7 @@ class TrainPipelinePEC(Generic[In, Out]):
     def _wait(self, future: concurrent.futures.Future, phase: str) -> Any:
         start = time.perf_counter()
         try:
-            return future.result()
+            return self._join(future)
         finally:
             self._exposed[phase] += (time.perf_counter() - start) * 1e3
 
@@ -363,7 +376,7 @@ class TrainPipelinePEC(Generic[In, Out]):
             if self._asked_next is not None:  # N+1's ids, N+2's counts: sent during the previous step
                 nxt, nxt_inputs, has_after, nxt_plans = self._wait(self._asked_next, "ids")
             if self._deferred_sent is not None:  # ran before it
-                self._deferred_sent.result()
+                self._join(self._deferred_sent)
             if prepared is not None:
                 self._wait(prepared, "embeddings")
             # the worker is idle here (everything submitted was waited for): the gradient round trip
@@ -476,8 +489,8 @@ class TrainPipelinePEC(Generic[In, Out]):
         if self._closed or self._failure is not None:
             return
         if self._deferred_sent is not None:
-            self._deferred_sent.result()
-        self._post(self._exchange.apply_deferred).result()
+            self._join(self._deferred_sent)
+        self._join(self._post(self._exchange.apply_deferred))
 
     def close(self) -> None:
         """Applies deferred gradients (flush), stops the worker and the communicator and gives the

@@ -1,0 +1,49 @@
+"""Rank functions: TrainPipelinePEC's two threads as two CUDA streams (stream_order.StreamChecker),
+for every prefetch mode, whole batches and micro-batches, with balance; and the two mutations
+(no stream edges at the hand-offs; no record_stream) the checker must catch."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+import freescale_comm as fc
+from freescale_comm.pipelines import _streams
+from freescale_comm.planner import CostModel
+from pec_pipeline_programs import BalancedModel, build, long_histories_on_rank0, make_batches
+from stream_order import CheckedStreams, StreamChecker
+
+
+def checked_run(info, steps: int, cases: dict[str, dict]) -> dict:
+    """Per case (name -> {"pipeline": TrainPipelinePEC kwargs, "mirror": bool, "record": bool,
+    "balance": bool}): the checker's violations (kinds and the first few), its op counts per stream
+    and its cross-stream uses, and the outputs' sum (the run trained)."""
+    pg = dist.group.WORLD
+    rank, world = dist.get_rank(), dist.get_world_size()
+    report = {}
+    saved = _streams.for_device
+    try:
+        for name, case in cases.items():
+            balanced = case.get("balance", False)
+            dmp, opt = build(pg, "rowwise_adagrad", BalancedModel) if balanced else build(pg, "rowwise_adagrad")
+            checker = StreamChecker()
+            _streams.for_device = lambda device: CheckedStreams(checker, case.get("mirror", True), case.get("record", True))
+            kwargs = dict(case.get("pipeline", {}))
+            if balanced:
+                kwargs["balance"] = {"tower": CostModel(quadratic=1.0, linear=0.0, constant=1.0)}
+            pipe = fc.TrainPipelinePEC(dmp, opt, torch.device("cpu"), group=pg, **kwargs)
+            total = 0.0
+            with checker.on("main"):  # the batches are made on the main stream, as a dataloader's H2D copies
+                batches = make_batches(steps, world, 0.5, seed=41, batch=8)
+                if balanced:
+                    batches = long_histories_on_rank0(batches)
+                feed = iter([b[rank] for b in batches])
+                for _ in range(steps):
+                    total += float(pipe.progress(feed).sum())
+                pipe.close()
+            kinds = sorted({v.split(":")[0] for v in checker.violations})
+            report[name] = {"violations": len(checker.violations), "kinds": kinds, "first": checker.violations[:3],
+                            "ops": dict(checker.ops), "cross_stream_uses": checker.cross_stream_uses, "total": total}
+    finally:
+        _streams.for_device = saved
+    return report

@@ -1,0 +1,80 @@
+"""TrainPipelinePEC's worker on a CUDA stream of its own, checked without a GPU: the two threads run
+as two virtual streams (stream_order.StreamChecker sees every op, its reads and writes, the events
+and record_stream calls the pipeline's hand-offs make), in every prefetch mode, on whole batches and
+micro-batches, with balance. Each mutation of the hand-offs must be caught, so the clean runs'
+zero is a finding, not a checker that cannot fail."""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+
+import pytest
+import torch
+from torch import nn
+
+from freescale_comm.pipelines._streams import HostStreams, for_device, tensors_in
+from freescale_comm.testing import spawn
+
+CLEAN = {
+    "pec": {},
+    "pec, balance": {"balance": True},
+    "dual_buffer": {"pipeline": {"prefetch": "dual_buffer"}},
+    "ids, 4 micro-batches": {"pipeline": {"prefetch": "ids", "micro_batches": 4}},
+    "pec, 4 micro-batches, balance": {"pipeline": {"micro_batches": 4}, "balance": True},
+    "dual_buffer, 4 micro-batches": {"pipeline": {"prefetch": "dual_buffer", "micro_batches": 4}},
+}
+MUTATED = {
+    "no stream edges": {"pipeline": {"micro_batches": 4}, "mirror": False},
+    "no record_stream": {"pipeline": {"micro_batches": 4}, "record": False},
+}
+
+
+@pytest.mark.usefixtures("torchrec_installed")
+def test_every_cross_stream_use_is_ordered_and_recorded_and_each_mutation_is_caught():
+    from stream_programs import checked_run
+
+    for report in spawn(checked_run, 2, 6, {**CLEAN, **MUTATED}, timeout_s=300):
+        for name in CLEAN:
+            r = report[name]
+            assert r["violations"] == 0, (name, r["first"])
+            # the run had something to check: both streams ran ops, tensors crossed between them
+            assert min(r["ops"].values()) > 100 and r["cross_stream_uses"] > 50, (name, r)
+        assert report["no stream edges"]["kinds"] == ["ordering"], report["no stream edges"]
+        assert report["no record_stream"]["kinds"] == ["memory"], report["no record_stream"]
+        # the mutations change no result on CPU (one host): only the device would go wrong
+        assert report["no stream edges"]["total"] == report["no record_stream"]["total"]
+
+
+@dataclasses.dataclass
+class _Held:
+    a: torch.Tensor
+    rest: list
+
+
+class _Slotted:
+    __slots__ = ("t",)
+
+    def __init__(self, t: torch.Tensor) -> None:
+        self.t = t
+
+
+def test_a_hand_off_reaches_every_tensor_but_modules_and_threads():
+    from torchrec import KeyedJaggedTensor
+
+    kjt = KeyedJaggedTensor(keys=["f"], values=torch.arange(3), lengths=torch.tensor([1, 2]))
+    plain, shared = torch.ones(2), torch.zeros(1)
+    held = _Held(plain, [shared, {"k": (shared, _Slotted(torch.ones(3)))}])
+    queue = collections.deque([kjt, held])
+    found = list(tensors_in(queue, None, 3, "s"))
+    assert sum(t is plain for t in found) == 1 and sum(t is shared for t in found) == 1  # each once
+    assert any(t is kjt.values() for t in found) and any(t.shape == (3,) and t.dtype == torch.float32 for t in found)
+    module = nn.Linear(2, 2)
+    assert list(tensors_in(module, [module], for_device)) == []  # parameters are never freed: not walked
+
+
+def test_cpu_pipelines_hand_off_without_streams():
+    streams = for_device(torch.device("cpu"))
+    assert type(streams) is HostStreams
+    mark = streams.posted()
+    assert streams.run(mark, lambda x: x + 1, (1,)) == (2, None)
