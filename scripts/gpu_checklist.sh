@@ -2,7 +2,7 @@
 # One device-tool call's worth of ../shared/gpu-checklist.md, for a lent GPU machine (never CI):
 # builds against the machine's own torch (CUDA) and NVSHMEM wheel, then runs the list's items
 # FIRST..LAST in order, each step under its own time limit, within one call's budget.
-# Usage (device tool): CHECKLIST_COMMIT=<hash> bash scripts/gpu_checklist.sh [FIRST item, default 1] [LAST item, default 8]
+# Usage (device tool): CHECKLIST_COMMIT=<hash> bash scripts/gpu_checklist.sh [FIRST item, default 1] [LAST item, default 9]
 # What comes back (the tool returns at most 8 files from $OUT): summary.txt (a line per step: rc,
 # seconds, last log line; "not started" when the call's budget ran short: start there next call),
 # machine.txt, and logs.tgz (every step's log and the benchmarks' JSON, re-packed after each step,
@@ -11,7 +11,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:?run through the device tool: it sets OUT}"
 FIRST="${1:-1}"
-LAST="${2:-8}"
+LAST="${2:-9}"
 BUDGET_S="${CHECKLIST_BUDGET_S:-570}"  # the device tool kills a call at 600 s
 LOGS=/tmp/gpu-checklist  # packed into $OUT/logs.tgz
 rm -rf "$LOGS" && mkdir -p "$LOGS"
@@ -70,5 +70,8 @@ names = {98: "CAN_FLUSH_REMOTE_WRITES", 102: "VIRTUAL_MEMORY_MANAGEMENT_SUPPORTE
 for n, name in names.items(): print(n, name, cupy.cuda.runtime.deviceGetAttribute(n, 0))'
 # ... and cuda-python's view of them against Communicator.data_paths (skips without cuda-bindings).
 step 8 driver-probe 120 python3 -m pytest -m gpu -q -p no:cacheprovider python_tests/test_driver_probe.py
+# Item 9 (issue 38): TrainPipelinePEC's worker stream: its host reads do not wait for the main
+# stream's kernels (and did on the legacy default stream); a join orders the main stream after it.
+step 9 pipeline-streams 120 python3 -m pytest -m gpu -q -p no:cacheprovider python_tests/test_pipeline_streams_gpu.py
 tar czf "$OUT/logs.tgz" -C "$LOGS" .
 cat "$summary"
