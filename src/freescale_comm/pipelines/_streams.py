@@ -18,9 +18,11 @@ the other updates others), so the device runs every cross-thread dependency in t
 tests check. Memory: a tensor one stream allocated and the other uses must not return to the
 allocating stream's pool while the other's kernels may still read it (CUDA's caching allocator
 reuses a freed block on its own stream at once). At each hand-off every tensor reachable from what
-crosses (the task's arguments and result, the exchange's state, the routed batches) is recorded on
-the receiving stream (`record_stream`): blunt, complete, one call per tensor and hand-off, and on
-CUDA only. On CPU there are no streams: nothing is recorded, nothing waits.
+crosses (the task's arguments and result, and the exchange's state) is recorded on the receiving
+stream (`record_stream`): blunt, complete, one call per tensor and hand-off, and on CUDA only (the
+walk visits ~360 tensors a step for whole batches, ~2,900 with 4 micro-batches: ~1 and ~5 ms of
+the main thread's CPU, measured on CPU). On CPU there are no streams: nothing is recorded, nothing
+waits.
 """
 
 from __future__ import annotations

@@ -258,7 +258,7 @@ class TrainPipelinePEC(Generic[In, Out]):
         """Runs fn on the worker (FIFO: program order) after everything this thread issued so far,
         on the device too; join the future with _wait / _join. The reference mode waits for it here."""
         mark = self._streams.posted()
-        self._streams.cross(True, args, self._exchange, self._routed)
+        self._streams.cross(True, args, self._exchange)  # (_routed: the worker's alone; its batches came as args)
         future = self._worker.submit(self._streams.run, mark, fn, args)
         if self._blocking:
             concurrent.futures.wait([future])
@@ -268,7 +268,7 @@ class TrainPipelinePEC(Generic[In, Out]):
         """A worker task's result; what this thread issues next runs after the task, on the device too."""
         result, done = future.result()
         self._streams.joined(done)
-        self._streams.cross(False, result, self._exchange, self._routed)
+        self._streams.cross(False, result, self._exchange)
         return result
 
     def _announce(self, batch: Optional[In]) -> bool:
