@@ -32,8 +32,8 @@ import torch.distributed as dist
 from torch import nn
 
 from freescale_comm.balancer import PlannedSequences, balance as fc_balance
-from freescale_comm.pipelines import _streams
 from freescale_comm.communicator import Communicator, check_priority
+from freescale_comm.pipelines import _streams
 from freescale_comm.pipelines._catalog import build_catalog, sharded_modules
 from freescale_comm.pipelines._embeddings import accumulate_gradients, micro_leaves, module_output, route, route_micro
 from freescale_comm.pipelines._exchange import PREFETCH, Asks, PecExchange
@@ -256,7 +256,7 @@ class TrainPipelinePEC(Generic[In, Out]):
 
     def _post(self, fn: Callable[..., Any], *args: Any) -> concurrent.futures.Future:
         """Runs fn on the worker (FIFO: program order) after everything this thread issued so far,
-        on the device too; join the future with _wait / _join. The reference mode waits for it here."""
+        on the device too; take its result with _join. The reference mode waits for it here."""
         mark = self._streams.posted()
         self._streams.cross(True, args, self._exchange)  # (_routed: the worker's alone; its batches came as args)
         future = self._worker.submit(self._streams.run, mark, fn, args)
@@ -264,9 +264,15 @@ class TrainPipelinePEC(Generic[In, Out]):
             concurrent.futures.wait([future])
         return future
 
-    def _join(self, future: concurrent.futures.Future) -> Any:
-        """A worker task's result; what this thread issues next runs after the task, on the device too."""
-        result, done = future.result()
+    def _join(self, future: concurrent.futures.Future, phase: Optional[str] = None) -> Any:
+        """A worker task's result; what this thread issues next runs after the task, on the device
+        too. phase: the time blocked on it is exposed communication of that phase."""
+        start = time.perf_counter()
+        try:
+            result, done = future.result()
+        finally:
+            if phase is not None:
+                self._exposed[phase] += (time.perf_counter() - start) * 1e3
         self._streams.joined(done)
         self._streams.cross(False, result, self._exchange)
         return result
@@ -302,13 +308,6 @@ class TrainPipelinePEC(Generic[In, Out]):
             if self._sequence_modules else []
         return batch, inputs, has_following, plans
 
-    def _wait(self, future: concurrent.futures.Future, phase: str) -> Any:
-        start = time.perf_counter()
-        try:
-            return self._join(future)
-        finally:
-            self._exposed[phase] += (time.perf_counter() - start) * 1e3
-
     def _blocked(self) -> float:
         """ms this thread has been blocked in the exchange's waits so far."""
         return self._exchange.blocked_ms[threading.get_ident()]
@@ -335,11 +334,11 @@ class TrainPipelinePEC(Generic[In, Out]):
         self._exposed = {"ids": 0.0, "embeddings": 0.0, "gradients": 0.0}
         try:
             if self._batch is None:  # fill: batch 0's counts, its ids (with batch 1's counts), its rows
-                if not self._wait(self._post(self._announce, self._next_batch(dataloader_iter)), "ids"):
+                if not self._join(self._post(self._announce, self._next_batch(dataloader_iter)), "ids"):
                     raise StopIteration
-                first, inputs, self._has_next, self._plans = self._wait(
+                first, inputs, self._has_next, self._plans = self._join(
                     self._post(self._ask, self._next_batch(dataloader_iter), self._step + 1), "ids")
-                self._wait(self._post(self._exchange.prepare), "embeddings")
+                self._join(self._post(self._exchange.prepare), "embeddings")
                 self._batch, self._inputs, self._asks = first, inputs, self._exchange.current[0]
                 self._micro_rows = []  # the first batch's rows all came in prepare()
                 self._asked_next = self._post(self._ask, self._next_batch(dataloader_iter), self._step + 2) \
@@ -374,14 +373,14 @@ class TrainPipelinePEC(Generic[In, Out]):
                     grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self._asks.pieces]
             nxt, nxt_inputs, has_after, nxt_plans = None, {}, False, []
             if self._asked_next is not None:  # N+1's ids, N+2's counts: sent during the previous step
-                nxt, nxt_inputs, has_after, nxt_plans = self._wait(self._asked_next, "ids")
+                nxt, nxt_inputs, has_after, nxt_plans = self._join(self._asked_next, "ids")
             if self._deferred_sent is not None:  # ran before it
                 self._join(self._deferred_sent)
             if prepared is not None:
-                self._wait(prepared, "embeddings")
+                self._join(prepared, "embeddings")
             # the worker is idle here (everything submitted was waited for): the gradient round trip
             # runs on this thread, no handoff; program order across ranks is unchanged
-            in_flight = tuple(f for f in (self._wait(future, "gradients") for future in streamed) if f is not None)
+            in_flight = tuple(f for f in (self._join(future, "gradients") for future in streamed) if f is not None)
             start, updated, blocked = time.perf_counter(), self._exchange.update_ms, self._blocked()
             self._exchange.gradients(grads, lrs, has_next, in_flight)
             update = self._exchange.update_ms - updated  # this rank's own fused update: compute, not a wait
@@ -393,7 +392,7 @@ class TrainPipelinePEC(Generic[In, Out]):
                 if not self._exchange.late_split_updates:  # (mutated: fetch_micro(1) applies it, late)
                     self._exchange.apply_later()
                 update += self._exchange.update_ms - updated
-                self._wait(first, "embeddings")
+                self._join(first, "embeddings")
             elif has_next:  # N+1's rows that waited for this update (with micro-batches: its first one's)
                 start, blocked = time.perf_counter(), self._blocked()
                 self._exchange.fetch_micro(0 if self._micro_batches is not None else None)
@@ -443,7 +442,7 @@ class TrainPipelinePEC(Generic[In, Out]):
         for m, batch in enumerate(split.batches):
             rows = self._micro_rows[m] if m < len(self._micro_rows) else None
             if rows is not None:
-                self._wait(rows, "embeddings")
+                self._join(rows, "embeddings")
             mine, reads = micro_leaves(self._asks, m, training)
             self._inputs, self._reads = split.inputs[m], (reads, self._asks.micro[m].positions)
             self._plans_now = self._plans[m] if m < len(self._plans) else {}
@@ -474,7 +473,7 @@ class TrainPipelinePEC(Generic[In, Out]):
     def _drain(self) -> None:
         """The data ran out: every update applied, the exchange forgets the batches; progress()
         raises StopIteration once, then fills again from the iterator it is given (a new epoch)."""
-        self._wait(self._post(self._exchange.reset), "gradients")
+        self._join(self._post(self._exchange.reset), "gradients")
         self._batch, self._asks, self._inputs, self._asked_next = None, None, {}, None
         self._plans, self._plans_now = [], {}
         self._micro_rows = []
