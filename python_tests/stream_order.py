@@ -98,13 +98,15 @@ class StreamChecker(TorchDispatchMode):
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
-        if func.is_view or func.overloadpacket in _NO_DATA:  # no kernel reads or writes memory
+        fresh = func is aten.lift_fresh.default  # torch.tensor / from_numpy: a new tensor (a "view" of itself)
+        if func.is_view and not fresh:  # no kernel: the output aliases the input
             return out
         stream = self.stream()
         written = _written_arguments(func, args, kwargs)
-        inputs = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
+        # *_like and new_* factories read no input's memory; their outputs are new blocks all the same
+        inputs = [] if func.overloadpacket in _NO_DATA else \
+            [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
         outputs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
-        fresh = func is torch.ops.aten.lift_fresh.default  # torch.tensor / from_numpy: a new host tensor
         with self._lock:
             self.ops[stream] += 1
             rows = _indexed_rows(func, args, kwargs)  # index ops touch only the indexed rows of their first tensor

@@ -59,18 +59,58 @@ class _Slotted:
         self.t = t
 
 
+class _MoreSlotted(_Slotted):
+    __slots__ = "u"  # one name as a string; the base's slot is walked too
+
+    def __init__(self, t: torch.Tensor, u: torch.Tensor) -> None:
+        super().__init__(t)
+        self.u = u
+
+
 def test_a_hand_off_reaches_every_tensor_but_modules_and_threads():
     from torchrec import KeyedJaggedTensor
 
     kjt = KeyedJaggedTensor(keys=["f"], values=torch.arange(3), lengths=torch.tensor([1, 2]))
     plain, shared = torch.ones(2), torch.zeros(1)
-    held = _Held(plain, [shared, {"k": (shared, _Slotted(torch.ones(3)))}])
+    base, derived = torch.ones(5), torch.ones(6)
+    held = _Held(plain, [shared, {"k": (shared, _Slotted(torch.ones(3)), _MoreSlotted(base, derived))}])
     queue = collections.deque([kjt, held])
     found = list(tensors_in(queue, None, 3, "s"))
     assert sum(t is plain for t in found) == 1 and sum(t is shared for t in found) == 1  # each once
     assert any(t is kjt.values() for t in found) and any(t.shape == (3,) and t.dtype == torch.float32 for t in found)
+    assert any(t is base for t in found) and any(t is derived for t in found)
     module = nn.Linear(2, 2)
     assert list(tensors_in(module, [module], for_device)) == []  # parameters are never freed: not walked
+
+
+def _one_hand_off(record: bool, write_after_post: bool) -> list[str]:
+    """Main makes two tensors (from host values, and by a factory), posts a task reading them (with
+    their records or not), and maybe writes one after the post: the checker's violations."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from stream_order import CheckedStreams, StreamChecker
+
+    checker = StreamChecker()
+    streams = CheckedStreams(checker, record=record)
+    worker = ThreadPoolExecutor(1)
+    with checker.on("main"):
+        host = torch.tensor([1.0, 2.0])  # aten.lift_fresh
+        made = torch.zeros_like(host)  # a factory: reads nothing, makes a block
+        mark = streams.posted()
+        streams.cross(True, (host, made))
+        if write_after_post:
+            made.add_(1.0)  # not ordered before the task: it was posted first
+        worker.submit(streams.run, mark, lambda: host + made, ()).result()
+    worker.shutdown()
+    return checker.violations
+
+
+def test_the_checker_tracks_tensors_from_host_values_and_factories():
+    assert _one_hand_off(record=True, write_after_post=False) == []
+    unrecorded = _one_hand_off(record=False, write_after_post=False)
+    assert len(unrecorded) == 2 and all(v.startswith("memory") for v in unrecorded), unrecorded
+    late = _one_hand_off(record=True, write_after_post=True)
+    assert len(late) == 1 and late[0].startswith("ordering") and "add_" in late[0], late
 
 
 def test_cpu_pipelines_hand_off_without_streams():

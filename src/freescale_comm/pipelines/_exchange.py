@@ -69,7 +69,7 @@ import torch
 
 from freescale_comm.communicator import Communicator
 from freescale_comm._core import CommError
-from freescale_comm._device_copy import on_device
+from freescale_comm._device_copy import on_device, to_device
 from freescale_comm.pipelines._catalog import Catalog, LocalShard, Slot
 from freescale_comm.pipelines._host_counts import (CountBatch, first_uses, positions, select, select_into,
                                                    stable_order)
@@ -380,9 +380,9 @@ class PecExchange:
             served.micro, served.micro_bounds = {}, {}
             for s in self.owned:
                 flat = [c for p in per[s] for c in p]
-                served.micro[s] = torch.repeat_interleave(torch.arange(per_micro).repeat(self.world),
-                                                          torch.tensor(flat, dtype=torch.int64),
-                                                          output_size=sum(flat)).to(self.device, non_blocking=True)
+                served.micro[s] = to_device(torch.repeat_interleave(torch.arange(per_micro).repeat(self.world),
+                                                                    torch.tensor(flat, dtype=torch.int64),
+                                                                    output_size=sum(flat)), self.device)
                 served.micro_bounds[s] = [[0] + list(itertools.accumulate(p)) for p in per[s]]
             if per_micro > 1:  # each requester's first entry of a row moves it, its last sends its gradient
                 if not self.packed:

@@ -509,6 +509,7 @@ class TrainPipelinePEC(Generic[In, Out]):
         else:
             self._worker.shutdown(wait=True)
             self._comm.close()
+        self._streams.drain()
         for hook in self._hooks:
             hook.remove()
         for info in self._catalog.modules:
