@@ -16,7 +16,7 @@ from stream_order import CheckedStreams, StreamChecker
 
 def checked_run(info, steps: int, cases: dict[str, dict]) -> dict:
     """Per case (name -> {"pipeline": TrainPipelinePEC kwargs, "mirror": bool, "record": bool,
-    "balance": bool}): the checker's violations (kinds and the first few), its op counts per stream
+    "balance": bool, "eval": bool}), a checkpoint read mid-run: the checker's violations (kinds and the first few), its op counts per stream
     and its cross-stream uses, and the outputs' sum (the run trained)."""
     pg = dist.group.WORLD
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -31,6 +31,8 @@ def checked_run(info, steps: int, cases: dict[str, dict]) -> dict:
             kwargs = dict(case.get("pipeline", {}))
             if balanced:
                 kwargs["balance"] = {"tower": CostModel(quadratic=1.0, linear=0.0, constant=1.0)}
+            if case.get("eval", False):
+                dmp.eval()
             pipe = fc.TrainPipelinePEC(dmp, opt, torch.device("cpu"), group=pg, **kwargs)
             total = 0.0
             with checker.on("main"):  # the batches are made on the main stream, as a dataloader's H2D copies
@@ -38,8 +40,10 @@ def checked_run(info, steps: int, cases: dict[str, dict]) -> dict:
                 if balanced:
                     batches = long_histories_on_rank0(batches)
                 feed = iter([b[rank] for b in batches])
-                for _ in range(steps):
+                for step in range(steps):
                     total += float(pipe.progress(feed).sum())
+                    if step == steps // 2:  # a checkpoint mid-run: flush() joins the deferred update
+                        dmp.state_dict()
                 pipe.close()
             kinds = sorted({v.split(":")[0] for v in checker.violations})
             report[name] = {"violations": len(checker.violations), "kinds": kinds, "first": checker.violations[:3],

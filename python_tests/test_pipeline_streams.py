@@ -23,6 +23,7 @@ CLEAN = {
     "ids, 4 micro-batches": {"pipeline": {"prefetch": "ids", "micro_batches": 4}},
     "pec, 4 micro-batches, balance": {"pipeline": {"micro_batches": 4}, "balance": True},
     "dual_buffer, 4 micro-batches": {"pipeline": {"prefetch": "dual_buffer", "micro_batches": 4}},
+    "pec, eval": {"eval": True},
 }
 MUTATED = {
     "no stream edges": {"pipeline": {"micro_batches": 4}, "mirror": False},

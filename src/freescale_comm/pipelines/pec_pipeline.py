@@ -9,7 +9,8 @@ low priority; the rows both read (OL) wait for N's update and go first, at high 
 gradients for rows N+1 does not read are deferred (lowest priority) and applied before any later
 batch reads those rows. Every read equals synchronous training's. All of it runs on the
 pipeline's own fc.Communicator (a worker thread posts every message, in the same order on every
-rank), so the same code runs on CPU (host transport) and CUDA (ce / nvshmem).
+rank), so the same code runs on CPU (host transport) and CUDA (ce / nvshmem). On CUDA the worker
+issues on a stream of its own, ordered with the caller's at every hand-off (see _streams).
 
 Scope: sharded EmbeddingCollection and EmbeddingBagCollection (SUM or MEAN pooling, unweighted),
 table-wise, row-wise and column-wise, fused kernels (the optimizer TorchRec fuses into the TBE:
