@@ -16,7 +16,7 @@ from stream_order import CheckedStreams, StreamChecker
 
 def checked_run(info, steps: int, cases: dict[str, dict]) -> dict:
     """Per case (name -> {"pipeline": TrainPipelinePEC kwargs, "mirror": bool, "record": bool,
-    "balance": bool, "eval": bool}), a checkpoint read mid-run: the checker's violations (kinds and the first few), its op counts per stream
+    "balance": bool, "eval": bool, "collision": float (0.5)}), a checkpoint read mid-run: the checker's violations (kinds and the first few), its op counts per stream
     and its cross-stream uses, and the outputs' sum (the run trained)."""
     pg = dist.group.WORLD
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -36,7 +36,7 @@ def checked_run(info, steps: int, cases: dict[str, dict]) -> dict:
             pipe = fc.TrainPipelinePEC(dmp, opt, torch.device("cpu"), group=pg, **kwargs)
             total = 0.0
             with checker.on("main"):  # the batches are made on the main stream, as a dataloader's H2D copies
-                batches = make_batches(steps, world, 0.5, seed=41, batch=8)
+                batches = make_batches(steps, world, case.get("collision", 0.5), seed=41, batch=8)
                 if balanced:
                     batches = long_histories_on_rank0(batches)
                 feed = iter([b[rank] for b in batches])

@@ -24,6 +24,8 @@ CLEAN = {
     "pec, 4 micro-batches, balance": {"pipeline": {"micro_batches": 4}, "balance": True},
     "dual_buffer, 4 micro-batches": {"pipeline": {"prefetch": "dual_buffer", "micro_batches": 4}},
     "pec, eval": {"eval": True},
+    "pec, collision 0": {"collision": 0.0},  # no OL rows or gradients: those rounds are skipped
+    "pec, 4 micro-batches, collision 1": {"pipeline": {"micro_batches": 4}, "collision": 1.0},
 }
 MUTATED = {
     "no stream edges": {"pipeline": {"micro_batches": 4}, "mirror": False},
