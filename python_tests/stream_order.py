@@ -53,7 +53,7 @@ class _Storage:
 class StreamChecker(TorchDispatchMode):
     def __init__(self) -> None:
         super().__init__()
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()  # a storage freed by a GC pass inside a locked region calls _forget
         self._local = threading.local()
         self.clock = {s: 0 for s in STREAMS}
         self.knows = {s: {t: -1 for t in STREAMS} for s in STREAMS}  # s has waited for t's events up to epoch
