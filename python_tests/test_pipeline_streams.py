@@ -121,3 +121,64 @@ def test_cpu_pipelines_hand_off_without_streams():
     assert type(streams) is HostStreams
     mark = streams.posted()
     assert streams.run(mark, lambda x: x + 1, (1,)) == (2, None)
+
+
+def test_cuda_hand_offs_wait_and_record_in_order(monkeypatch):
+    """CudaStreams' calls, on stand-ins for torch.cuda's streams and events (no GPU here): a task's
+    stream waits for the post's event before the task runs on it, records its end after; a join
+    makes the caller's stream wait for that; the worker's stream is never the caller's own (the
+    pool's first draw here is); close's drain waits for the whole worker stream."""
+    import contextlib
+
+    from freescale_comm.pipelines._streams import CudaStreams
+
+    log: list[tuple[str, ...]] = []
+
+    class Stream:
+        def __init__(self, name: str) -> None:
+            self.name = name
+
+        def wait_event(self, event: "Event") -> None:
+            log.append((self.name, "waits for", event.name))
+
+        def wait_stream(self, other: "Stream") -> None:
+            log.append((self.name, "waits for stream", other.name))
+
+    class Event:
+        made = 0
+
+        def __init__(self) -> None:
+            Event.made += 1
+            self.name = f"event {Event.made}"
+
+        def record(self, stream: Stream) -> None:
+            log.append((stream.name, "records", self.name))
+
+    caller = Stream("main")
+    current = [caller]
+    pool = iter([caller, Stream("side")])
+
+    @contextlib.contextmanager
+    def on(stream: Stream):
+        current.append(stream)
+        try:
+            yield
+        finally:
+            current.pop()
+
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: current[-1])
+    monkeypatch.setattr(torch.cuda, "Stream", lambda device=None: next(pool))
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    monkeypatch.setattr(torch.cuda, "stream", on)
+
+    streams = CudaStreams(torch.device("cuda", 0))
+    assert streams.side.name == "side"
+    mark = streams.posted()
+    result, done = streams.run(mark, lambda: log.append(("task runs on", current[-1].name)) or 7, ())
+    streams.joined(done)
+    streams.cross(True, [torch.ones(2)], {"k": torch.zeros(1)})  # CPU tensors: nothing to record
+    streams.drain()
+    assert result == 7
+    assert log == [("main", "records", "event 1"), ("side", "waits for", "event 1"), ("task runs on", "side"),
+                   ("side", "records", "event 2"), ("main", "waits for", "event 2"),
+                   ("main", "waits for stream", "side")], log
