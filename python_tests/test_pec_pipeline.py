@@ -183,7 +183,8 @@ def test_the_pipelines_copy_host_values_to_the_device_without_a_sync():
     positions, every CountBatch boundary list, the routing's shard starts, the fused update's
     counts, the micro-batch cuts' and the merged outputs' sample indices). The balancer and
     dispatch code the pipelines call are checked too (the plan's destinations were copied
-    blocking, the one copy left once plans are made ahead)."""
+    blocking, the one copy left once plans are made ahead). In the pipelines, a non_blocking copy
+    of a host tensor must come from pinned memory too (the owner's micro-batch index did not)."""
     import ast
     import pathlib
 
@@ -204,4 +205,10 @@ def test_the_pipelines_copy_host_values_to_the_device_without_a_sync():
             elif isinstance(func, ast.Attribute) and func.attr == "to" and "non_blocking" not in kwargs and any(
                     ast.unparse(a).endswith("device") for a in [*node.args, *(k.value for k in node.keywords)]):
                 blocking.append(f"{path.name}:{node.lineno} {ast.unparse(node)}")
+            elif path.parent.name == "pipelines" and isinstance(func, ast.Attribute) and func.attr == "to" \
+                    and "non_blocking" in kwargs and ast.unparse(func.value) != "batch" \
+                    and not ast.unparse(func.value).endswith(".pin_memory()"):
+                # non_blocking from pageable memory is staged by the driver, not asynchronous: through
+                # to_device (pinned). The user's batch is theirs to pin (TorchRec's dataloaders do)
+                blocking.append(f"{path.name}:{node.lineno} pageable {ast.unparse(node)}")
     assert not blocking, blocking
