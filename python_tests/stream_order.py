@@ -163,6 +163,11 @@ class CheckedStreams(HostStreams):
 
     def __init__(self, checker: StreamChecker, mirror: bool = True, record: bool = True) -> None:
         self.checker, self.mirror, self.record = checker, mirror, record
+        self.drains = 0  # close() must order the main stream after the worker's, after a failure too
+
+    def drain(self) -> None:
+        self.drains += 1
+        self.checker.wait_event("main", self.checker.record_event("side"))
 
     def posted(self) -> Any:
         return self.checker.record_event("main")

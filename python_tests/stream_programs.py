@@ -16,8 +16,10 @@ from stream_order import CheckedStreams, StreamChecker
 
 def checked_run(info, steps: int, cases: dict[str, dict]) -> dict:
     """Per case (name -> {"pipeline": TrainPipelinePEC kwargs, "mirror": bool, "record": bool,
-    "balance": bool, "eval": bool, "collision": float (0.5)}), a checkpoint read mid-run: the checker's violations (kinds and the first few), its op counts per stream
-    and its cross-stream uses, and the outputs' sum (the run trained)."""
+    "balance": bool, "eval": bool, "collision": float (0.5), "fail": bool (rank 0's data ends two
+    batches early: CommError on every rank)}), a checkpoint read mid-run: the checker's violations (kinds and the first few), its op counts per stream
+    and its cross-stream uses, the outputs' sum (the run trained), and how often close() drained the
+    worker's stream."""
     pg = dist.group.WORLD
     rank, world = dist.get_rank(), dist.get_world_size()
     report = {}
@@ -27,7 +29,8 @@ def checked_run(info, steps: int, cases: dict[str, dict]) -> dict:
             balanced = case.get("balance", False)
             dmp, opt = build(pg, "rowwise_adagrad", BalancedModel) if balanced else build(pg, "rowwise_adagrad")
             checker = StreamChecker()
-            _streams.for_device = lambda device: CheckedStreams(checker, case.get("mirror", True), case.get("record", True))
+            streams = CheckedStreams(checker, case.get("mirror", True), case.get("record", True))
+            _streams.for_device = lambda device: streams
             kwargs = dict(case.get("pipeline", {}))
             if balanced:
                 kwargs["balance"] = {"tower": CostModel(quadratic=1.0, linear=0.0, constant=1.0)}
@@ -39,15 +42,21 @@ def checked_run(info, steps: int, cases: dict[str, dict]) -> dict:
                 batches = make_batches(steps, world, case.get("collision", 0.5), seed=41, batch=8)
                 if balanced:
                     batches = long_histories_on_rank0(batches)
-                feed = iter([b[rank] for b in batches])
-                for step in range(steps):
-                    total += float(pipe.progress(feed).sum())
-                    if step == steps // 2:  # a checkpoint mid-run: flush() joins the deferred update
-                        dmp.state_dict()
+                mine = [b[rank] for b in batches]
+                feed = iter(mine[:-2] if case.get("fail") and rank == 0 else mine)  # fail: dataloaders disagree
+                failed = None
+                try:
+                    for step in range(steps):
+                        total += float(pipe.progress(feed).sum())
+                        if step == steps // 2:  # a checkpoint mid-run: flush() joins the deferred update
+                            dmp.state_dict()
+                except fc.CommError as e:
+                    failed = type(e).__name__
                 pipe.close()
             kinds = sorted({v.split(":")[0] for v in checker.violations})
             report[name] = {"violations": len(checker.violations), "kinds": kinds, "first": checker.violations[:3],
-                            "ops": dict(checker.ops), "cross_stream_uses": checker.cross_stream_uses, "total": total}
+                            "ops": dict(checker.ops), "cross_stream_uses": checker.cross_stream_uses, "total": total,
+                            "drains": streams.drains, "failed": failed}
     finally:
         _streams.for_device = saved
     return report

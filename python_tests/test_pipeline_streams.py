@@ -27,6 +27,7 @@ CLEAN = {
     "pec, collision 0": {"collision": 0.0},  # no OL rows or gradients: those rounds are skipped
     "pec, 4 micro-batches, collision 1": {"pipeline": {"micro_batches": 4}, "collision": 1.0},
 }
+FAILED = {"a peer's data ends early": {"fail": True}}  # close() after the failure drains all the same
 MUTATED = {
     "no stream edges": {"pipeline": {"micro_batches": 4}, "mirror": False},
     "no record_stream": {"pipeline": {"micro_batches": 4}, "record": False},
@@ -37,12 +38,15 @@ MUTATED = {
 def test_every_cross_stream_use_is_ordered_and_recorded_and_each_mutation_is_caught():
     from stream_programs import checked_run
 
-    for report in spawn(checked_run, 2, 6, {**CLEAN, **MUTATED}, timeout_s=300):
+    for report in spawn(checked_run, 2, 6, {**CLEAN, **FAILED, **MUTATED}, timeout_s=300):
+        failed = report["a peer's data ends early"]
+        assert failed["failed"] == "CommError" and failed["drains"] == 1, failed
         for name in CLEAN:
             r = report[name]
-            assert r["violations"] == 0, (name, r["first"])
+            assert r["violations"] == 0 and r["failed"] is None, (name, r["first"], r["failed"])
             # the run had something to check: both streams ran ops, tensors crossed between them
             assert min(r["ops"].values()) > 100 and r["cross_stream_uses"] > 50, (name, r)
+            assert r["drains"] == 1, (name, r["drains"])  # close(): the main stream after the worker's
         assert report["no stream edges"]["kinds"] == ["ordering"], report["no stream edges"]
         assert report["no record_stream"]["kinds"] == ["memory"], report["no record_stream"]
         # the mutations change no result on CPU (one host): only the device would go wrong
