@@ -1,6 +1,7 @@
 """Rank functions: TrainPipelinePEC's two threads as two CUDA streams (stream_order.StreamChecker),
-for every prefetch mode, whole batches and micro-batches, with balance; and the two mutations
-(no stream edges at the hand-offs; no record_stream) the checker must catch."""
+for every prefetch mode, whole batches and micro-batches, with balance, in eval mode and after a
+failure; and the two mutations (no stream edges at the hand-offs; no record_stream) the checker
+must catch."""
 
 from __future__ import annotations
 
@@ -17,9 +18,10 @@ from stream_order import CheckedStreams, StreamChecker
 def checked_run(info, steps: int, cases: dict[str, dict]) -> dict:
     """Per case (name -> {"pipeline": TrainPipelinePEC kwargs, "mirror": bool, "record": bool,
     "balance": bool, "eval": bool, "collision": float (0.5), "fail": bool (rank 0's data ends two
-    batches early: CommError on every rank)}), a checkpoint read mid-run: the checker's violations (kinds and the first few), its op counts per stream
-    and its cross-stream uses, the outputs' sum (the run trained), and how often close() drained the
-    worker's stream."""
+    batches early: CommError on every rank)}), each reading a checkpoint mid-run: the checker's
+    violations (kinds and the first few), its op counts per stream and its cross-stream uses, the
+    outputs' sum (the run trained), whether it failed, and how often close() drained the worker's
+    stream."""
     pg = dist.group.WORLD
     rank, world = dist.get_rank(), dist.get_world_size()
     report = {}
