@@ -205,18 +205,16 @@ def _span(t: torch.Tensor) -> tuple[int, int]:
     return t.storage_offset() * size, (t.storage_offset() + last + 1) * size
 
 
-# dim-0 index ops: (op, position of the index argument); they read or write only the indexed rows
-_INDEX_OPS = {aten.index_select.default: 2, aten.index_copy_.default: 2, aten.index_copy.default: 2,
-              aten.index_add_.default: 2, aten.index_add.default: 2, aten.index_fill_.int_Scalar: 2,
-              aten.index_select.out: 2}
+# index ops (self, dim, index, ...): along dim 0 they read or write only the indexed rows of self
+_INDEX_OPS = {aten.index_select.default, aten.index_select.out, aten.index_copy_.default, aten.index_copy.default,
+              aten.index_add_.default, aten.index_add.default, aten.index_fill_.int_Scalar}
 
 
 def _indexed_rows(func: Any, args: tuple, kwargs: dict) -> Optional[tuple[int, int]]:
     """(lowest, highest) row a dim-0 index op touches in its first tensor; None: not such an op."""
-    at = _INDEX_OPS.get(func)
-    if at is None or len(args) <= at or args[1] != 0 or not isinstance(args[at], torch.Tensor):
+    if func not in _INDEX_OPS or len(args) < 3 or args[1] != 0 or not isinstance(args[2], torch.Tensor):
         return None
-    index = args[at]
+    index = args[2]
     return (0, -1) if index.numel() == 0 else (int(index.min()), int(index.max()))
 
 
@@ -224,8 +222,7 @@ def _row_span(t: torch.Tensor, rows: tuple[int, int]) -> tuple[int, int]:
     """The bytes of rows[0]..rows[1] of t (its dim 0), each row as _span spans it."""
     if rows[1] < rows[0] or t.dim() == 0:
         return 0, 0
-    lo, hi = _span(t[rows[0]:rows[1] + 1])
-    return lo, hi
+    return _span(t[rows[0]:rows[1] + 1])
 
 
 def _written_arguments(func: Any, args: tuple, kwargs: dict) -> set[int]:

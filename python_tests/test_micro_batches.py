@@ -154,9 +154,7 @@ def test_the_host_sort_orders_floats_as_torch_does():
 def test_distinct_gives_each_parts_unique_values_and_inverse(groups):
     """Per group, one sort for all its parts: each part's torch.unique(return_inverse=True), the
     parts' values one after another; values shared by adjacent parts still count in each."""
-    from freescale_comm.pipelines._host_counts import distinct
-
-    from freescale_comm.pipelines._host_counts import _distinct_on_device
+    from freescale_comm.pipelines._host_counts import _distinct_on_device, distinct
 
     tensors = [[torch.tensor(part, dtype=torch.int64) for part in parts] for parts in groups]
     # on CPU NumPy, every group at once; on a device torch ops, a sort per group: both checked here
