@@ -40,10 +40,13 @@ def test_every_cross_stream_use_is_ordered_and_recorded_and_each_mutation_is_cau
 
     for report in spawn(checked_run, 2, 6, {**CLEAN, **FAILED, **MUTATED}, timeout_s=300):
         failed = report["a peer's data ends early"]
-        assert failed["failed"] == "CommError" and failed["drains"] == 1, failed
+        assert failed["failed"] == "CommError" and failed["drains"] == 1 and failed["copied_on"] == ["freescale-pec_0"], \
+            failed
         for name in CLEAN:
             r = report[name]
             assert r["violations"] == 0 and r["failed"] is None, (name, r["first"], r["failed"])
+            # every batch's host-to-device copy on the worker (its stream), none on the compute stream
+            assert r["copied_on"] == ["freescale-pec_0"], (name, r["copied_on"])
             # the run had something to check: both streams ran ops, tensors crossed between them
             assert min(r["ops"].values()) > 100 and r["cross_stream_uses"] > 50, (name, r)
             assert r["drains"] == 1, (name, r["drains"])  # close(): the main stream after the worker's

@@ -1,7 +1,8 @@
 """TrainPipelinePEC's worker stream on a GPU (skipped without CUDA; gpu checklist item 9): a host
 read on the worker waits for the worker's own work, not for kernels the main thread enqueued after
 posting the task, while on the legacy default stream (the pipeline before its own stream) it waits
-for them; joining the task orders the main stream after it."""
+for them; joining the task orders the main stream after it; a pageable batch copy holds the main
+thread up only when issued on the main stream (the pipeline issues it on the worker)."""
 
 import concurrent.futures
 
@@ -72,4 +73,35 @@ def test_joining_a_task_orders_the_main_stream_after_it():
     streams.joined(done)
     total = out.sum()  # on the main stream: after the task's write, because of the join
     assert float(total) == out.numel()
+    worker.shutdown()
+
+
+def test_a_pageable_batch_copy_waits_for_the_compute_stream_unless_the_worker_issues_it():
+    """Why the pipeline copies batches on the worker (_route): a non_blocking copy from pageable
+    memory syncs the stream it is issued on, so on the main stream the main thread waits for the
+    kernels queued there (its forward and backward); issued by the worker on its own stream, the
+    main thread does not wait at all."""
+    device = torch.device("cuda", torch.cuda.current_device())
+    streams = CudaStreams(device)
+    worker = concurrent.futures.ThreadPoolExecutor(1, initializer=lambda: torch.cuda.set_device(device))
+    host = torch.arange(1 << 16, dtype=torch.float32)  # pageable
+    assert not host.is_pinned()
+    host.to(device, non_blocking=True)  # warm both streams' pools
+    worker.submit(streams.run, streams.posted(), lambda: host.to(device, non_blocking=True), ()).result()
+    torch.cuda.synchronize()
+
+    busy_done = torch.cuda.Event()
+    torch.cuda._sleep(SLEEP_CYCLES)  # the main stream's "forward"
+    busy_done.record()
+    copied = worker.submit(streams.run, streams.posted(), lambda: host.to(device, non_blocking=True), ())
+    waited_on_worker = busy_done.query()  # the main thread, right after posting the copy
+    result, done = copied.result()
+    streams.joined(done)
+    assert not waited_on_worker and float(result.sum()) == float(host.sum())
+
+    torch.cuda._sleep(SLEEP_CYCLES)
+    busy_done.record()
+    on_main = host.to(device, non_blocking=True)
+    assert busy_done.query(), "a pageable copy on the main stream returned before its kernels ran: the baseline moved"
+    assert float(on_main.sum()) == float(host.sum())
     worker.shutdown()

@@ -71,7 +71,8 @@ for n, name in names.items(): print(n, name, cupy.cuda.runtime.deviceGetAttribut
 # ... and cuda-python's view of them against Communicator.data_paths (skips without cuda-bindings).
 step 8 driver-probe 120 python3 -m pytest -m gpu -q -p no:cacheprovider python_tests/test_driver_probe.py
 # Item 9 (issue 38): TrainPipelinePEC's worker stream: its host reads do not wait for the main
-# stream's kernels (and did on the legacy default stream); a join orders the main stream after it.
+# stream's kernels (and did on the legacy default stream); a join orders the main stream after it;
+# a pageable batch copy makes the main thread wait for its stream's kernels only when issued there.
 step 9 pipeline-streams 120 python3 -m pytest -m gpu -q -p no:cacheprovider python_tests/test_pipeline_streams_gpu.py
 tar czf "$OUT/logs.tgz" -C "$LOGS" .
 cat "$summary"

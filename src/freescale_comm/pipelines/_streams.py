@@ -1,10 +1,10 @@
 """The worker's own device stream, and the stream edges that mirror the pipeline's thread hand-offs.
 
-TrainPipelinePEC's worker thread routes batches, looks rows up and runs the exchange's rounds while
-the main thread computes. On CUDA that overlap needs the worker off the main thread's stream: a
-host read the worker makes (the sizes of what arrives) on the legacy default stream would wait for
-every kernel the main thread enqueued before it, i.e. for batch N's forward and backward, and its
-rounds would queue behind them too. So the worker runs on a stream of its own (non-blocking, from
+TrainPipelinePEC's worker thread copies batches to the device, routes them, looks rows up and runs
+the exchange's rounds while the main thread computes. On CUDA that overlap needs the worker off the
+main thread's stream: a host read the worker makes (the sizes of what arrives) on the legacy default
+stream would wait for every kernel the main thread enqueued before it, i.e. for batch N's forward
+and backward, and its rounds (and a batch's copy) would queue behind them too. So the worker runs on a stream of its own (non-blocking, from
 PyTorch's pool), and the ordering the two threads agree on at the host is made the device's:
 
 - post (main -> worker): an event recorded on the main thread's current stream when the task is

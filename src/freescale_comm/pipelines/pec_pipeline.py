@@ -10,7 +10,8 @@ gradients for rows N+1 does not read are deferred (lowest priority) and applied 
 batch reads those rows. Every read equals synchronous training's. All of it runs on the
 pipeline's own fc.Communicator (a worker thread posts every message, in the same order on every
 rank), so the same code runs on CPU (host transport) and CUDA (ce / nvshmem). On CUDA the worker
-issues on a stream of its own, ordered with the caller's at every hand-off (see _streams).
+issues on a stream of its own, ordered with the caller's at every hand-off (see _streams), and
+copies each batch to the device there.
 
 Scope: sharded EmbeddingCollection and EmbeddingBagCollection (SUM or MEAN pooling, unweighted),
 table-wise, row-wise and column-wise, fused kernels (the optimizer TorchRec fuses into the TBE:
@@ -233,22 +234,27 @@ class TrainPipelinePEC(Generic[In, Out]):
 
     # -- helpers -----------------------------------------------------------------------------------
     def _next_batch(self, dataloader_iter: Iterator[In]) -> Any:
-        """The next batch on the device; None at the end; a _DataError if reading it failed (raised
-        on the worker after every rank learned it, so no peer waits for this rank)."""
+        """The next batch as the dataloader made it (the worker copies it to the device: _route);
+        None at the end; a _DataError if reading it failed (raised on the worker after every rank
+        learned it, so no peer waits for this rank)."""
         try:
-            batch = next(dataloader_iter)
-            return batch.to(self._device, non_blocking=True) if hasattr(batch, "to") else batch
+            return next(dataloader_iter)
         except StopIteration:
             return None
         except Exception as e:  # noqa: BLE001 - re-raised by _route
             return _DataError(e)
 
     def _route(self, batch: Optional[In], step: int) -> tuple[Any, dict[str, Any], Any]:
-        """(the batch, or its MicroBatches; its inputs; its Asks), or Nones at the end of data."""
+        """Worker: the batch on the device (or its MicroBatches; its inputs; its Asks), or Nones at the
+        end of data."""
         if isinstance(batch, _DataError):
             raise batch.error
         if batch is None:
             return None, {}, None
+        # the host-to-device copy runs here, on the worker's stream (as TorchRec's on its memcpy
+        # stream): a pageable batch syncs that stream, never the compute stream, and the main thread
+        # never waits for it; a pinned one copies while the main stream computes
+        batch = batch.to(self._device, non_blocking=True) if hasattr(batch, "to") else batch
         inputs = self._read_inputs(batch)
         if self._micro_batches is None:
             return batch, inputs, route(self._catalog, inputs, step)
