@@ -81,6 +81,56 @@ def test_split_batch_cuts_every_field_along_the_samples_and_names_what_it_cannot
         split_batch({"stream": iter([])}, chosen, size)
 
 
+@dataclasses.dataclass
+class _Collated:
+    """A collate function's batch: a field it fills after __init__, a label __post_init__ reshapes,
+    a scale given to __init__ alone."""
+
+    sparse: KeyedJaggedTensor
+    label: torch.Tensor
+    scale: dataclasses.InitVar[float]
+    sample_weight: torch.Tensor = dataclasses.field(init=False, default=None)
+
+    def __post_init__(self, scale: float) -> None:
+        self.label = self.label.float().unsqueeze(-1) * scale
+
+
+def test_a_dataclass_is_cut_on_a_copy_without_running_its_init_again():
+    """Every field is cut, init=False ones too; __post_init__ does not run again on built fields;
+    an InitVar needs no value (dataclasses.replace failed all three)."""
+    gen = torch.Generator().manual_seed(1)
+    batch = _Collated(_kjt(gen, 1, 5), torch.arange(5), 2.0)
+    batch.sample_weight = torch.arange(5.0) * 10
+    part = split_batch(batch, torch.tensor([1, 3]), 5)
+    assert part.sample_weight.tolist() == [10.0, 30.0]
+    assert part.label.tolist() == [[2.0], [6.0]]
+    assert batch.label.shape == (5, 1) and batch.sample_weight.numel() == 5  # the batch itself is untouched
+
+
+def test_a_defaultdict_batch_and_output_keep_their_type():
+    import collections
+
+    gen = torch.Generator().manual_seed(2)
+    chosen = torch.tensor([1, 3])
+    batch = collections.defaultdict(list, {"sparse": _kjt(gen, 1, 5), "label": torch.arange(5.0)})
+    part = split_batch(batch, chosen, 5)
+    assert type(part) is collections.defaultdict and part.default_factory is list
+    assert part["label"].tolist() == [1.0, 3.0]
+    samples = [torch.tensor([0, 2, 4]), chosen]
+    outs = [collections.defaultdict(list, {"logits": torch.arange(5.0)[s]}) for s in samples]
+    merged = merge_outputs(outs, samples, 5)
+    assert type(merged) is collections.defaultdict and merged["logits"].tolist() == [0.0, 1.0, 2.0, 3.0, 4.0]
+
+
+@pytest.mark.parametrize("stride", [3, 6])
+def test_a_keyed_jagged_tensor_of_another_batch_size_is_refused_by_name(stride):
+    """One with fewer samples raised IndexError, one with more silently took the wrong lists."""
+    gen = torch.Generator().manual_seed(3)
+    batch = {"sparse": _kjt(gen, 1, 5), "other": _kjt(gen, 2, stride)}
+    with pytest.raises(ValueError, match=rf"batch\['other'\] is a KeyedJaggedTensor of {stride} samples.*split_batch="):
+        split_batch(batch, torch.tensor([1, 4]), 5)
+
+
 def test_variable_batch_size_inputs_are_refused():
     vbe = KeyedJaggedTensor(keys=["a", "b"], values=torch.arange(5), lengths=torch.tensor([1, 1, 1, 1, 1]),
                             stride_per_key_per_rank=[[2], [3]])

@@ -156,6 +156,10 @@ def split_batch(batch: Any, samples: torch.Tensor, size: int, where: str = "batc
     from torchrec.sparse.jagged_tensor import JaggedTensor, KeyedJaggedTensor, KeyedTensor
 
     if isinstance(batch, KeyedJaggedTensor):
+        if getattr(batch, "variable_stride_per_key", lambda: False)() or int(batch.stride()) != size:
+            raise ValueError(f"{where} is a KeyedJaggedTensor of {int(batch.stride())} samples (variable per key: "
+                             f"{getattr(batch, 'variable_stride_per_key', lambda: False)()}), not the batch size "
+                             f"{size}: cannot cut it into micro-batches; pass split_batch=lambda batch, samples: ...")
         return select_samples(batch, samples, host_lengths)
     if isinstance(batch, JaggedTensor):  # one list per sample
         if batch.lengths().numel() != size:
@@ -175,10 +179,18 @@ def split_batch(batch: Any, samples: torch.Tensor, size: int, where: str = "batc
                              "into micro-batches; pass split_batch=lambda batch, samples: ...")
         return batch.index_select(0, to_device(samples, batch.device))
     if dataclasses.is_dataclass(batch) and not isinstance(batch, type):
-        return dataclasses.replace(batch, **{f.name: split_batch(getattr(batch, f.name), samples, size, f"{where}.{f.name}", host_lengths)
-                                             for f in dataclasses.fields(batch) if f.init})
-    if isinstance(batch, dict):
-        return type(batch)((k, split_batch(v, samples, size, f"{where}[{k!r}]", host_lengths)) for k, v in batch.items())
+        # a shallow copy, every field cut (init=False ones too): no __init__ / __post_init__ runs again
+        part = copy.copy(batch)
+        for f in dataclasses.fields(batch):
+            if hasattr(batch, f.name):
+                object.__setattr__(part, f.name, split_batch(getattr(batch, f.name), samples, size,
+                                                             f"{where}.{f.name}", host_lengths))
+        return part
+    if isinstance(batch, dict):  # a copy (a defaultdict keeps its factory), every value cut
+        part = copy.copy(batch)
+        for k, v in batch.items():
+            part[k] = split_batch(v, samples, size, f"{where}[{k!r}]", host_lengths)
+        return part
     if isinstance(batch, (list, tuple)):
         parts = [split_batch(v, samples, size, f"{where}[{i}]", host_lengths) for i, v in enumerate(batch)]
         return type(batch)._make(parts) if hasattr(batch, "_fields") else type(batch)(parts)
@@ -206,7 +218,10 @@ def merge_outputs(outputs: list[Any], samples: list[torch.Tensor], size: int) ->
             out[to_device(s, out.device)] = o
         return out
     if isinstance(first, dict) and all(isinstance(o, dict) and o.keys() == first.keys() for o in outputs):
-        return type(first)((k, merge_outputs([o[k] for o in outputs], samples, size)) for k in first)
+        merged = copy.copy(first)  # a defaultdict keeps its factory
+        for k in first:
+            merged[k] = merge_outputs([o[k] for o in outputs], samples, size)
+        return merged
     if isinstance(first, (list, tuple)) and all(type(o) is type(first) and len(o) == len(first) for o in outputs):
         parts = [merge_outputs([o[i] for o in outputs], samples, size) for i in range(len(first))]
         return type(first)._make(parts) if hasattr(first, "_fields") else type(first)(parts)
