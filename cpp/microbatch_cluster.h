@@ -32,7 +32,11 @@ struct ClusterInput {
 // its keys, in the order given, of q^(r - 1) where the micro-batch holds the key; q = 1 - 1/M,
 // r = the samples not yet placed that hold it, this one included), among those whose load stays
 // within the cap max(mean (1 + tolerance), mean + cost (1 - 1/M)); ties: least loaded, then
-// lowest index; none within the cap: the least loaded. Throws InvalidArgument naming the bad field
+// lowest index; none within the cap: the least loaded. Then each micro-batch left empty takes a
+// sample that moves without adding a distinct id (one whose keys no other sample of its micro-batch
+// holds; from the micro-batch holding the most samples, the cheapest), where there is one: a
+// micro-batch stays empty only with fewer samples than micro-batches, or where every sample shares
+// an id with its micro-batch. Throws InvalidArgument naming the bad field
 // first: offsets not starting at 0 or decreasing, a key out of range or not ascending within its
 // sample, visit not a permutation, micro_batches < 1.
 ClusterPlan cluster_greedy(const ClusterInput& in);

@@ -55,6 +55,18 @@ TEST(ClusterGreedy, TheCapKeepsLoadsBalancedAndSaysItBound) {
   EXPECT_TRUE(plan.cap_bound);
 }
 
+TEST(ClusterGreedy, AnEmptyMicroBatchTakesASampleThatAddsNoId) {
+  // four samples without ids (cost 0): the greedy pass puts all in micro-batch 0 (no gain, no load);
+  // each empty one then takes the lowest-index sample left there
+  Batch none{{0, 0, 0, 0, 0}, {}, {0, 1, 2, 3}, 0, {0, 0, 0, 0}};
+  EXPECT_EQ(cluster_greedy(none.input(4)).micro_batch, (std::vector<int64_t>{1, 2, 3, 0}));
+  // sample 0 (key 0, dear) alone; samples 1-3 share key 1: none of them moves without adding an id
+  Batch shared{{0, 1, 2, 3, 4}, {0, 1, 1, 1}, {0, 1, 2, 3}, 2, {100, 1, 1, 1}};
+  const ClusterPlan plan = cluster_greedy(shared.input(4));
+  EXPECT_EQ(plan.micro_batch, (std::vector<int64_t>{0, 1, 1, 1}));
+  EXPECT_EQ(plan.distinct_ids, 2);
+}
+
 TEST(ClusterGreedy, RefusesInputsNamingTheField) {
   Batch b = two_pairs();
   b.visit = {0, 0, 2, 3};

@@ -86,6 +86,20 @@ def reference_placement(ids, lengths, m, costs, tolerance=0.1):
             held.add((k, choice))
             holders[k] -= 1
         loads[choice] += cost[i]
+    # each empty micro-batch takes, from the one holding the most samples (two at least; ties: lowest
+    # index), its cheapest sample (ties: lowest index) whose ids no other sample there holds
+    for dst in range(m):
+        counts = [where.count(b) for b in range(m)]
+        if counts[dst]:
+            continue
+        for src in sorted((b for b in range(m) if counts[b] >= 2), key=lambda b: (-counts[b], b)):
+            inside = [i for i in range(lengths.size) if where[i] == src]
+            alone = [i for i in inside if all(sum(k in keys[j] for j in inside) == 1 for k in keys[i])]
+            if alone:
+                i = min(alone, key=lambda i: (cost[i], i))
+                where[i] = dst
+                held = (held - {(k, src) for k in keys[i]}) | {(k, dst) for k in keys[i]}
+                break
     return np.array(where, dtype=np.int64), len(held), bound
 
 
@@ -99,6 +113,31 @@ def test_the_compiled_placement_is_the_documented_method(batch):
     where, distinct, bound = reference_placement(ids, lengths, m, costs)
     assert np.array_equal(plan.micro_batch, where)
     assert (plan.distinct_ids, plan.cap_bound) == (distinct, bound)
+
+
+@settings(max_examples=200, deadline=None)
+@given(batches())
+def test_a_micro_batch_is_empty_only_where_no_sample_could_fill_it_without_adding_an_id(batch):
+    ids, lengths, costs, m = batch
+    plan = cluster_microbatches(ids, lengths, m, costs)
+    sizes = np.bincount(plan.micro_batch, minlength=m)
+    if lengths.size >= m and (sizes == 0).any():
+        starts = np.concatenate([[0], np.cumsum(lengths)])
+        keys = [set(ids[starts[i]:starts[i + 1]].tolist()) for i in range(lengths.size)]
+        for b in np.flatnonzero(sizes >= 2):
+            inside = np.flatnonzero(plan.micro_batch == b)
+            for i in inside:  # every sample shares an id with another of its micro-batch
+                assert any(keys[i] & keys[j] for j in inside if j != i), (b, i)
+
+
+def test_samples_without_ids_fill_every_micro_batch():
+    """A rank whose four samples hold no ids: every micro-batch gets one (they all went to the
+    first: three passes over nothing, and a mean loss over no samples is NaN)."""
+    plan = cluster_microbatches(np.array([], dtype=np.int64), np.zeros(4, dtype=np.int64), 4)
+    assert sorted(plan.micro_batch.tolist()) == [0, 1, 2, 3] and plan.distinct_ids == 0
+    # a dear sample and three cheap ones sharing an id: the cheap ones stay together (moving one adds an id)
+    plan = cluster_microbatches(np.array([1, 2, 2, 2]), np.array([1, 1, 1, 1]), 4, [100.0, 1.0, 1.0, 1.0])
+    assert np.bincount(plan.micro_batch, minlength=4).tolist().count(0) == 2 and plan.distinct_ids == 2
 
 
 def test_the_compiled_pass_refuses_inputs_it_cannot_place():

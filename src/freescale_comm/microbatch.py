@@ -17,7 +17,10 @@ meets (its load is at most the mean of what is placed; dearest first, the last, 
 settle the loads within about one sample's cost). While the cap never binds, each choice keeps
 the expected total at or below the previous one, so the split sends at most the expected
 distinct ids of a uniformly random split (Raghavan's method of conditional expectations);
-`cap_bound` says whether it bound.
+`cap_bound` says whether it bound. Then each micro-batch left empty (samples without ids cost
+nothing and gain nothing: they all went to one) takes, from the micro-batch holding the most
+samples, its cheapest sample that moves without adding a distinct id (one whose ids no other sample
+there holds): the total and the bound stay.
 
 NumPy prepares each sample's distinct keys and the order; the sequential placement runs in the
 compiled core (`_core.cluster_greedy`, cpp/microbatch_cluster.cc, without the GIL): in NumPy it
@@ -91,7 +94,8 @@ def cluster_microbatches(ids: np.ndarray, lengths: np.ndarray, micro_batches: in
     ids: int [Σ lengths], each sample's ids back to back (make ids of different tables distinct,
     e.g. offset by table); lengths: int [samples]; costs: float [samples] (default: lengths);
     balance_tolerance: how far above the mean cost a micro-batch may go to keep shared ids
-    together (beyond one sample's cost). A micro-batch may come out empty (few samples)."""
+    together (beyond one sample's cost). A micro-batch comes out empty only with fewer samples than micro-batches, or where every sample
+    that could fill it shares an id with another of its micro-batch."""
     ids, lengths, cost = _check(ids, lengths, micro_batches, costs)
     if not 0 <= balance_tolerance < math.inf:
         raise ValueError(f"balance_tolerance must be a finite number >= 0, got {balance_tolerance!r}")
