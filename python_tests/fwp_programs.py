@@ -89,6 +89,15 @@ def fwp_near_sparse_dist(info, steps: int, collision: float, optimizer: str, mic
     for reduction in ("mean", "sum"):
         report[f"{micro[-1]} mean loss, loss_reduction={reduction}"] = _diff(mean_ref, train(
             pg, "pec", optimizer, batches, micro_batches=micro[-1], reduction="mean", loss_reduction=reduction))
+    # a learned loss weight: a mean loss's term no sample carries, NaN on an empty micro-batch (the
+    # last step's batches hold 2 samples: 2 of the 4 micro-batches are empty)
+    from pec_pipeline_programs import LearnedWeightModel
+    learned_ref = train(pg, "sparse_dist", optimizer, batches, reduction="mean", model_cls=LearnedWeightModel)
+    learned = train(pg, "pec", optimizer, batches, micro_batches=micro[-1], reduction="mean", loss_reduction="mean",
+                    model_cls=LearnedWeightModel)
+    report[f"{micro[-1]} learned loss weight"] = _diff(learned_ref, learned)
+    report["learned finite"] = all(bool(torch.isfinite(v).all()) for v in learned["state"].values())
+    report["learned empty micro-batches"] = sum(sizes.count(0) for sizes in learned["micro_sizes"])
     dense = torch.cat([v.flatten() for k, v in sorted(got["state"].items()) if k.startswith("weight:") and "head" in k])
     first = dense.clone()
     dist.broadcast(first, 0)
@@ -99,7 +108,8 @@ def fwp_near_sparse_dist(info, steps: int, collision: float, optimizer: str, mic
 def fwp_with_balance_matches_synchronous(info, steps: int, collision: float) -> dict:
     """4 micro-batches with fc.balance on the tower (rank 0's histories long): PEC prefetch against
     the synchronous reference, both balanced, outputs and state bit for bit; returns per rank the
-    samples the tower computed per call and each micro-batch's home samples (balancing moved some)."""
+    samples the tower computed per call and each step's home samples, and the squared history
+    lengths it computed against its own batches' (balancing moved work)."""
     import freescale_comm as fc
     from pec_pipeline_programs import BalancedModel, CountingPlans, _state, build, long_histories_on_rank0
     from freescale_comm.planner import CostModel
@@ -119,7 +129,10 @@ def fwp_with_balance_matches_synchronous(info, steps: int, collision: float) -> 
             outputs = [pipe.progress(feed).clone() for _ in range(steps)]
         pipe.close()
         runs[name] = {"outputs": outputs, "state": _state(dmp, opt), "samples": list(dmp.module.tower.samples),
+                      "items": list(dmp.module.tower.items),
                       "gathered": counted.gathered, "ahead": counted.ahead}
     ref, got = runs["reference"], runs["pec"]
     return {"diff": _diff(ref, got), "samples": got["samples"], "same_samples": got["samples"] == ref["samples"],
-            "home": [len(b[rank].label) for b in batches], "gathered": got["gathered"], "ahead": got["ahead"]}
+            "home": [len(b[rank].label) for b in batches], "gathered": got["gathered"], "ahead": got["ahead"],
+            "computed_cost": sum(got["items"]),
+            "home_cost": sum(int((b[rank].sequence["items"].lengths().to(torch.int64) ** 2).sum()) for b in batches)}

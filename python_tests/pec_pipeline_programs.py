@@ -123,6 +123,29 @@ class Model(nn.Module):
         return loss, logits.detach()
 
 
+class LearnedWeightModel(Model):
+    """Model with a learned loss weight (uncertainty weighting, common in multi-task ranking):
+    exp(-s) x the loss + s. With a mean loss, a term no sample carries (s)."""
+
+    def __init__(self, device: torch.device, **kwargs) -> None:
+        super().__init__(device, **kwargs)
+        self.loss_weight = LossWeight(device)
+
+    def forward(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
+        loss, logits = super().forward(batch)
+        s = self.loss_weight.log_var[0]
+        return torch.exp(-s) * loss + s, logits
+
+
+class LossWeight(nn.Module):
+    def __init__(self, device: torch.device) -> None:
+        super().__init__()
+        self.log_var = nn.Parameter(torch.zeros(1, device=device))
+
+    def reset_parameters(self) -> None:  # DistributedModelParallel materializes meta parameters with it
+        nn.init.zeros_(self.log_var)
+
+
 def _spec(kind: str, world: int, table_rank: int):
     if kind == "row_wise":
         return row_wise(compute_kernel="fused")
@@ -172,7 +195,7 @@ def train(pg: dist.ProcessGroup, pipeline: str, optimizer: str, batches: list[li
     """Trains on `batches` (each epoch a new iterator over them, as a dataloader loop does), or
     stops after `stop_after` steps and reads the state mid-run (the PEC pipeline still open)."""
     rank = dist.get_rank(pg)
-    dmp, opt = build(pg, optimizer, static_graph=kwargs.pop("static_graph", True),
+    dmp, opt = build(pg, optimizer, kwargs.pop("model_cls", Model), static_graph=kwargs.pop("static_graph", True),
                      **({"reduction": kwargs.pop("reduction")} if "reduction" in kwargs else {}))
     blocking = kwargs.pop("blocking", False)  # the synchronous reference: every message waited when posted
     if pipeline == "sparse_dist":
@@ -441,6 +464,7 @@ class Tower(nn.Module):
         super().__init__()
         self.w = nn.Parameter(torch.empty(DIM, DIM, device=device))
         self.samples: list[int] = []
+        self.items: list[int] = []  # per call: the squared history lengths summed (the cost it computed)
         self.reset_parameters()
 
     def reset_parameters(self) -> None:  # DistributedModelParallel calls it when it materializes meta parameters
@@ -452,6 +476,7 @@ class Tower(nn.Module):
         n = items.lengths().numel()
         if isinstance(n, int):  # not while torch.fx traces the model
             self.samples.append(n)
+            self.items.append(int((items.lengths().to(torch.int64) ** 2).sum()))
         rows = torch.tanh(items.values() @ self.w)
         seg = torch.repeat_interleave(torch.arange(n), items.lengths())
         seg_c = torch.repeat_interleave(torch.arange(n), cats.lengths())

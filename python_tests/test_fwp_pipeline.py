@@ -89,6 +89,11 @@ def test_micro_batches_match_sparse_dist_within_float_rounding():
         assert report["4 mean loss, loss_reduction=mean"]["state"] <= 1e-6, report
         assert report["4 mean loss, loss_reduction=mean"]["outputs"] <= 1e-6, report
         assert report["4 mean loss, loss_reduction=sum"]["state"] > 1e-3, report
+        # a term of the loss no sample carries (a learned loss weight) trains as on whole batches, with
+        # empty micro-batches too (their loss is NaN: they train nothing instead of making every weight NaN)
+        assert report["learned finite"] and report["learned empty micro-batches"] > 0, report
+        assert report["4 learned loss weight"]["state"] <= 1e-6, report["4 learned loss weight"]
+        assert report["4 learned loss weight"]["outputs"] <= 1e-6, report["4 learned loss weight"]
 
 
 def test_every_micro_batch_read_is_fresh_and_skipping_the_dual_buffer_refresh_is_caught():
@@ -141,8 +146,8 @@ def test_the_benchmark_runs_nestpipes_modes_and_checks_their_goals(tmp_path, cap
 def test_micro_batches_compose_with_balance():
     """fc.balance on the tower (rank 0's histories long) inside each of 4 micro-batches, on 2 ranks,
     6 steps, collision 0.5: PEC prefetch equals the synchronous run of the same micro-batches bit
-    for bit, the tower computed the same samples per call in both, and balancing moved samples
-    (the tower ran on other counts than the micro-batches' own on some call). Counted: every
+    for bit, the tower computed the same samples per call in both, and balancing moved work
+    (rank 0, whose histories are long, computed less of the cost than its batches held). Counted: every
     micro-batch's balance plan was made a batch ahead, none all-gathered on the main thread."""
     from fwp_programs import fwp_with_balance_matches_synchronous
 
@@ -153,4 +158,6 @@ def test_micro_batches_compose_with_balance():
         # every micro-batch's plan was made a batch ahead: no all-gather of lengths on the main thread
         assert r["gathered"] == 0 and r["ahead"] == 6 * 4, r
     assert results[0]["samples"] != results[1]["samples"], results
-    assert sum(results[0]["samples"]) < sum(results[0]["home"]), results  # rank 0 (long histories) gave samples away
+    # rank 0 (long histories) gave work away, rank 1 took it (in samples either way, by micro-batch)
+    assert results[0]["computed_cost"] < results[0]["home_cost"], results
+    assert results[1]["computed_cost"] > results[1]["home_cost"], results

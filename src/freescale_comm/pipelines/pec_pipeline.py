@@ -86,7 +86,9 @@ class TrainPipelinePEC(Generic[In, Out]):
         static_graph=False, only the last one's, with the sum: see _ddp). The micro-batches'
         gradients add up, so say how the model reduces its loss over samples (loss_reduction). The
         model must use the same dense parameters on an empty micro-batch as on any other (as
-        DDP's static graph requires of every backward: a rank whose graph skips one waits forever).
+        DDP's static graph requires of every backward: a rank whose graph skips one waits forever);
+        an empty one (fewer samples than micro-batches) runs forward and backward but trains
+        nothing: its loss sends no gradient (a mean over no samples is NaN, and so is 0 x NaN).
         progress() returns the micro-batches' outputs merged by merge_output. None: whole
         batches, every id sent as TorchRec sends it (results bit-identical to
         TrainPipelineSparseDist).
@@ -460,7 +462,9 @@ class TrainPipelinePEC(Generic[In, Out]):
                 losses, out = self._model(batch)
                 if training:
                     loss = torch.sum(losses, dim=0)
-                    if self._loss_scale:  # a mean over the micro-batch's samples: weigh it by its share
+                    if split.samples[m].numel() == 0:  # trains nothing (a mean over no samples is NaN,
+                        loss = _NoGradient.apply(loss)  # and 0 x NaN too); backward still runs (DDP's hooks)
+                    elif self._loss_scale:  # a mean over the micro-batch's samples: weigh it by its share
                         loss = loss * (split.samples[m].numel() / max(split.size, 1))
                     loss.backward()
             if training:
@@ -548,6 +552,20 @@ def _balance_targets(model: nn.Module, balance: Optional[Mapping[str, CostModel]
 def _grads_of(leaves: list[torch.Tensor]) -> list[torch.Tensor]:
     """Each leaf's gradient (zeros where backward did not reach it)."""
     return [leaf.grad if leaf.grad is not None else torch.zeros_like(leaf) for leaf in leaves]
+
+
+class _NoGradient(torch.autograd.Function):
+    """An empty micro-batch's loss: backward sends no gradient at all (not zeros: 0 x a NaN the loss
+    holds is NaN), so no parameter's gradient changes, while every node below still runs (DDP's
+    hooks fire; a collective in a backward, such as fc.balance's, still takes part)."""
+
+    @staticmethod
+    def forward(ctx: Any, loss: torch.Tensor) -> torch.Tensor:
+        return torch.zeros_like(loss)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> None:
+        return None
 
 
 class _DataError:
