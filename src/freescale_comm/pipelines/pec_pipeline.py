@@ -56,6 +56,14 @@ class TrainPipelinePEC(Generic[In, Out]):
     model: a DistributedModelParallel whose forward(batch) returns (losses, output).
     execute_all_batches: False stops as soon as the data runs out, without training the batch
         already fetched (TorchRec's TrainPipelineSparseDist, which looks two batches ahead, leaves two).
+        The pipeline reads three batches ahead of the one it trains (TrainPipelineSparseDist: two;
+        the counts of the batch after next ride on the next one's ids); batches read from an iterator
+        are trained even if a later progress() gets another.
+    Checkpoints: the sharded modules' state_dict() and the optimizer's (the one given, and the
+    model's fused_optimizer) apply the deferred gradients first (flush), so they hold what
+    TrainPipelineSparseDist's would; load_state_dict() on them is refused while batches are in
+    flight (rows fetched before the load): load before the first progress(), after StopIteration
+    or after close().
     group: the ranks to move embeddings among (default: the model's sharding process group).
     high_priority / low_priority / deferred_priority: OL traffic, prefetch traffic, NOL gradients.
     next_micro_priority / micro_gradient_priority (with micro_batches): the next micro-batch's rows,
@@ -220,15 +228,50 @@ class TrainPipelinePEC(Generic[In, Out]):
             info.module.forward = self._forward_of(info)
             # a checkpoint sees every update, as after TrainPipelineSparseDist's steps
             self._hooks.append(info.module.register_state_dict_pre_hook(lambda *_: self.flush()))
+            loadable = info.module._register_load_state_dict_pre_hook(lambda *_: self._check_loadable())
+            # first, before TorchRec's own hooks rewrite the state dict in place (a refused load leaves it whole)
+            info.module._load_state_dict_pre_hooks.move_to_end(loadable.id, last=False)
+            self._hooks.append(loadable)
+        # the optimizers that read the tables' fused state: their state_dict() flushes first too, and
+        # their load_state_dict() is refused while batches are in flight (instance attributes, so
+        # DCP's get_optimizer_state_dict goes through them; removed by close())
+        self._wrapped: list[tuple[Any, str]] = []
+        for holder in {id(o): o for o in (optimizer, getattr(model, "fused_optimizer", None)) if o is not None}.values():
+            self._wrap(holder, "state_dict", self.flush)
+            self._wrap(holder, "load_state_dict", self._check_loadable)
+        self._wrap(model, "load_state_dict", self._check_loadable)  # refused before any module is touched
+
+    def _wrap(self, holder: Any, name: str, before: Callable[[], None]) -> None:
+        """holder.name(...) runs before() first, until close()."""
+        if name in vars(holder) or not hasattr(holder, name):  # another pipeline's (closed ones remove theirs)
+            return
+        method = getattr(holder, name)
+
+        def wrapped(*args: Any, **kwargs: Any) -> Any:
+            before()
+            return method(*args, **kwargs)
+        setattr(holder, name, wrapped)
+        self._wrapped.append((holder, name))
+
+    def _check_loadable(self) -> None:
+        """Loading state while batches are in flight would train them on rows fetched before the load,
+        and apply gradients of batches before it to the loaded tables."""
+        if self._batch is not None and not self._closed:
+            raise RuntimeError("load_state_dict while TrainPipelinePEC holds batches in flight (their rows were "
+                               "fetched, and gradients deferred, before the load): load before the first progress(), "
+                               "after it raised StopIteration, or after close()")
 
     # -- the model's sharded modules call these during forward -------------------------------------
     def _forward_of(self, info: Any) -> Callable[..., Any]:
         def forward(*args: Any, **kwargs: Any) -> Any:
             kjt = args[0] if args else next(iter(kwargs.values()), None)
             expected = self._inputs.get(info.fqn)
-            if expected is None or kjt is not expected:
-                raise RuntimeError(f"sharded module {info.fqn!r} was called outside TrainPipelinePEC.progress or with "
-                                   "an input that is not the one the pipeline read from the batch")
+            if expected is None:
+                raise RuntimeError(f"sharded module {info.fqn!r} was called outside TrainPipelinePEC.progress")
+            if kjt is not expected and not _same_layout(kjt, expected):
+                raise RuntimeError(f"sharded module {info.fqn!r} was called with an input that is not the one the "
+                                   "pipeline read from the batch (other keys, samples or ids), whose rows it fetched: "
+                                   "pass that input as it is read from the batch, or say where it is (sparse_inputs=)")
             out = module_output(info, kjt, *self._reads)
             plans = self._plans_now.get(info.fqn)
             return PlannedSequences(out, plans) if plans else out
@@ -363,6 +406,7 @@ class TrainPipelinePEC(Generic[In, Out]):
             fetched_rows = sum(sum(counts) for counts in self._asks.fresh_counts)
             if not has_next and not self._execute_all_batches:  # the data ran out: stop before training
                 self._drain()
+                self._drained = False  # raised here, now: the next call fills from the iterator it gets
                 raise StopIteration
             # after batch N+1's ids (one worker, FIFO)
             prepared = self._post(self._exchange.prepare) if has_next else None
@@ -421,6 +465,7 @@ class TrainPipelinePEC(Generic[In, Out]):
             raise
         except BaseException as e:
             self._failure = e
+            self._quiesce()
             raise
         self.exposed_ms.append(sum(self._exposed.values()))
         self.rows_asked.append(trained_rows)
@@ -491,6 +536,15 @@ class TrainPipelinePEC(Generic[In, Out]):
         self._has_next, self._drained = False, True
         self._routed.clear()
 
+    def _quiesce(self) -> None:
+        """After a failure: waits until the worker has run (or failed) every task posted so far, so
+        nothing it does races a checkpoint the caller takes next (it updates tables). Bounded by the
+        communicator's timeout: each task's peers posted it too, or fail with CommError."""
+        try:
+            self._worker.submit(lambda: None).result()
+        except BaseException:  # noqa: BLE001 - the failure being raised says what went wrong
+            pass
+
     def flush(self) -> None:
         """Applies the gradients PEC deferred (its last batch's, for rows the next batch does not
         read), so the tables and optimizer state are what TrainPipelineSparseDist would hold after
@@ -523,6 +577,8 @@ class TrainPipelinePEC(Generic[In, Out]):
         self._streams.drain()
         for hook in self._hooks:
             hook.remove()
+        for holder, name in self._wrapped:
+            vars(holder).pop(name, None)
         for info in self._catalog.modules:
             info.module.__dict__.pop("forward", None)
         for module in self._balanced:
@@ -547,6 +603,18 @@ def _balance_targets(model: nn.Module, balance: Optional[Mapping[str, CostModel]
             raise ValueError(f"balance[{fqn!r}]: the module is already balanced by fc.balance")
         targets.append((target, cost_model))
     return targets
+
+
+def _same_layout(kjt: Any, expected: Any) -> bool:
+    """kjt holds the keys, samples and ids the pipeline read (a batch that builds its
+    KeyedJaggedTensors on each read hands out a new one with the same tensors; checked on the host
+    alone, no device sync)."""
+    try:
+        return (type(kjt) is type(expected) and kjt.keys() == expected.keys() and kjt.stride() == expected.stride()
+                and kjt.values().numel() == expected.values().numel()
+                and kjt.lengths().numel() == expected.lengths().numel())
+    except (AttributeError, TypeError):
+        return False
 
 
 def _grads_of(leaves: list[torch.Tensor]) -> list[torch.Tensor]:

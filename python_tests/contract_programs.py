@@ -1,0 +1,281 @@
+"""Rank functions: the same DMP model driven by TorchRec's TrainPipelineSparseDist and by
+fc.TrainPipelinePEC through the patterns of a TorchRec training loop (epochs with
+execute_all_batches=False, a train / eval / train loop, short dataloaders, a dataloader error then a
+checkpoint, checkpoints mid-run whose optimizer state is read first, loading state, batches that
+build their features on read); each returns what the two pipelines did."""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+import torch.distributed as dist
+from torchrec.distributed.train_pipeline import TrainPipelineSparseDist
+from torchrec.streamable import Pipelineable
+
+import freescale_comm as fc
+from pec_pipeline_programs import _rel, _state, build, make_batches
+
+
+
+def _pipe(name: str, dmp, opt, **kwargs):
+    if name == "sparse_dist":
+        return TrainPipelineSparseDist(dmp, opt, torch.device("cpu"), **kwargs)
+    return fc.TrainPipelinePEC(dmp, opt, torch.device("cpu"), group=dist.group.WORLD, **kwargs)
+
+
+def _close(pipe) -> None:
+    if hasattr(pipe, "close"):
+        pipe.close()
+
+
+def _diff(ref: dict, pec: dict) -> dict:
+    """Worst differences of outputs (list of tensors) and state (dict of tensors)."""
+    out = {"n_outputs": (len(ref["outputs"]), len(pec["outputs"]))}
+    out["outputs"] = max((_rel(a, b) for a, b in zip(ref["outputs"], pec["outputs"])), default=0.0)
+    out["state"] = {k: _rel(ref["state"][k], pec["state"][k]) for k in ref["state"] if k in pec["state"]}
+    out["state_max"] = max(out["state"].values(), default=0.0)
+    return out
+
+
+
+
+def no_execute_all_epochs(info, epochs: int, steps: int) -> dict:
+    """Per pipeline: how many batches each epoch's loop trained (progress until StopIteration, a new
+    iterator per epoch), with execute_all_batches=False."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    batches = make_batches(steps, world, 0.5, seed=3)
+    out = {}
+    for name in ("sparse_dist", "pec"):
+        dmp, opt = build(dist.group.WORLD, "sgd")
+        pipe = _pipe(name, dmp, opt, execute_all_batches=False)
+        per_epoch = []
+        for _ in range(epochs):
+            feed = iter([b[rank] for b in batches])
+            n = 0
+            while True:
+                try:
+                    pipe.progress(feed)
+                except StopIteration:
+                    break
+                n += 1
+            per_epoch.append(n)
+        _close(pipe)
+        out[name] = per_epoch
+    return out
+
+
+def train_eval_epochs(info, steps: int) -> dict:
+    """TorchRec's DLRM example loop: a training epoch, an eval epoch (model.eval(), a new
+    iterator), a training epoch, on one pipeline."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    train = make_batches(steps, world, 0.5, seed=97)
+    val = make_batches(steps // 2, world, 0.5, seed=98)
+    runs = {}
+    for name in ("sparse_dist", "pec"):
+        dmp, opt = build(dist.group.WORLD, "rowwise_adagrad")
+        pipe = _pipe(name, dmp, opt)
+        outputs = []
+        for data, mode in ((train, True), (val, False), (train, True)):
+            dmp.train(mode)
+            feed = iter([b[rank] for b in data])
+            while True:
+                try:
+                    outputs.append(pipe.progress(feed).clone())
+                except StopIteration:
+                    break
+        runs[name] = {"outputs": outputs, "state": _state(dmp, opt)}
+        _close(pipe)
+    return _diff(runs["sparse_dist"], runs["pec"])
+
+
+
+def short_loaders(info, lengths: list[int]) -> dict:
+    """Per dataloader length (0, 1, 2...): two epochs, outputs and state compared."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    out = {}
+    for n in lengths:
+        batches = make_batches(max(n, 1), world, 0.5, seed=61)[:n]
+        runs = {}
+        for name in ("sparse_dist", "pec"):
+            dmp, opt = build(dist.group.WORLD, "rowwise_adagrad")
+            pipe = _pipe(name, dmp, opt)
+            outputs = []
+            for _ in range(2):
+                feed = iter([b[rank] for b in batches])
+                while True:
+                    try:
+                        outputs.append(pipe.progress(feed).clone())
+                    except StopIteration:
+                        break
+            runs[name] = {"outputs": outputs, "state": _state(dmp, opt)}
+            _close(pipe)
+        out[n] = _diff(runs["sparse_dist"], runs["pec"])
+    return out
+
+
+def data_error_then_checkpoint(info, steps: int, bad: int, slow_worker_s: float = 0.0) -> dict:
+    """Every rank's dataloader raises OSError when batch `bad` is read. The user catches it and
+    takes a checkpoint (model state_dict, optimizer state): both pipelines' checkpoints compared,
+    and what each raised. slow_worker_s: the PEC worker's deferred updates take that much longer
+    (a busy device, a loaded host): the timing the checkpoint must not depend on."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    batches = make_batches(steps, world, 0.5, seed=13)
+    runs, raised = {}, {}
+    for name in ("sparse_dist", "pec"):
+        dmp, opt = build(dist.group.WORLD, "rowwise_adagrad")
+        pipe = _pipe(name, dmp, opt)
+        if name == "pec" and slow_worker_s:
+            import threading
+            import time
+
+            apply = pipe._exchange.apply_deferred
+
+            def slow_apply():
+                if threading.current_thread().name.startswith("freescale-pec"):
+                    time.sleep(slow_worker_s)
+                apply()
+            pipe._exchange.apply_deferred = slow_apply
+
+        def feed_of():
+            for i, b in enumerate(batches):
+                if i == bad:
+                    raise OSError("corrupt shard")
+                yield b[rank]
+
+        feed = feed_of()
+        outputs = []
+        try:
+            while True:
+                outputs.append(pipe.progress(feed).clone())
+        except StopIteration:
+            raised[name] = "StopIteration"
+        except Exception as e:  # noqa: BLE001
+            raised[name] = type(e).__name__
+        runs[name] = {"outputs": outputs, "state": _state(dmp, opt)}
+        _close(pipe)
+    return {**_diff(runs["sparse_dist"], runs["pec"]), "raised": raised}
+
+
+def _state_optimizer_first(dmp, opt) -> dict:
+    """_state, but the optimizer's state_dict() read before the model's."""
+    from pec_pipeline_programs import _local
+    out = {}
+    for param, state in opt.state_dict()["state"].items():
+        for k, v in state.items():
+            out[f"state:{param}:{k}"] = _local(v).clone()
+    out.update({f"weight:{k}": _local(v).clone() for k, v in dmp.state_dict().items()})
+    return out
+
+
+def optimizer_state_mid_run(info, steps: int, stop_after: int) -> dict:
+    """A checkpoint after `stop_after` steps whose code saves the optimizer first
+    ({"optim": opt.state_dict(), "model": model.state_dict()}): compared with TorchRec's."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    batches = make_batches(steps, world, 0.5, seed=77)
+    runs = {}
+    for name in ("sparse_dist", "pec"):
+        dmp, opt = build(dist.group.WORLD, "rowwise_adagrad")
+        pipe = _pipe(name, dmp, opt)
+        feed = iter([b[rank] for b in batches])
+        outputs = [pipe.progress(feed).clone() for _ in range(stop_after)]
+        runs[name] = {"outputs": outputs, "state": _state_optimizer_first(dmp, opt)}
+        _close(pipe)
+    return _diff(runs["sparse_dist"], runs["pec"])
+
+
+class PropertyBatch(Pipelineable):
+    """A Pipelineable-style batch keeping plain tensors and building its KeyedJaggedTensors on each
+    read (a property), as batches made from dense columns often do."""
+
+    def __init__(self, pooled, sequence, label) -> None:
+        self._p = (pooled.keys(), pooled.values(), pooled.lengths())
+        self._s = (sequence.keys(), sequence.values(), sequence.lengths())
+        self.label = label
+
+    @property
+    def pooled(self):
+        from torchrec import KeyedJaggedTensor
+        keys, values, lengths = self._p
+        return KeyedJaggedTensor(keys=keys, values=values, lengths=lengths)
+
+    @property
+    def sequence(self):
+        from torchrec import KeyedJaggedTensor
+        keys, values, lengths = self._s
+        return KeyedJaggedTensor(keys=keys, values=values, lengths=lengths)
+
+    def to(self, device, non_blocking: bool = False) -> "PropertyBatch":
+        return self
+
+    def record_stream(self, stream) -> None:
+        pass
+
+    def pin_memory(self) -> "PropertyBatch":
+        return self
+
+
+def property_batches(info, steps: int) -> dict:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    batches = make_batches(steps, world, 0.5, seed=95)
+    runs, errors = {}, {}
+    for name in ("sparse_dist", "pec"):
+        dmp, opt = build(dist.group.WORLD, "sgd")
+        pipe = _pipe(name, dmp, opt)
+        feed = iter([PropertyBatch(b[rank].pooled, b[rank].sequence, b[rank].label) for b in batches])
+        outputs = []
+        try:
+            outputs = [pipe.progress(feed).clone() for _ in range(steps)]
+        except Exception as e:  # noqa: BLE001
+            errors[name] = f"{type(e).__name__}: {e}"
+        runs[name] = {"outputs": outputs, "state": _state(dmp, opt)}
+        _close(pipe)
+    return {**_diff(runs["sparse_dist"], runs["pec"]), "errors": errors}
+
+
+def load_state(info, steps: int, save_at: int, load_mid_run_at: int) -> dict:
+    """The model's state saved after `save_at` steps; loading it after `load_mid_run_at` steps (PEC:
+    refused, batches in flight; TorchRec: loaded); then at the end of the epoch (StopIteration)
+    loaded by both, and a second epoch trained: outputs and final state compared, and what the
+    mid-run load raised."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    batches = make_batches(steps, world, 0.5, seed=23)
+    runs, refused = {}, {}
+    for name in ("sparse_dist", "pec"):
+        dmp, opt = build(dist.group.WORLD, "sgd")
+        pipe = _pipe(name, dmp, opt)
+        outputs, saved = [], None
+        for epoch in range(2):
+            feed = iter([b[rank] for b in batches])
+            while True:
+                if epoch == 0 and len(outputs) == save_at:
+                    saved = copy.deepcopy(dmp.state_dict())
+                if epoch == 0 and len(outputs) == load_mid_run_at and name == "pec":
+                    try:
+                        dmp.load_state_dict(saved)
+                        refused[name] = None
+                    except RuntimeError as e:
+                        refused[name] = str(e)
+                    try:
+                        opt.load_state_dict(copy.deepcopy(opt.state_dict()))
+                        refused["optimizer"] = None
+                    except RuntimeError as e:
+                        refused["optimizer"] = str(e)
+                try:
+                    outputs.append(pipe.progress(feed).clone())
+                except StopIteration:
+                    break
+            if epoch == 0:
+                dmp.load_state_dict(saved)  # between epochs: nothing in flight
+        runs[name] = {"outputs": outputs, "state": _state(dmp, opt)}
+        _close(pipe)
+    return {**_diff(runs["sparse_dist"], runs["pec"]), "refused": refused}
+
+
+def training_loop_patterns(info) -> dict:
+    """Each pattern on 2 ranks, tiny model, few steps (see the functions above)."""
+    return {"epochs": no_execute_all_epochs(info, 3, 4), "train_eval_train": train_eval_epochs(info, 4),
+            "short_loaders": short_loaders(info, [0, 1, 2]),
+            "data_error": data_error_then_checkpoint(info, 8, 3, 0.5),
+            "optimizer_first": optimizer_state_mid_run(info, 8, 5), "load": load_state(info, 6, 2, 3),
+            "property_batches": property_batches(info, 3)}
