@@ -660,3 +660,38 @@ def exchange_host_reads(info, modes: dict[str, dict], steps: tuple[int, int] = (
         out[name] = {k: {"per_step": (sum(v[1].values()) - sum(v[0].values())) / (steps[1] - steps[0]), "what": v[1]}
                      for k, v in totals.items()}
     return out
+
+
+def mean_pooling(info, steps: int) -> dict:
+    """MEAN pooling, every table's weights all ones: each bag of the EmbeddingBagCollection the
+    pipeline trains pools to 1 (0 if empty), per sharding; and TorchRec's own sharded forward's value
+    for the same bags (TorchRec 1.8 on CPU divides table- and column-wise bags by their length twice)."""
+    pg = dist.group.WORLD
+    rank, world = dist.get_rank(), dist.get_world_size()
+    dmp, opt = build(pg, "sgd", pooling=PoolingType.MEAN)
+    with torch.no_grad():
+        for _, weight in dmp.module.ebc.named_parameters():  # each table shard (views of its TBE's weights)
+            weight.fill_(1.0)
+    dmp.eval()  # the weights stay ones
+    batches = make_batches(steps, world, 0.5, seed=9)
+    torchrec = dmp.module.ebc(batches[0][rank].pooled)
+    torchrec = (torchrec.wait() if hasattr(torchrec, "wait") else torchrec).values()
+    pooled: list[torch.Tensor] = []
+    hook = dmp.module.ebc.register_forward_hook(lambda module, args, out: pooled.append(out.values().detach().clone()))
+    pipe = fc.TrainPipelinePEC(dmp, opt, torch.device("cpu"), group=pg)
+    feed = iter([b[rank] for b in batches])
+    for _ in range(steps):
+        pipe.progress(feed)
+    pipe.close()
+    hook.remove()
+    shardings = {"user": "row_wise", "ctx": "table_wise", "geo": "column_wise"}
+    out: dict = {"pec": {}, "torchrec": {}}
+    for step, values in enumerate(pooled):
+        lengths = batches[step][rank].pooled.lengths().view(len(POOLED), -1)
+        for f, (feature, rows) in enumerate(zip(POOLED, values.split(DIM, dim=1))):
+            want = (lengths[f] > 0).to(rows.dtype).unsqueeze(1).expand_as(rows)
+            out["pec"][shardings[feature]] = max(out["pec"].get(shardings[feature], 0.0), float((rows - want).abs().max()))
+            if step == 0:
+                got = torchrec.split(DIM, dim=1)[f]
+                out["torchrec"][shardings[feature]] = float((got - want).abs().max())
+    return out

@@ -212,3 +212,15 @@ def test_the_pipelines_copy_host_values_to_the_device_without_a_sync():
                 # to_device (pinned). The user's batch is theirs to pin (TorchRec's dataloaders do)
                 blocking.append(f"{path.name}:{node.lineno} pageable {ast.unparse(node)}")
     assert not blocking, blocking
+
+
+def test_mean_pooling_is_the_mean_on_every_sharding():
+    """All-ones tables: every bag pools to 1 through the pipeline, row-, table- and column-wise (to
+    float rounding). TorchRec 1.8's own sharded forward on CPU is asserted only where it is right
+    (row-wise): its table- and column-wise bags come out 1/L (README: TorchRec)."""
+    from pec_pipeline_programs import mean_pooling
+
+    for out in spawn(mean_pooling, 2, 3, timeout_s=300):
+        assert set(out["pec"]) == {"row_wise", "table_wise", "column_wise"}, out
+        assert max(out["pec"].values()) < 1e-5, out
+        assert out["torchrec"]["row_wise"] < 1e-5, out
