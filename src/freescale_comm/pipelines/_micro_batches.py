@@ -5,16 +5,17 @@ put back in the batch's sample order.
 A batch is cut along its samples: every KeyedJaggedTensor keeps its keys and takes the chosen
 samples' lists, a JaggedTensor the chosen samples' lists, a KeyedTensor the chosen rows; every
 tensor whose first dimension is the batch size takes the chosen rows (a [B, B] tensor too: by
-its first dimension);
-dataclasses, dicts, lists, tuples and other objects are cut field by field (attribute by
-attribute, on a shallow copy); numbers, strings and None are kept (a batch that stores its own
-size in an int needs split_batch).
+its first dimension), a NumPy array too, and a list of as many numbers or strings as samples
+(one per sample: request ids); dataclasses, dicts, other lists, tuples and other objects are cut
+field by field (attribute by attribute, on a shallow copy); numbers, strings, bytes, enums,
+devices, dtypes and None are kept (a batch that stores its own size in an int needs split_batch).
 Anything else: pass `split_batch` to the pipeline."""
 
 from __future__ import annotations
 
 import copy
 import dataclasses
+import enum
 import itertools
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
@@ -28,6 +29,8 @@ from freescale_comm.pipelines._catalog import Catalog
 from freescale_comm.pipelines._host_counts import stable_order
 
 SplitBatch = Callable[[Any, torch.Tensor], Any]  # (batch, int64 sample indices) -> micro-batch
+# values a batch holds that are not per sample, kept as they are (but in a list of one per sample)
+_ATOMS = (type(None), bool, int, float, str, bytes, torch.device, torch.dtype, enum.Enum)
 
 
 @dataclass
@@ -191,10 +194,17 @@ def split_batch(batch: Any, samples: torch.Tensor, size: int, where: str = "batc
         for k, v in batch.items():
             part[k] = split_batch(v, samples, size, f"{where}[{k!r}]", host_lengths)
         return part
+    if isinstance(batch, np.ndarray) and batch.ndim:
+        if batch.shape[0] != size:
+            raise ValueError(f"{where} has first dimension {batch.shape[0]}, not the batch size {size}: cannot cut it "
+                             "into micro-batches; pass split_batch=lambda batch, samples: ...")
+        return batch[samples.numpy()]
+    if type(batch) is list and size and len(batch) == size and all(isinstance(v, _ATOMS) for v in batch):
+        return [batch[i] for i in samples.tolist()]  # one value per sample (request ids...)
     if isinstance(batch, (list, tuple)):
         parts = [split_batch(v, samples, size, f"{where}[{i}]", host_lengths) for i, v in enumerate(batch)]
         return type(batch)._make(parts) if hasattr(batch, "_fields") else type(batch)(parts)
-    if batch is None or isinstance(batch, (bool, int, float, str)):
+    if isinstance(batch, _ATOMS) or isinstance(batch, np.ndarray):  # (a 0-d array too)
         return batch
     if hasattr(batch, "__dict__") and not callable(batch):  # a plain batch class: a copy, attribute by attribute
         part = copy.copy(batch)
@@ -234,6 +244,8 @@ def cut(batch: Any, inputs: dict[str, Any], catalog: Catalog, micro_batches: int
     size = batch_size(inputs)
     samples = cluster(catalog, inputs, micro_batches)
     lengths = HostLengths()  # each KeyedJaggedTensor's lengths, read once for every micro-batch
+    if micro_batches == 1:  # the batch itself: nothing to cut
+        return MicroBatches([batch], [inputs], samples, size, lengths)
     batches = [split(batch, s) if split is not None else split_batch(batch, s, size, host_lengths=lengths)
                for s in samples]
     micro_inputs = [read_inputs(b) for b in batches]

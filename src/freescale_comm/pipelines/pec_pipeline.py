@@ -97,6 +97,7 @@ class TrainPipelinePEC(Generic[In, Out]):
         DDP's static graph requires of every backward: a rank whose graph skips one waits forever);
         an empty one (fewer samples than micro-batches) runs forward and backward but trains
         nothing: its loss sends no gradient (a mean over no samples is NaN, and so is 0 x NaN).
+        What a layer computes over the batch (BatchNorm's statistics) it computes per micro-batch.
         progress() returns the micro-batches' outputs merged by merge_output. None: whole
         batches, every id sent as TorchRec sends it (results bit-identical to
         TrainPipelineSparseDist).
