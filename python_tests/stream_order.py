@@ -163,7 +163,7 @@ class CheckedStreams(HostStreams):
 
     def __init__(self, checker: StreamChecker, mirror: bool = True, record: bool = True) -> None:
         self.checker, self.mirror, self.record = checker, mirror, record
-        self.drains = 0  # close() must order the main stream after the worker's, after a failure too
+        self.drains = 0  # close() and a failure must order the main stream after the worker's
 
     def drain(self) -> None:
         self.drains += 1

@@ -539,12 +539,14 @@ class TrainPipelinePEC(Generic[In, Out]):
 
     def _quiesce(self) -> None:
         """After a failure: waits until the worker has run (or failed) every task posted so far, so
-        nothing it does races a checkpoint the caller takes next (it updates tables). Bounded by the
-        communicator's timeout: each task's peers posted it too, or fail with CommError."""
+        nothing it does races a checkpoint the caller takes next (it updates tables), on the device
+        too (the main stream waits for the worker's). Bounded by the communicator's timeout: each
+        task's peers posted it too, or fail with CommError."""
         try:
             self._worker.submit(lambda: None).result()
         except BaseException:  # noqa: BLE001 - the failure being raised says what went wrong
             pass
+        self._streams.drain()
 
     def flush(self) -> None:
         """Applies the gradients PEC deferred (its last batch's, for rows the next batch does not
