@@ -19,7 +19,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from freescale_comm._core import CommError
+from freescale_comm._errors import comm_error
 from freescale_comm._device_copy import to_device
 from freescale_comm.bundle import (
     BalancedBundle,
@@ -124,7 +124,7 @@ class LoadBalancer:
             mine += [len(extra), cost.numel(), *extra, *cost.tolist()]
         per_rank = [v.tolist() for v in _all_gather_host(comm, torch.tensor(mine, dtype=torch.int64))]
         if len({v[0] for v in per_rank}) > 1:
-            raise CommError(f"ranks planned different numbers of balanced batches ahead {[v[0] for v in per_rank]}")
+            raise comm_error(f"ranks planned different numbers of balanced batches ahead {[v[0] for v in per_rank]}")
         at = [1] * len(per_rank)  # per rank: where its next batch starts
         out = []
         for _ in batches:
@@ -233,7 +233,7 @@ def _check_widths(widths: list[int]) -> None:
     """CommError unless every rank balanced the same number of features."""
     if len(set(widths)) > 1:
         by = {w: [r for r, x in enumerate(widths) if x == w] for w in sorted(set(widths))}
-        raise CommError("ranks balanced batches of different features (" +
+        raise comm_error("ranks balanced batches of different features (" +
                         ", ".join(f"ranks {ranks}: {w}" for w, ranks in by.items()) +
                         "): every rank's batch needs the same features, each through dispatch_bundle or each "
                         "through dispatch")

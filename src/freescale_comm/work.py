@@ -11,6 +11,7 @@ import torch
 
 from freescale_comm import _core
 from freescale_comm._capture import refuse_capture
+from freescale_comm._errors import comm_error
 
 Timeout = Union[None, float, int, datetime.timedelta]
 logger = logging.getLogger("freescale_comm")
@@ -81,9 +82,7 @@ class Work:
             logger.debug("an op waited for on CUDA failed while closing", exc_info=True)
 
     def _timed_out(self, timeout: Timeout, why: str) -> Exception:
-        err = _core.CommError(f"all_to_all op #{self.seq} did not complete within {timeout} ({why}; it goes on)")
-        err.code, err.culprit = "TIMEOUT", None
-        return err
+        return comm_error(f"all_to_all op #{self.seq} did not complete within {timeout} ({why}; it goes on)", "TIMEOUT")
 
     def is_completed(self) -> bool:
         """True once the op finished, successfully or not (like torch's Work)."""

@@ -68,7 +68,7 @@ from typing import Optional
 import torch
 
 from freescale_comm.communicator import Communicator
-from freescale_comm._core import CommError
+from freescale_comm._errors import comm_error
 from freescale_comm._device_copy import on_device, to_device
 from freescale_comm.pipelines._catalog import Catalog, LocalShard, Slot
 from freescale_comm.pipelines._host_counts import (CountBatch, first_uses, positions, select, select_into,
@@ -306,12 +306,13 @@ class PecExchange:
         has = [t[-1] for t in tails]
         failed = [r for r, h in enumerate(has) if h == 2]
         if failed:
-            raise CommError(f"ranks {failed} could not read or route their next batch (their own error says why); "
-                            "every rank stops")
+            raise comm_error(f"ranks {failed} could not read or route their next batch (their own error says why); "
+                             "every rank stops", "PEER_ABORTED", failed[0])
         if any(has) and not all(has):
-            raise CommError(f"ranks {[r for r, h in enumerate(has) if not h]} ran out of data while ranks "
-                            f"{[r for r, h in enumerate(has) if h]} still had a batch: every rank's dataloader "
-                            "must yield the same number of batches")
+            short = [r for r, h in enumerate(has) if not h]
+            raise comm_error(f"ranks {short} ran out of data while ranks {[r for r, h in enumerate(has) if h]} still "
+                             "had a batch: every rank's dataloader must yield the same number of batches",
+                             "COMM_ERROR", short[0])
         self.incoming = [t[:-1] for t in tails] if has[0] else None
         return bool(has[0])
 

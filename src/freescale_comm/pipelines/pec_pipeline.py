@@ -27,6 +27,7 @@ import concurrent.futures
 import contextlib
 import threading
 import time
+import zlib
 from typing import Any, Callable, Generic, Iterator, Mapping, Optional, TypeVar
 
 import torch
@@ -171,6 +172,16 @@ class TrainPipelinePEC(Generic[In, Out]):
             reader(find_sparse_inputs(model.module, modules))
         to_balance = _balance_targets(model.module, balance)  # checked before anything starts
         self._comm = Communicator(group)
+        try:  # every rank must drive the same rounds: arguments that change them must agree
+            _agree(self._comm, {"micro_batches": micro_batches, "prefetch": prefetch,
+                                "execute_all_batches": execute_all_batches, "loss_reduction": loss_reduction,
+                                "balance": sorted(balance) if balance is not None else None,
+                                "high_priority": high_priority, "low_priority": low_priority,
+                                "deferred_priority": deferred_priority, "next_micro_priority": next_micro_priority,
+                                "micro_gradient_priority": micro_gradient_priority})
+        except BaseException:
+            self._comm.close()
+            raise
         tables = {s.weight.device for s in self._catalog.local.values()}
         self._exchange = PecExchange(self._comm, self._catalog, high_priority, low_priority, deferred_priority,
                                      tables.pop() if len(tables) == 1 else self._device, prefetch=prefetch,
@@ -201,6 +212,7 @@ class TrainPipelinePEC(Generic[In, Out]):
         self._drained = False  # the data ran out: the next progress() raises StopIteration
         self._failure: Optional[BaseException] = None  # what broke the pipeline: raised again
         self._closed = False
+        self._progressing = threading.Lock()  # held by the thread in progress()
         # per step, ms the main thread was blocked on embedding communication (waiting for the worker
         # or for a message), in all and by phase ("ids": counts, ids; "embeddings": flags, NOL rows, the
         # rows that waited for the last update (OL rows; with micro-batches each one's, as it starts);
@@ -376,6 +388,15 @@ class TrainPipelinePEC(Generic[In, Out]):
     # -- the TorchRec contract ---------------------------------------------------------------------
     def progress(self, dataloader_iter: Iterator[In]) -> Out:
         """Trains one batch (forward, backward, optimizer step) and returns its output."""
+        if not self._progressing.acquire(blocking=False):  # the rounds' order is one thread's program order
+            raise RuntimeError("progress() is already running on another thread: drive a TrainPipelinePEC from one "
+                               "thread")
+        try:
+            return self._progress(dataloader_iter)
+        finally:
+            self._progressing.release()
+
+    def _progress(self, dataloader_iter: Iterator[In]) -> Out:
         if self._closed:
             raise RuntimeError("the pipeline is closed")
         if self._failure is not None:
@@ -466,6 +487,8 @@ class TrainPipelinePEC(Generic[In, Out]):
             raise
         except BaseException as e:
             self._failure = e
+            if not isinstance(e, Exception):  # Ctrl-C, SystemExit: stop now (peers learn it), no waiting out a peer
+                self._comm.close()
             self._quiesce()
             raise
         self.exposed_ms.append(sum(self._exposed.values()))
@@ -565,11 +588,15 @@ class TrainPipelinePEC(Generic[In, Out]):
         worker blocked on a peer returns at once."""
         if self._closed:
             return
+        error: Optional[BaseException] = None  # what closing hit (a dead peer): raised once all is released
         if self._failure is None:
             try:
                 self.flush()
+                for future in (self._asked_next, *self._micro_rows):  # posted, not yet waited for
+                    if future is not None:
+                        self._join(future)
             except BaseException as e:  # noqa: BLE001 - still release everything below
-                self._failure = e
+                self._failure = error = e
         self._closed = True
         if self._failure is not None:
             self._comm.close()
@@ -586,6 +613,26 @@ class TrainPipelinePEC(Generic[In, Out]):
             info.module.__dict__.pop("forward", None)
         for module in self._balanced:
             module.freescale_balance.remove()
+        if error is not None:
+            raise error
+
+
+def _agree(comm: Communicator, settings: dict[str, Any]) -> None:
+    """ValueError on every rank naming the first of `settings` the ranks gave different values (one
+    exchange: each value's hash)."""
+    codes = [zlib.crc32(repr(value).encode()) for value in settings.values()]
+    world = comm.world_size
+    out = torch.empty(world * len(codes), dtype=torch.int64)
+    comm.all_to_all_single(out, torch.tensor(codes * world, dtype=torch.int64))
+    per_rank = out.view(world, len(codes)).tolist()
+    for i, (name, value) in enumerate(settings.items()):
+        if len({row[i] for row in per_rank}) > 1:
+            groups: dict[int, list[int]] = {}
+            for rank, row in enumerate(per_rank):
+                groups.setdefault(row[i], []).append(rank)
+            raise ValueError(f"the ranks built TrainPipelinePEC with different {name} (ranks grouped by value: "
+                             f"{sorted(groups.values())}; this rank, {comm.rank}: {value!r}): every rank must pass the "
+                             "same, as every rank runs the same rounds")
 
 
 def _balance_targets(model: nn.Module, balance: Optional[Mapping[str, CostModel]]) -> list[tuple[nn.Module, CostModel]]:

@@ -1,0 +1,230 @@
+"""Rank programs: TrainPipelinePEC's failures (test_pipeline_failures.py).
+
+Each rank trains the small PEC pipeline model of pec_pipeline_programs on 2 ranks; one rank (the
+victim) fails in a chosen way; every rank reports what it saw: the exception's type, code (CommError),
+message, how long the failing call took, what close() did, and which pipeline threads are still alive.
+The communicator's timeout is FREESCALE_TIMEOUT_S (set here, before the pipeline's Communicator)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+from torchrec.distributed import DistributedModelParallel
+from torchrec.distributed.embedding import EmbeddingCollectionSharder
+from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
+from torchrec.distributed.model_parallel import DataParallelWrapper
+from torchrec.distributed.sharding_plan import construct_module_sharding_plan
+from torchrec.distributed.types import ShardingEnv, ShardingPlan
+from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizerWrapper
+from torchrec.optim.optimizers import in_backward_optimizer_filter
+
+import freescale_comm as fc
+from pec_pipeline_programs import OPTIMIZERS, POOLED, SEQUENCE, Model, _spec, make_batches
+
+VICTIM = 1
+
+
+class _NoWrap(DataParallelWrapper):
+    """No DDP around the dense part: a survivor's backward must not wait in gloo for the victim (torch's
+    own all-reduce, not the pipeline's), so what the survivor sees is the pipeline's."""
+
+    def wrap(self, dmp, env, device) -> None:  # noqa: D401
+        return None
+
+
+def build_no_ddp(pg: dist.ProcessGroup) -> tuple:
+    world = dist.get_world_size(pg)
+    torch.manual_seed(0)
+    fused = {"optimizer": OPTIMIZERS["sgd"], "learning_rate": 0.1}
+    sharders = (EmbeddingBagCollectionSharder(fused_params=fused), EmbeddingCollectionSharder(fused_params=fused))
+    model = Model(torch.device("meta"))
+    ebc = construct_module_sharding_plan(model.ebc, {f"t_{f}": _spec(k, world, i) for i, (f, k) in enumerate(POOLED.items())},
+                                         sharders[0], local_size=world, world_size=world, device_type="cpu")
+    ec = construct_module_sharding_plan(model.ec, {f"t_{f}": _spec(k, world, i + 1) for i, (f, k) in enumerate(SEQUENCE.items())},
+                                        sharders[1], local_size=world, world_size=world, device_type="cpu")
+    dmp = DistributedModelParallel(model, env=ShardingEnv.from_process_group(pg), device=torch.device("cpu"),
+                                   plan=ShardingPlan({"ebc": ebc, "ec": ec}), sharders=list(sharders),
+                                   data_parallel_wrapper=_NoWrap())
+    dense = KeyedOptimizerWrapper(dict(in_backward_optimizer_filter(dmp.named_parameters())),
+                                  lambda params: torch.optim.SGD(params, lr=0.1))
+    return dmp, CombinedOptimizer([dmp.fused_optimizer, dense])
+
+
+def _pec_threads() -> list[str]:
+    return [t.name for t in threading.enumerate() if t.name.startswith("freescale-pec") and t.is_alive()]
+
+
+def _report(e: Optional[BaseException], elapsed: float) -> dict:
+    if e is None:
+        return {"error": None, "elapsed": elapsed}
+    return {"error": type(e).__name__, "code": getattr(e, "code", None), "culprit": getattr(e, "culprit", None),
+            "msg": str(e)[:600], "elapsed": round(elapsed, 2)}
+
+
+def _close(pipe: Any) -> dict:
+    start = time.monotonic()
+    try:
+        pipe.close()
+        err = None
+    except BaseException as e:  # noqa: BLE001 - reported
+        err = e
+    out = _report(err, time.monotonic() - start)
+    out["failure_kept"] = repr(getattr(pipe, "_failure", None))[:300]
+    time.sleep(0.2)
+    out["threads_after_close"] = _pec_threads()
+    return out
+
+
+def _train(pipe: Any, feed, steps: int) -> tuple[Optional[BaseException], float, int]:
+    """Up to `steps` progress() calls; returns the exception (None: all ran), how long the failing call
+    took (s) and how many steps completed."""
+    done = 0
+    for _ in range(steps):
+        start = time.monotonic()
+        try:
+            pipe.progress(feed)
+        except StopIteration:
+            return None, 0.0, done
+        except BaseException as e:  # noqa: BLE001 - reported
+            return e, time.monotonic() - start, done
+        done += 1
+    return None, 0.0, done
+
+
+def scenario(info, name: str, timeout_s: float = 10.0, steps: int = 6, sigints: tuple = (2.0,)) -> dict:
+    """die_before_close, sigint_blocked, raise_split, two_threads: see test_pipeline_failures."""
+    os.environ["FREESCALE_TIMEOUT_S"] = str(timeout_s)
+    pg = dist.group.WORLD
+    rank, world = dist.get_rank(), dist.get_world_size()
+    victim = rank == VICTIM
+    batches = make_batches(steps + 2, world, 0.5, seed=3)
+    mine = [b[rank] for b in batches]
+    dmp, opt = build_no_ddp(pg)
+    kwargs: dict = {}
+    if name == "raise_split":
+        kwargs["micro_batches"] = 2
+        from freescale_comm.pipelines._micro_batches import select_samples
+        seen = [0]
+
+        def split(batch, samples):
+            if victim and samples.numel() and seen[0] >= 8:
+                raise ValueError("split_batch failed on purpose")
+            seen[0] += 1
+            from dmp_programs import Batch
+            return Batch(select_samples(batch.pooled, samples), select_samples(batch.sequence, samples),
+                         batch.label[samples])
+        kwargs["split_batch"] = split
+    pipe = fc.TrainPipelinePEC(dmp, opt, torch.device("cpu"), group=pg, **kwargs)
+    feed = iter(mine)
+    out: dict = {"rank": rank}
+
+    if name == "die_before_close" and victim:
+        send = pipe._exchange.send_deferred
+        count = [0]
+
+        def dying_send():
+            count[0] += 1
+            if count[0] == 3:  # the third step's deferred gradients never leave: the victim dies
+                time.sleep(2.0)
+                os._exit(7)
+            return send()
+        pipe._exchange.send_deferred = dying_send
+
+    if name == "die_before_close":
+        e, elapsed, done = _train(pipe, feed, 3)
+        if victim:
+            time.sleep(30)  # its worker exits the process
+        out["before_close"] = _report(e, elapsed)
+        out["close"] = _close(pipe)
+        return out
+    elif name == "sigint_blocked":
+        # the victim's dataloader is slow (longer than the timeout would be worth waiting): rank 0 is
+        # blocked waiting for it and gets Ctrl-C 2 s in; KeyboardInterrupt should leave progress() at once
+        def slow_feed():
+            for k, b in enumerate(mine):
+                if victim and k == 4:
+                    time.sleep(timeout_s * 2)
+                yield b
+        feed = slow_feed()
+        if not victim:
+            e, elapsed, done = _train(pipe, feed, 2)
+            quiesce, marks = pipe._quiesce, {}
+
+            def timed_quiesce():
+                marks["quiesce_entered"] = round(time.monotonic() - t0, 2)
+                try:
+                    return quiesce()
+                finally:
+                    marks["quiesce_left"] = round(time.monotonic() - t0, 2)
+            pipe._quiesce = timed_quiesce
+            t0 = time.monotonic()
+            for at in sigints:  # Ctrl-C (and again, as a user does when the first seems ignored)
+                threading.Timer(at, lambda: os.kill(os.getpid(), signal.SIGINT)).start()
+            e, elapsed, done = _train(pipe, feed, steps)
+            out["raised_after"] = round(time.monotonic() - t0, 2)
+            out.update(marks)
+            out["done"] = done
+        else:
+            e, elapsed, done = _train(pipe, feed, steps)
+    elif name == "two_threads":
+        errors: list = []
+
+        def run():
+            try:
+                for _ in range(steps):
+                    pipe.progress(feed)
+            except StopIteration:
+                pass
+            except BaseException as ex:  # noqa: BLE001 - reported
+                errors.append(ex)
+        start = time.monotonic()
+        if victim:
+            threads = [threading.Thread(target=run) for _ in range(2)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(timeout_s * 4)
+            out["hung_threads"] = sum(t.is_alive() for t in threads)
+        else:
+            run()
+        e, elapsed = (errors[0] if errors else None), time.monotonic() - start
+        out["all_errors"] = [f"{type(x).__name__}: {str(x)[:300]}" for x in errors]
+    else:
+        e, elapsed, done = _train(pipe, feed, steps)
+        out["done"] = done
+    out["progress"] = _report(e, elapsed)
+    out["close"] = _close(pipe)
+    return out
+
+
+def disagreeing_arguments(info) -> dict:
+    """Per argument, the victim builds the pipeline with another value than rank 0 (each of which
+    works alone): what each rank's construction raised. Then both agree and one step trains."""
+    from freescale_comm.planner import CostModel
+    from pec_pipeline_programs import BalancedModel, build
+
+    pg = dist.group.WORLD
+    victim = dist.get_rank() == VICTIM
+    dmp, opt = build(pg, "sgd", BalancedModel)
+    tower = {"tower": CostModel(quadratic=1.0, linear=0.0, constant=1.0)}
+    cases = {"micro_batches": ({"micro_batches": 2}, {}), "prefetch": ({"prefetch": "dual_buffer"}, {}),
+             "balance": ({"balance": tower}, {}), "execute_all_batches": ({"execute_all_batches": False}, {}),
+             "low_priority": ({"low_priority": 5}, {})}
+    out = {}
+    for name, (theirs, mine) in cases.items():
+        try:
+            fc.TrainPipelinePEC(dmp, opt, torch.device("cpu"), group=pg, **(theirs if victim else mine)).close()
+            out[name] = None
+        except ValueError as e:
+            out[name] = str(e)
+    pipe = fc.TrainPipelinePEC(dmp, opt, torch.device("cpu"), group=pg, micro_batches=2)
+    batches = make_batches(2, dist.get_world_size(), 0.5, seed=3)
+    out["trained"] = float(pipe.progress(iter([b[dist.get_rank()] for b in batches])).sum())
+    pipe.close()
+    return out

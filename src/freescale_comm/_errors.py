@@ -1,0 +1,14 @@
+"""CommErrors raised by Python-level checks between ranks, carrying `.code` (an ErrorCode name) and
+`.culprit` (the rank at the root, None if unknown) as the core's do (README: every CommError)."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from freescale_comm._core import CommError
+
+
+def comm_error(message: str, code: str = "COMM_ERROR", culprit: Optional[int] = None) -> CommError:
+    err = CommError(message)
+    err.code, err.culprit = code, culprit
+    return err
