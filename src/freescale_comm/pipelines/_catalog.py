@@ -82,6 +82,10 @@ class Catalog:
     modules: list[ModuleInfo]
     slots: list[Slot]
     local: dict[tuple[str, str, int], LocalShard]  # slot.key -> this rank's shard
+    # why this rank cannot prioritize its own shards (what only its TBEs say), None if it can: every
+    # rank learns it at construction and refuses together (a rank refusing alone would leave its
+    # peers waiting for it)
+    refusal: Optional[str] = None
 
     def owned_by(self, rank: int) -> list[Slot]:
         return [s for s in self.slots if s.owner == rank]
@@ -178,16 +182,26 @@ def build_catalog(model: nn.Module, plan: object, rank: int) -> Catalog:
     ValueError naming the table for what the pipeline cannot prioritize."""
     ec_type, _ = _sharded_types()
     modules, slots, local = [], [], {}
+    refusals: list[str] = []
     for fqn, module in sharded_modules(model):
         pooled = not isinstance(module, ec_type)
-        module_plan = plan.plan.get(fqn)
-        if module_plan is None:
-            raise ValueError(f"sharded module {fqn!r} is not in the model's sharding plan")
+        configs = module._embedding_bag_configs if pooled else module._embedding_configs
+        names = [c.name for c in configs]
         if pooled and getattr(module, "_is_weighted", False):
-            raise ValueError(f"{fqn!r} is a weighted EmbeddingBagCollection: per-id weights are not supported")
+            raise ValueError(f"{fqn!r} (tables {names}) is a weighted EmbeddingBagCollection (per-id weights, as a "
+                             "FeatureProcessedEmbeddingBagCollection's position weights): not supported")
         if not pooled and getattr(module, "_need_indices", False):
             raise ValueError(f"{fqn!r} is an EmbeddingCollection with need_indices=True: not supported")
-        configs = module._embedding_bag_configs if pooled else module._embedding_configs
+        if getattr(module, "qcomm_codecs_registry", None):
+            raise ValueError(f"{fqn!r} (tables {names}) sends embeddings through quantized comms (its sharder's "
+                             f"qcomm_codecs_registry: {sorted(module.qcomm_codecs_registry)}): the PEC pipeline "
+                             "moves float32 rows and gradients; build the sharders without qcomm_codecs_registry")
+        module_plan = plan.plan.get(fqn)
+        if module_plan is None:
+            holders = [p for p in plan.plan if fqn.startswith(p + ".")]
+            raise ValueError(f"sharded module {fqn!r} (tables {names}) is planned as part of {holders[0]!r}, a wrapper "
+                             "(feature processors, managed collisions): not supported" if holders else
+                             f"sharded module {fqn!r} is not in the model's sharding plan")
         tables = []
         seen: dict[str, str] = {}
         for config in configs:
@@ -209,9 +223,14 @@ def build_catalog(model: nn.Module, plan: object, rank: int) -> Catalog:
                 if owner == rank:
                     entry = owned.get((table.name, row0, col0))
                     if entry is None:
-                        raise ValueError(f"rank {rank} owns shard {shard_index} of table {table.name!r} in {fqn!r} "
-                                         "but holds no fused TBE for it")
+                        refusals.append(f"rank {rank} owns shard {shard_index} of table {table.name!r} in {fqn!r} "
+                                        "but holds no fused TBE for it")
+                        continue
                     tbe, weight, features = entry
+                    if getattr(tbe, "output_dtype", _FP32) != _FP32:
+                        refusals.append(f"table {table.name!r} in {fqn!r} looks up embeddings as "
+                                        f"{_sparse_type_name(tbe.output_dtype)} (fused_params output_dtype): the PEC "
+                                        "pipeline hands out float32 rows")
                     local[(fqn, table.name, shard_index)] = LocalShard(weight, tbe, features)
             tables.append(table)
         info = ModuleInfo(fqn, pooled, tables, module)
@@ -225,5 +244,17 @@ def build_catalog(model: nn.Module, plan: object, rank: int) -> Catalog:
                          "prioritize (use TorchRec's TrainPipelineSparseDist)")
     dtypes = {s.weight.dtype for s in local.values()}
     if len(dtypes) > 1 or (dtypes and torch.float32 not in dtypes):
-        raise ValueError(f"the PEC pipeline moves float32 embedding rows; this rank's tables hold {sorted(map(str, dtypes))}")
-    return Catalog(modules, slots, local)
+        refusals.append(f"the PEC pipeline moves float32 embedding rows; rank {rank}'s tables hold "
+                        f"{sorted(map(str, dtypes))}")
+    return Catalog(modules, slots, local, refusals[0] if refusals else None)
+
+
+_FP32 = 0  # fbgemm's SparseType.FP32.as_int(), a TBE's output_dtype for float32 lookups
+
+
+def _sparse_type_name(code: int) -> str:
+    try:
+        from fbgemm_gpu.split_embedding_configs import SparseType
+        return next(t.name for t in SparseType if t.as_int() == code)
+    except (ImportError, StopIteration, AttributeError):
+        return f"SparseType {code}"

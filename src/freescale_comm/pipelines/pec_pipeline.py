@@ -172,13 +172,14 @@ class TrainPipelinePEC(Generic[In, Out]):
             reader(find_sparse_inputs(model.module, modules))
         to_balance = _balance_targets(model.module, balance)  # checked before anything starts
         self._comm = Communicator(group)
-        try:  # every rank must drive the same rounds: arguments that change them must agree
-            _agree(self._comm, {"micro_batches": micro_batches, "prefetch": prefetch,
-                                "execute_all_batches": execute_all_batches, "loss_reduction": loss_reduction,
-                                "balance": sorted(balance) if balance is not None else None,
-                                "high_priority": high_priority, "low_priority": low_priority,
-                                "deferred_priority": deferred_priority, "next_micro_priority": next_micro_priority,
-                                "micro_gradient_priority": micro_gradient_priority})
+        # every rank must drive the same rounds: the arguments that shape them must agree, and a rank
+        # that cannot serve its own shards refuses with all the others
+        try:
+            _agree(self._comm, self._catalog.refusal, {
+                "micro_batches": micro_batches, "prefetch": prefetch, "execute_all_batches": execute_all_batches,
+                "loss_reduction": loss_reduction, "balance": sorted(balance) if balance is not None else None,
+                "high_priority": high_priority, "low_priority": low_priority, "deferred_priority": deferred_priority,
+                "next_micro_priority": next_micro_priority, "micro_gradient_priority": micro_gradient_priority})
         except BaseException:
             self._comm.close()
             raise
@@ -617,15 +618,22 @@ class TrainPipelinePEC(Generic[In, Out]):
             raise error
 
 
-def _agree(comm: Communicator, settings: dict[str, Any]) -> None:
-    """ValueError on every rank naming the first of `settings` the ranks gave different values (one
-    exchange: each value's hash)."""
-    codes = [zlib.crc32(repr(value).encode()) for value in settings.values()]
+def _agree(comm: Communicator, refusal: Optional[str], settings: dict[str, Any]) -> None:
+    """One exchange at construction: ValueError on every rank if some rank refuses its own shards
+    (`refusal`: why, on that rank), or naming the first of `settings` the ranks gave different
+    values (each value's hash crosses)."""
+    codes = [int(refusal is not None)] + [zlib.crc32(repr(value).encode()) for value in settings.values()]
     world = comm.world_size
     out = torch.empty(world * len(codes), dtype=torch.int64)
     comm.all_to_all_single(out, torch.tensor(codes * world, dtype=torch.int64))
     per_rank = out.view(world, len(codes)).tolist()
-    for i, (name, value) in enumerate(settings.items()):
+    refusing = [rank for rank, row in enumerate(per_rank) if row[0]]
+    if refusal is not None:
+        raise ValueError(refusal)
+    if refusing:
+        raise ValueError(f"ranks {refusing} cannot prioritize their own table shards (their own error says why): "
+                         "every rank refuses the model")
+    for i, (name, value) in enumerate(settings.items(), start=1):
         if len({row[i] for row in per_rank}) > 1:
             groups: dict[int, list[int]] = {}
             for rank, row in enumerate(per_rank):
