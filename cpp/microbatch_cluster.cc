@@ -39,16 +39,16 @@ void check(const ClusterInput& in) {
 // that moves without adding a distinct id: one whose every key no other sample there holds (its ids
 // leave with it), samples without ids included; the cheapest such, then the lowest index. A pass
 // over nothing costs as much as one over a sample, and a model's mean loss over no samples is NaN.
-// `held`: [key][micro-batch] samples holding it, kept up to date.
-void fill_empty(const ClusterInput& in, std::vector<int32_t>& held, ClusterPlan& plan) {
+// Runs only where a micro-batch came out empty; counts a source's keys when it is tried.
+void fill_empty(const ClusterInput& in, ClusterPlan& plan) {
   const int m = in.micro_batches;
-  const size_t mm = static_cast<size_t>(m);
-  std::vector<int64_t> count(mm, 0);
+  std::vector<int64_t> count(static_cast<size_t>(m), 0);
   for (int64_t mb : plan.micro_batch) ++count[static_cast<size_t>(mb)];
+  if (std::find(count.begin(), count.end(), 0) == count.end()) return;
+  std::vector<int32_t> holding(static_cast<size_t>(in.num_keys), 0);  // [key]: samples of the source holding it
   for (int dst = 0; dst < m; ++dst) {
     if (count[static_cast<size_t>(dst)] > 0) continue;
-    // sources by samples held, most first (ties: lowest index)
-    std::vector<int> sources;
+    std::vector<int> sources;  // by samples held, most first (ties: lowest index)
     for (int b = 0; b < m; ++b) {
       if (count[static_cast<size_t>(b)] >= 2) sources.push_back(b);
     }
@@ -56,11 +56,16 @@ void fill_empty(const ClusterInput& in, std::vector<int32_t>& held, ClusterPlan&
     int64_t moved = -1;
     int source = -1;
     for (int src : sources) {
+      std::fill(holding.begin(), holding.end(), 0);
+      for (int64_t i = 0; i < in.samples; ++i) {
+        if (plan.micro_batch[static_cast<size_t>(i)] != src) continue;
+        for (int64_t j = in.key_offsets[i]; j < in.key_offsets[i + 1]; ++j) ++holding[static_cast<size_t>(in.keys[j])];
+      }
       for (int64_t i = 0; i < in.samples; ++i) {
         if (plan.micro_batch[static_cast<size_t>(i)] != src) continue;
         bool alone = true;  // no other sample in src holds any of i's keys
         for (int64_t j = in.key_offsets[i]; alone && j < in.key_offsets[i + 1]; ++j)
-          alone = held[static_cast<size_t>(in.keys[j]) * mm + static_cast<size_t>(src)] == 1;
+          alone = holding[static_cast<size_t>(in.keys[j])] == 1;
         if (alone && (moved < 0 || in.cost[i] < in.cost[moved])) moved = i;
       }
       if (moved >= 0) {
@@ -69,12 +74,7 @@ void fill_empty(const ClusterInput& in, std::vector<int32_t>& held, ClusterPlan&
       }
     }
     if (moved < 0) continue;  // stays empty: no sample moves without adding an id
-    for (int64_t j = in.key_offsets[moved]; j < in.key_offsets[moved + 1]; ++j) {
-      const size_t row = static_cast<size_t>(in.keys[j]) * mm;
-      --held[row + static_cast<size_t>(source)];
-      ++held[row + static_cast<size_t>(dst)];  // distinct ids unchanged: one pair left, one came
-    }
-    plan.micro_batch[static_cast<size_t>(moved)] = dst;
+    plan.micro_batch[static_cast<size_t>(moved)] = dst;  // distinct ids unchanged: its pairs left src, came to dst
     plan.loads[static_cast<size_t>(source)] -= in.cost[moved];
     plan.loads[static_cast<size_t>(dst)] += in.cost[moved];
     --count[static_cast<size_t>(source)];
@@ -100,7 +100,7 @@ ClusterPlan cluster_greedy(const ClusterInput& in) {
   ClusterPlan plan;
   plan.micro_batch.assign(static_cast<size_t>(in.samples), 0);
   plan.loads.assign(mm, 0.0);
-  std::vector<int32_t> held(static_cast<size_t>(in.num_keys) * mm, 0);  // [key][micro-batch]: samples holding it
+  std::vector<char> held(static_cast<size_t>(in.num_keys) * mm, 0);  // [key][micro-batch]
   std::vector<double> gain(mm);
   // better(a, b): a ranks before b (gain descending, then load ascending, then index ascending)
   auto better = [&](int a, int b) {
@@ -115,7 +115,7 @@ ClusterPlan cluster_greedy(const ClusterInput& in) {
     std::fill(gain.begin(), gain.end(), 0.0);
     for (const int64_t* k = first; k != last; ++k) {
       const double w = weight[static_cast<size_t>(holders[static_cast<size_t>(*k)] - 1)];  // holders >= 1 here
-      const int32_t* row = held.data() + static_cast<size_t>(*k) * mm;
+      const char* row = held.data() + static_cast<size_t>(*k) * mm;
       for (int b = 0; b < m; ++b) {
         if (row[b]) gain[b] += w;
       }
@@ -131,14 +131,14 @@ ClusterPlan cluster_greedy(const ClusterInput& in) {
     plan.cap_bound |= gain[choice] < gain[best];
     plan.micro_batch[static_cast<size_t>(i)] = choice;
     for (const int64_t* k = first; k != last; ++k) {
-      int32_t& h = held[static_cast<size_t>(*k) * mm + choice];
+      char& h = held[static_cast<size_t>(*k) * mm + choice];
       plan.distinct_ids += h ? 0 : 1;
-      ++h;
+      h = 1;
       --holders[static_cast<size_t>(*k)];
     }
     plan.loads[choice] += c;
   }
-  fill_empty(in, held, plan);
+  fill_empty(in, plan);
   return plan;
 }
 

@@ -131,10 +131,11 @@ def test_a_keyed_jagged_tensor_of_another_batch_size_is_refused_by_name(stride):
         split_batch(batch, torch.tensor([1, 4]), 5)
 
 
-def test_per_sample_lists_and_arrays_are_cut_and_other_values_kept():
-    """A list of one id or string per sample and a NumPy array of batch-size rows take the chosen
-    samples' (a list was copied whole into every micro-batch); devices, dtypes, bytes and enums,
-    which are no one's, are kept (they were refused)."""
+def test_arrays_are_cut_other_values_kept_and_ambiguous_ones_refused():
+    """A NumPy array of batch-size rows takes the chosen samples'; devices, dtypes, bytes and enums,
+    which are no one's, are kept (they were refused). A list of as many ids or strings as samples
+    was copied whole into every micro-batch: one per sample or not cannot be told, so it is refused
+    naming the field (as a number a dataclass sets after __init__, which went stale)."""
     import enum
 
     import numpy as np
@@ -143,16 +144,27 @@ def test_per_sample_lists_and_arrays_are_cut_and_other_values_kept():
         CTR = 1
 
     gen = torch.Generator().manual_seed(4)
-    batch = {"sparse": _kjt(gen, 1, 5), "request_ids": ["r0", "r1", "r2", "r3", "r4"], "users": [10, 11, 12, 13, 14],
-             "dense": np.arange(10.0).reshape(5, 2), "device": torch.device("cpu"), "dtype": torch.float16,
-             "tag": b"x", "task": Task.CTR, "dims": [8, 8]}
+    batch = {"sparse": _kjt(gen, 1, 5), "dense": np.arange(10.0).reshape(5, 2), "device": torch.device("cpu"),
+             "dtype": torch.float16, "tag": b"x", "task": Task.CTR, "dims": [8, 8]}
     part = split_batch(batch, torch.tensor([4, 1]), 5)
-    assert part["request_ids"] == ["r4", "r1"] and part["users"] == [14, 11]
     assert part["dense"].tolist() == [[8.0, 9.0], [2.0, 3.0]]
     assert (part["device"], part["dtype"], part["tag"], part["task"]) == (torch.device("cpu"), torch.float16, b"x", Task.CTR)
     assert part["dims"] == [8, 8]  # not one per sample: kept
     with pytest.raises(ValueError, match=r"batch\['dense'\] has first dimension 4"):
         split_batch({"dense": np.zeros((4, 2))}, torch.tensor([1]), 5)
+    with pytest.raises(ValueError, match=r"batch\['request_ids'\] is a list of 5 values.*split_batch="):
+        split_batch({"request_ids": ["r0", "r1", "r2", "r3", "r4"]}, torch.tensor([1]), 5)
+
+    @dataclasses.dataclass
+    class Sized:
+        label: torch.Tensor
+        n: int = dataclasses.field(init=False)
+
+        def __post_init__(self) -> None:
+            self.n = len(self.label)
+
+    with pytest.raises(ValueError, match=r"batch.n = 5 is set after __init__.*split_batch="):
+        split_batch(Sized(torch.arange(5.0)), torch.tensor([1]), 5)
 
 
 def test_variable_batch_size_inputs_are_refused():

@@ -36,3 +36,43 @@ def test_the_pipeline_behaves_as_sparse_dist_in_a_training_loop():
         assert loop["n_outputs"][0] == loop["n_outputs"][1] and loop["outputs"] == loop["state_max"] == 0.0, loop
         for n, diff in out["short_loaders"].items():
             assert diff["n_outputs"] == (2 * n, 2 * n) and diff["outputs"] == diff["state_max"] == 0.0, (n, diff)
+
+
+def test_a_sharded_modules_input_must_be_the_one_read_from_the_batch():
+    """A KeyedJaggedTensor rebuilt around the same tensors is the input the pipeline read; one with
+    other ids or lengths of the same sizes is not (its rows were never fetched: it would train on
+    the wrong ones)."""
+    import torch
+    from torchrec import KeyedJaggedTensor
+
+    from freescale_comm.pipelines.pec_pipeline import _same_input
+
+    values, lengths = torch.arange(4), torch.tensor([1, 3])
+    read = KeyedJaggedTensor(keys=["f"], values=values, lengths=lengths)
+    assert _same_input(KeyedJaggedTensor(keys=["f"], values=values, lengths=lengths), read)
+    assert not _same_input(KeyedJaggedTensor(keys=["f"], values=values % 2, lengths=lengths), read)
+    assert not _same_input(KeyedJaggedTensor(keys=["f"], values=values, lengths=torch.tensor([3, 1])), read)
+    assert not _same_input(KeyedJaggedTensor(keys=["g"], values=values, lengths=lengths), read)
+
+
+def test_a_deep_copy_of_a_wrapped_model_loads_into_itself():
+    """The pipeline's load_state_dict / state_dict wrappers are methods bound to their holder: a
+    deep copy (an EMA model) loads into the copy, without the pipeline's check (it loaded into the
+    original); close() removes only its own wrapper."""
+    import copy
+    import types
+
+    import torch
+    from torch import nn
+
+    from freescale_comm.pipelines.pec_pipeline import TrainPipelinePEC
+
+    checked = []
+    owner = types.SimpleNamespace(_wrapped=[])
+    model = nn.Linear(2, 2)
+    TrainPipelinePEC._wrap(owner, model, "load_state_dict", lambda *a, **k: checked.append(1))
+    twin = copy.deepcopy(model)
+    twin.load_state_dict({"weight": torch.full((2, 2), 7.0), "bias": torch.zeros(2)})
+    assert float(twin.weight.sum()) == 28.0 and float(model.weight.sum()) != 28.0 and checked == []
+    model.load_state_dict({"weight": torch.ones(2, 2), "bias": torch.zeros(2)})
+    assert checked == [1] and float(model.weight.sum()) == 4.0

@@ -5,10 +5,12 @@ put back in the batch's sample order.
 A batch is cut along its samples: every KeyedJaggedTensor keeps its keys and takes the chosen
 samples' lists, a JaggedTensor the chosen samples' lists, a KeyedTensor the chosen rows; every
 tensor whose first dimension is the batch size takes the chosen rows (a [B, B] tensor too: by
-its first dimension), a NumPy array too, and a list of as many numbers or strings as samples
-(one per sample: request ids); dataclasses, dicts, other lists, tuples and other objects are cut
-field by field (attribute by attribute, on a shallow copy); numbers, strings, bytes, enums,
+its first dimension), a NumPy array too; dataclasses, dicts, lists, tuples and other objects are
+cut field by field (attribute by attribute, on a shallow copy); numbers, strings, bytes, enums,
 devices, dtypes and None are kept (a batch that stores its own size in an int needs split_batch).
+Refused (ValueError naming the field: pass split_batch): a list of as many numbers or strings as
+samples (one per sample, or a coincidence?), and a number a dataclass sets after __init__
+(init=False: derived from the batch?).
 Anything else: pass `split_batch` to the pipeline."""
 
 from __future__ import annotations
@@ -185,9 +187,14 @@ def split_batch(batch: Any, samples: torch.Tensor, size: int, where: str = "batc
         # a shallow copy, every field cut (init=False ones too): no __init__ / __post_init__ runs again
         part = copy.copy(batch)
         for f in dataclasses.fields(batch):
-            if hasattr(batch, f.name):
-                object.__setattr__(part, f.name, split_batch(getattr(batch, f.name), samples, size,
-                                                             f"{where}.{f.name}", host_lengths))
+            if not hasattr(batch, f.name):
+                continue
+            value = getattr(batch, f.name)
+            if not f.init and isinstance(value, _ATOMS) and value is not None:  # derived in __post_init__?
+                raise ValueError(f"{where}.{f.name} = {value!r} is set after __init__ (init=False), maybe from the "
+                                 "batch's size: cannot tell what it is for a micro-batch; pass "
+                                 "split_batch=lambda batch, samples: ...")
+            object.__setattr__(part, f.name, split_batch(value, samples, size, f"{where}.{f.name}", host_lengths))
         return part
     if isinstance(batch, dict):  # a copy (a defaultdict keeps its factory), every value cut
         part = copy.copy(batch)
@@ -200,7 +207,9 @@ def split_batch(batch: Any, samples: torch.Tensor, size: int, where: str = "batc
                              "into micro-batches; pass split_batch=lambda batch, samples: ...")
         return batch[samples.numpy()]
     if type(batch) is list and size and len(batch) == size and all(isinstance(v, _ATOMS) for v in batch):
-        return [batch[i] for i in samples.tolist()]  # one value per sample (request ids...)
+        raise ValueError(f"{where} is a list of {size} values, as many as the batch's samples: one per sample (to cut) "
+                         "or not (to keep)? pass split_batch=lambda batch, samples: ... (or hold per-sample values "
+                         "in a tensor)")
     if isinstance(batch, (list, tuple)):
         parts = [split_batch(v, samples, size, f"{where}[{i}]", host_lengths) for i, v in enumerate(batch)]
         return type(batch)._make(parts) if hasattr(batch, "_fields") else type(batch)(parts)

@@ -25,8 +25,11 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import contextlib
+import logging
 import threading
 import time
+import types
+import weakref
 import zlib
 from typing import Any, Callable, Generic, Iterator, Mapping, Optional, TypeVar
 
@@ -44,6 +47,8 @@ from freescale_comm.pipelines._micro_batches import MicroBatches, SplitBatch, cu
 from freescale_comm.pipelines._plans_ahead import Plans, plan_ahead
 from freescale_comm.pipelines._sparse_inputs import find_sparse_inputs, reader
 from freescale_comm.planner import CostModel
+
+logger = logging.getLogger("freescale_comm")
 
 In = TypeVar("In")
 Out = TypeVar("Out")
@@ -249,23 +254,27 @@ class TrainPipelinePEC(Generic[In, Out]):
         # the optimizers that read the tables' fused state: their state_dict() flushes first too, and
         # their load_state_dict() is refused while batches are in flight (instance attributes, so
         # DCP's get_optimizer_state_dict goes through them; removed by close())
-        self._wrapped: list[tuple[Any, str]] = []
+        self._wrapped: list[tuple[Any, str, Any]] = []
         for holder in {id(o): o for o in (optimizer, getattr(model, "fused_optimizer", None)) if o is not None}.values():
-            self._wrap(holder, "state_dict", self.flush)
-            self._wrap(holder, "load_state_dict", self._check_loadable)
-        self._wrap(model, "load_state_dict", self._check_loadable)  # refused before any module is touched
+            self._wrap(holder, "state_dict", lambda *_, **__: self.flush())
+            self._wrap(holder, "load_state_dict", lambda *_, **__: self._check_loadable())
+        # refused before any module is touched (TorchRec's own load hooks rewrite the state dict in place)
+        self._wrap(model, "load_state_dict", lambda *_, **__: self._check_loadable())
 
-    def _wrap(self, holder: Any, name: str, before: Callable[[], None]) -> None:
-        """holder.name(...) runs before() first, until close()."""
-        if name in vars(holder) or not hasattr(holder, name):  # another pipeline's (closed ones remove theirs)
+    def _wrap(self, holder: Any, name: str, before: Callable[..., None]) -> None:
+        """holder.name(...) runs before(*args) first, until close(). A method bound to holder: a deep
+        copy of holder (an EMA model) gets its own, which calls its class's method alone."""
+        if name in vars(holder) or not hasattr(type(holder), name):  # someone else's: left alone
             return
-        method = getattr(holder, name)
+        original = weakref.ref(holder)
 
-        def wrapped(*args: Any, **kwargs: Any) -> Any:
-            before()
-            return method(*args, **kwargs)
-        setattr(holder, name, wrapped)
-        self._wrapped.append((holder, name))
+        def wrapped(this: Any, *args: Any, **kwargs: Any) -> Any:
+            if this is original():
+                before(*args, **kwargs)
+            return getattr(type(this), name)(this, *args, **kwargs)
+        method = types.MethodType(wrapped, holder)
+        setattr(holder, name, method)
+        self._wrapped.append((holder, name, method))
 
     def _check_loadable(self) -> None:
         """Loading state while batches are in flight would train them on rows fetched before the load,
@@ -282,7 +291,7 @@ class TrainPipelinePEC(Generic[In, Out]):
             expected = self._inputs.get(info.fqn)
             if expected is None:
                 raise RuntimeError(f"sharded module {info.fqn!r} was called outside TrainPipelinePEC.progress")
-            if kjt is not expected and not _same_layout(kjt, expected):
+            if kjt is not expected and not _same_input(kjt, expected):
                 raise RuntimeError(f"sharded module {info.fqn!r} was called with an input that is not the one the "
                                    "pipeline read from the batch (other keys, samples or ids), whose rows it fetched: "
                                    "pass that input as it is read from the batch, or say where it is (sparse_inputs=)")
@@ -589,31 +598,37 @@ class TrainPipelinePEC(Generic[In, Out]):
         worker blocked on a peer returns at once."""
         if self._closed:
             return
-        error: Optional[BaseException] = None  # what closing hit (a dead peer): raised once all is released
+        error: Optional[BaseException] = None  # what applying the updates hit (a dead peer): raised at the end
         if self._failure is None:
             try:
                 self.flush()
-                for future in (self._asked_next, *self._micro_rows):  # posted, not yet waited for
-                    if future is not None:
-                        self._join(future)
             except BaseException as e:  # noqa: BLE001 - still release everything below
                 self._failure = error = e
+            for future in (self._asked_next, *self._micro_rows):  # read ahead, never to be trained: waited for,
+                if future is not None and self._failure is None:  # their errors are not the tables'
+                    try:
+                        self._join(future)
+                    except BaseException:  # noqa: BLE001
+                        logger.debug("a read-ahead round failed while closing", exc_info=True)
         self._closed = True
-        if self._failure is not None:
-            self._comm.close()
-            self._worker.shutdown(wait=True, cancel_futures=True)
-        else:
-            self._worker.shutdown(wait=True)
-            self._comm.close()
-        self._streams.drain()
-        for hook in self._hooks:
-            hook.remove()
-        for holder, name in self._wrapped:
-            vars(holder).pop(name, None)
-        for info in self._catalog.modules:
-            info.module.__dict__.pop("forward", None)
-        for module in self._balanced:
-            module.freescale_balance.remove()
+        try:
+            if self._failure is not None:
+                self._comm.close()
+                self._worker.shutdown(wait=True, cancel_futures=True)
+            else:
+                self._worker.shutdown(wait=True)
+                self._comm.close()
+            self._streams.drain()
+        finally:  # the model is the user's again whatever happened above
+            for hook in self._hooks:
+                hook.remove()
+            for holder, name, method in self._wrapped:
+                if vars(holder).get(name) is method:
+                    del vars(holder)[name]
+            for info in self._catalog.modules:
+                info.module.__dict__.pop("forward", None)
+            for module in self._balanced:
+                module.freescale_balance.remove()
         if error is not None:
             raise error
 
@@ -663,16 +678,25 @@ def _balance_targets(model: nn.Module, balance: Optional[Mapping[str, CostModel]
     return targets
 
 
-def _same_layout(kjt: Any, expected: Any) -> bool:
-    """kjt holds the keys, samples and ids the pipeline read (a batch that builds its
-    KeyedJaggedTensors on each read hands out a new one with the same tensors; checked on the host
-    alone, no device sync)."""
+def _same_input(kjt: Any, expected: Any) -> bool:
+    """kjt is the input the pipeline read, rebuilt around the same tensors (a batch that builds its
+    KeyedJaggedTensors on each read): same keys, samples, and the very values and lengths (or
+    offsets) tensors; checked on the host, no device sync."""
     try:
-        return (type(kjt) is type(expected) and kjt.keys() == expected.keys() and kjt.stride() == expected.stride()
-                and kjt.values().numel() == expected.values().numel()
-                and kjt.lengths().numel() == expected.lengths().numel())
+        if type(kjt) is not type(expected) or kjt.keys() != expected.keys() or kjt.stride() != expected.stride():
+            return False
+        if not _same_tensor(kjt.values(), expected.values()):
+            return False
+        return any(a is not None and b is not None and _same_tensor(a, b)
+                   for a, b in ((kjt.lengths_or_none(), expected.lengths_or_none()),
+                                (kjt.offsets_or_none(), expected.offsets_or_none())))
     except (AttributeError, TypeError):
         return False
+
+
+def _same_tensor(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a is b or (a.data_ptr() == b.data_ptr() and a.shape == b.shape and a.stride() == b.stride()
+                      and a.dtype == b.dtype and a.device == b.device)
 
 
 def _grads_of(leaves: list[torch.Tensor]) -> list[torch.Tensor]:
