@@ -69,7 +69,8 @@ class PlannedSequences(dict):
         self._made_with = dict(features)
 
     def plan_for(self, balancer: "LoadBalancer") -> Optional[PlanAhead]:
-        same = len(self) == len(self._made_with) and all(self.get(k) is v for k, v in self._made_with.items())
+        # the same entries in the same order (dispatch reads each feature's plan by position)
+        same = list(self) == list(self._made_with) and all(self[k] is v for k, v in self._made_with.items())
         return self.plans.get(balancer) if same else None
 
 

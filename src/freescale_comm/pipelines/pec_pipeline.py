@@ -175,14 +175,14 @@ class TrainPipelinePEC(Generic[In, Out]):
         modules = dict(sharded_modules(model.module))
         self._read_inputs = sparse_inputs if sparse_inputs is not None else \
             reader(find_sparse_inputs(model.module, modules))
-        to_balance = _balance_targets(model.module, balance)  # checked before anything starts
+        to_balance = _balance_targets(model.module, balance, modules)  # checked before anything starts
         self._comm = Communicator(group)
         # every rank must drive the same rounds: the arguments that shape them must agree, and a rank
         # that cannot serve its own shards refuses with all the others
         try:
             _agree(self._comm, self._catalog.refusal, {
                 "micro_batches": micro_batches, "prefetch": prefetch, "execute_all_batches": execute_all_batches,
-                "loss_reduction": loss_reduction, "balance": sorted(balance) if balance is not None else None,
+                "loss_reduction": loss_reduction, "balance": sorted((k, repr(v)) for k, v in balance.items()) if balance is not None else None,
                 "high_priority": high_priority, "low_priority": low_priority, "deferred_priority": deferred_priority,
                 "next_micro_priority": next_micro_priority, "micro_gradient_priority": micro_gradient_priority})
         except BaseException:
@@ -236,9 +236,11 @@ class TrainPipelinePEC(Generic[In, Out]):
         # TBEs' fused update: compute on the critical path, not a wait; TorchRec runs it in backward)
         self.update_ms: list[float] = []
         self.exposed_by_phase: list[dict[str, float]] = []
-        self._balanced = [fc_balance(target, cost_model, group=group) for target, cost_model in to_balance]
+        # the hooks fc.balance made here (removing them later leaves a user's own re-balancing alone)
+        self._balanced = [fc_balance(target, cost_model, group=group).freescale_balance
+                          for target, cost_model in to_balance]
         # balance plans made a batch ahead, for every sequence module's output (see _plans_ahead)
-        self._balancers = [module.freescale_balance.balancer for module in self._balanced]
+        self._balancers = [hooks.balancer for hooks in self._balanced]
         self._sequence_modules = [info for info in self._catalog.modules if not info.pooled] if self._balancers else []
         self._plans: list[Plans] = []  # per micro-batch (one: whole batches) of batch N
         self._plans_now: Plans = {}  # of what forward runs on now
@@ -627,8 +629,8 @@ class TrainPipelinePEC(Generic[In, Out]):
                     del vars(holder)[name]
             for info in self._catalog.modules:
                 info.module.__dict__.pop("forward", None)
-            for module in self._balanced:
-                module.freescale_balance.remove()
+            for hooks in self._balanced:
+                hooks.remove()
         if error is not None:
             raise error
 
@@ -658,8 +660,10 @@ def _agree(comm: Communicator, refusal: Optional[str], settings: dict[str, Any])
                              "same, as every rank runs the same rounds")
 
 
-def _balance_targets(model: nn.Module, balance: Optional[Mapping[str, CostModel]]) -> list[tuple[nn.Module, CostModel]]:
-    """(submodule, cost model) per entry of `balance`; ValueError / TypeError naming a bad entry."""
+def _balance_targets(model: nn.Module, balance: Optional[Mapping[str, CostModel]],
+                     sharded: Mapping[str, nn.Module]) -> list[tuple[nn.Module, CostModel]]:
+    """(submodule, cost model) per entry of `balance`; ValueError / TypeError naming a bad entry (a
+    sharded module, or one holding one: balancing moves its ids, not the embeddings it outputs)."""
     if balance is None:
         return []
     if not isinstance(balance, Mapping):
@@ -674,6 +678,10 @@ def _balance_targets(model: nn.Module, balance: Optional[Mapping[str, CostModel]
             raise TypeError(f"balance[{fqn!r}] must be a freescale_comm.planner.CostModel, got {type(cost_model).__name__}")
         if getattr(target, "freescale_balance", None) is not None:
             raise ValueError(f"balance[{fqn!r}]: the module is already balanced by fc.balance")
+        inside = [name for name in sharded if name == fqn or name.startswith(f"{fqn}.") or not fqn]
+        if inside:
+            raise ValueError(f"balance[{fqn!r}] holds the sharded module(s) {inside}: balance the module that takes "
+                             "their output (e.g. the tower given the EmbeddingCollection's output), not them")
         targets.append((target, cost_model))
     return targets
 
