@@ -31,7 +31,7 @@ from freescale_comm.pipelines._catalog import Catalog
 from freescale_comm.pipelines._host_counts import stable_order
 
 SplitBatch = Callable[[Any, torch.Tensor], Any]  # (batch, int64 sample indices) -> micro-batch
-# values a batch holds that are not per sample, kept as they are (but in a list of one per sample)
+# values a batch holds that are no sample's, kept as they are (a list of as many as samples: refused)
 _ATOMS = (type(None), bool, int, float, str, bytes, torch.device, torch.dtype, enum.Enum)
 
 
