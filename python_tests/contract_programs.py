@@ -40,6 +40,16 @@ def _diff(ref: dict, pec: dict) -> dict:
 
 
 
+def _epoch(pipe, feed) -> list:
+    """progress(feed) until StopIteration, as a dataloader loop does: each step's output (a copy)."""
+    outputs = []
+    while True:
+        try:
+            outputs.append(pipe.progress(feed).clone())
+        except StopIteration:
+            return outputs
+
+
 def no_execute_all_epochs(info, epochs: int, steps: int) -> dict:
     """Per pipeline: how many batches each epoch's loop trained (progress until StopIteration, a new
     iterator per epoch), with execute_all_batches=False."""
@@ -51,15 +61,7 @@ def no_execute_all_epochs(info, epochs: int, steps: int) -> dict:
         pipe = _pipe(name, dmp, opt, execute_all_batches=False)
         per_epoch = []
         for _ in range(epochs):
-            feed = iter([b[rank] for b in batches])
-            n = 0
-            while True:
-                try:
-                    pipe.progress(feed)
-                except StopIteration:
-                    break
-                n += 1
-            per_epoch.append(n)
+            per_epoch.append(len(_epoch(pipe, iter([b[rank] for b in batches]))))
         _close(pipe)
         out[name] = per_epoch
     return out
@@ -78,12 +80,7 @@ def train_eval_epochs(info, steps: int) -> dict:
         outputs = []
         for data, mode in ((train, True), (val, False), (train, True)):
             dmp.train(mode)
-            feed = iter([b[rank] for b in data])
-            while True:
-                try:
-                    outputs.append(pipe.progress(feed).clone())
-                except StopIteration:
-                    break
+            outputs += _epoch(pipe, iter([b[rank] for b in data]))
         runs[name] = {"outputs": outputs, "state": _state(dmp, opt)}
         _close(pipe)
     return _diff(runs["sparse_dist"], runs["pec"])
@@ -102,12 +99,7 @@ def short_loaders(info, lengths: list[int]) -> dict:
             pipe = _pipe(name, dmp, opt)
             outputs = []
             for _ in range(2):
-                feed = iter([b[rank] for b in batches])
-                while True:
-                    try:
-                        outputs.append(pipe.progress(feed).clone())
-                    except StopIteration:
-                        break
+                outputs += _epoch(pipe, iter([b[rank] for b in batches]))
             runs[name] = {"outputs": outputs, "state": _state(dmp, opt)}
             _close(pipe)
         out[n] = _diff(runs["sparse_dist"], runs["pec"])

@@ -159,6 +159,7 @@ def build(pg: dist.ProcessGroup, optimizer: str, model_cls: type = Model, **mode
     torch.manual_seed(0)
     fused = {"optimizer": OPTIMIZERS[optimizer], "learning_rate": 0.1 if optimizer == "sgd" else 0.05}
     static_graph = model_kwargs.pop("static_graph", True)  # the dense part's DDP (TorchRec's default: True)
+    wrapper = model_kwargs.pop("data_parallel_wrapper", None) or DefaultDataParallelWrapper(static_graph=static_graph)
     if "fused_params" in model_kwargs:
         fused = model_kwargs.pop("fused_params")
     sharders = (EmbeddingBagCollectionSharder(fused_params=fused), EmbeddingCollectionSharder(fused_params=fused))
@@ -169,7 +170,7 @@ def build(pg: dist.ProcessGroup, optimizer: str, model_cls: type = Model, **mode
                                         sharders[1], local_size=world, world_size=world, device_type="cpu")
     dmp = DistributedModelParallel(model, env=ShardingEnv.from_process_group(pg), device=torch.device("cpu"),
                                    plan=ShardingPlan({"ebc": ebc, "ec": ec}), sharders=list(sharders),
-                                   data_parallel_wrapper=DefaultDataParallelWrapper(static_graph=static_graph))
+                                   data_parallel_wrapper=wrapper)
     dense = KeyedOptimizerWrapper(dict(in_backward_optimizer_filter(dmp.named_parameters())),
                                   lambda params: torch.optim.SGD(params, lr=0.1))
     return dmp, CombinedOptimizer([dmp.fused_optimizer, dense])

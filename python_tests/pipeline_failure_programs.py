@@ -15,17 +15,10 @@ from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
-from torchrec.distributed import DistributedModelParallel
-from torchrec.distributed.embedding import EmbeddingCollectionSharder
-from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
 from torchrec.distributed.model_parallel import DataParallelWrapper
-from torchrec.distributed.sharding_plan import construct_module_sharding_plan
-from torchrec.distributed.types import ShardingEnv, ShardingPlan
-from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizerWrapper
-from torchrec.optim.optimizers import in_backward_optimizer_filter
 
 import freescale_comm as fc
-from pec_pipeline_programs import OPTIMIZERS, POOLED, SEQUENCE, Model, _spec, make_batches
+from pec_pipeline_programs import build, make_batches
 
 VICTIM = 1
 
@@ -39,21 +32,7 @@ class _NoWrap(DataParallelWrapper):
 
 
 def build_no_ddp(pg: dist.ProcessGroup) -> tuple:
-    world = dist.get_world_size(pg)
-    torch.manual_seed(0)
-    fused = {"optimizer": OPTIMIZERS["sgd"], "learning_rate": 0.1}
-    sharders = (EmbeddingBagCollectionSharder(fused_params=fused), EmbeddingCollectionSharder(fused_params=fused))
-    model = Model(torch.device("meta"))
-    ebc = construct_module_sharding_plan(model.ebc, {f"t_{f}": _spec(k, world, i) for i, (f, k) in enumerate(POOLED.items())},
-                                         sharders[0], local_size=world, world_size=world, device_type="cpu")
-    ec = construct_module_sharding_plan(model.ec, {f"t_{f}": _spec(k, world, i + 1) for i, (f, k) in enumerate(SEQUENCE.items())},
-                                        sharders[1], local_size=world, world_size=world, device_type="cpu")
-    dmp = DistributedModelParallel(model, env=ShardingEnv.from_process_group(pg), device=torch.device("cpu"),
-                                   plan=ShardingPlan({"ebc": ebc, "ec": ec}), sharders=list(sharders),
-                                   data_parallel_wrapper=_NoWrap())
-    dense = KeyedOptimizerWrapper(dict(in_backward_optimizer_filter(dmp.named_parameters())),
-                                  lambda params: torch.optim.SGD(params, lr=0.1))
-    return dmp, CombinedOptimizer([dmp.fused_optimizer, dense])
+    return build(pg, "sgd", data_parallel_wrapper=_NoWrap())
 
 
 def _pec_threads() -> list[str]:

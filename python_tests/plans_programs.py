@@ -32,6 +32,7 @@ from torchrec.streamable import Pipelineable
 from fbgemm_gpu.split_embedding_configs import EmbOptimType
 
 import freescale_comm as fc
+from pec_pipeline_programs import _rel, _state
 
 FIELDS = ("a", "b", "c", "d")
 OPTIMIZERS = {"sgd": EmbOptimType.EXACT_SGD, "rowwise_adagrad": EmbOptimType.EXACT_ROWWISE_ADAGRAD,
@@ -268,29 +269,6 @@ def make_batches(spec: dict, world: int) -> list[list[GBatch]]:
             row.append(GBatch(*kjts, torch.randint(0, 2, (sizes,), generator=gen).float()))
         out.append(row)
     return out
-
-
-def _local(value: object) -> torch.Tensor:
-    if hasattr(value, "local_shards"):
-        shards = value.local_shards()
-        return torch.cat([s.tensor.flatten() for s in shards]) if shards else torch.empty(0)
-    return value.detach().clone() if isinstance(value, torch.Tensor) else torch.tensor(float(value))
-
-
-def _state(dmp: nn.Module, optimizer: CombinedOptimizer) -> dict[str, torch.Tensor]:
-    out = {f"weight:{k}": _local(v).clone() for k, v in dmp.state_dict().items()}
-    for param, state in optimizer.state_dict()["state"].items():
-        for k, v in state.items():
-            out[f"state:{param}:{k}"] = _local(v).clone()
-    return out
-
-
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    if a.shape != b.shape:
-        return float("inf")
-    if a.numel() == 0 or torch.equal(a, b):
-        return 0.0
-    return float((a - b).abs().max() / a.abs().max().clamp(min=1e-30))
 
 
 def train(pg: dist.ProcessGroup, pipeline: str, spec: dict, batches: list[list[GBatch]], **kwargs) -> dict:
