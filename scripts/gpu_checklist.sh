@@ -3,6 +3,8 @@
 # builds against the machine's own torch (CUDA) and NVSHMEM wheel, then runs the list's items
 # FIRST..LAST in order, each step under its own time limit, within one call's budget.
 # Usage (device tool): CHECKLIST_COMMIT=<hash> bash scripts/gpu_checklist.sh [FIRST item, default 1] [LAST item, default 9]
+# A lease is 15 device-minutes: CHECKLIST_SKIP_BUILD=1 on a warm machine keeps the last call's build;
+# every pytest step runs each test under PYTEST_TIMEOUT_S (default 90) so one hang costs one test.
 # What comes back (the tool returns at most 8 files from $OUT): summary.txt (a line per step: rc,
 # seconds, last log line; "not started" when the call's budget ran short: start there next call),
 # machine.txt, and logs.tgz (every step's log and the benchmarks' JSON, re-packed after each step,
@@ -40,39 +42,41 @@ step() {  # step ITEM NAME SECONDS COMMAND...: item 0 (the build) always runs
 
 NVSHMEM_HOME="$(python3 -c 'import nvidia.nvshmem as m; print(list(m.__path__)[0])' 2>/dev/null)"
 export NVSHMEM_HOME CMAKE_BUILD_PARALLEL_LEVEL="${CMAKE_BUILD_PARALLEL_LEVEL:-16}" PYTHONUNBUFFERED=1
-step 0 build 300 python3 -m pip install -q --no-build-isolation --no-deps .
+if [ -z "${CHECKLIST_SKIP_BUILD:-}" ]; then
+  step 0 build 300 python3 -m pip install -q --no-build-isolation --no-deps .
+fi
 step 0 build-info 60 python3 -c 'import json, freescale_comm as fc; print(json.dumps(fc.build_info()))'
 # NVSHMEM with several PEs on one GPU needs MPS (else its signal waits exit()); best effort.
 nvidia-cuda-mps-control -d > "$LOGS/mps.log" 2>&1 || echo "MPS did not start (see mps.log)" >> "$summary"
 
-step 1 ce-tests 300 python3 -m pytest -m gpu -q -p no:cacheprovider python_tests/test_ce_gpu.py
+step 1 ce-tests 240 python3 -m pytest -m gpu -q -p no:cacheprovider --timeout="${PYTEST_TIMEOUT_S:-90}" python_tests/test_ce_gpu.py
 # Item 2: the failure paths' cuda cases (their cpu cases run in CI); 64 streams is in item 1's file.
-step 2 failure-paths 300 python3 -m pytest -m gpu -q -p no:cacheprovider python_tests/test_failures.py
-step 3 overlap-ce 300 freescale-bench overlap --transport ce --no-progress --json "$LOGS/overlap-ce.json"
-step 3 alltoall-ce 240 freescale-bench alltoall --transport ce --no-progress --json "$LOGS/alltoall-ce.json"
-step 4 layout-kernels 300 python3 -m pytest -m gpu -q -p no:cacheprovider python_tests/test_dispatch_gpu.py
+step 2 failure-paths 180 python3 -m pytest -m gpu -q -p no:cacheprovider --timeout="${PYTEST_TIMEOUT_S:-90}" python_tests/test_failures.py
+step 3 overlap-ce 150 freescale-bench overlap --transport ce --no-progress --json "$LOGS/overlap-ce.json"
+step 3 alltoall-ce 90 freescale-bench alltoall --transport ce --no-progress --json "$LOGS/alltoall-ce.json"
+step 4 layout-kernels 120 python3 -m pytest -m gpu -q -p no:cacheprovider --timeout="${PYTEST_TIMEOUT_S:-90}" python_tests/test_dispatch_gpu.py
 # the kernels vs PyTorch at training sizes, then each kernel's compiled variants, registers, spills
-step 4 layout-bench 300 freescale-bench layout --json "$LOGS/layout.json"
-step 5 e2e-cuda 300 freescale-bench e2e --device cuda --ranks 4 --no-progress --trace "$LOGS/e2e-trace" --json "$LOGS/e2e-cuda.json"
-step 6 nvshmem-tests 300 python3 -m pytest -m gpu -q -p no:cacheprovider python_tests/test_nvshmem_gpu.py
+step 4 layout-bench 120 freescale-bench layout --json "$LOGS/layout.json"
+step 5 e2e-cuda 150 freescale-bench e2e --device cuda --ranks 4 --no-progress --trace "$LOGS/e2e-trace" --json "$LOGS/e2e-cuda.json"
+step 6 nvshmem-tests 150 python3 -m pytest -m gpu -q -p no:cacheprovider --timeout="${PYTEST_TIMEOUT_S:-90}" python_tests/test_nvshmem_gpu.py
 # Issue 43: beside torch's NVSHMEM symmetric memory and nvshmem4py (each test skips what is missing).
-step 6 nvshmem-coexistence 300 python3 -m pytest -m gpu -q -p no:cacheprovider python_tests/test_nvshmem_coexistence_gpu.py
-step 6 alltoall-nvshmem 240 freescale-bench alltoall --transport nvshmem --no-progress --json "$LOGS/alltoall-nvshmem.json"
-step 7 memcheck 300 compute-sanitizer --tool memcheck python3 -m pytest -m gpu -q -p no:cacheprovider python_tests/test_dispatch_gpu.py
+step 6 nvshmem-coexistence 90 python3 -m pytest -m gpu -q -p no:cacheprovider --timeout="${PYTEST_TIMEOUT_S:-90}" python_tests/test_nvshmem_coexistence_gpu.py
+step 6 alltoall-nvshmem 90 freescale-bench alltoall --transport nvshmem --no-progress --json "$LOGS/alltoall-nvshmem.json"
+step 7 memcheck 200 compute-sanitizer --tool memcheck python3 -m pytest -m gpu -q -p no:cacheprovider --timeout="${PYTEST_TIMEOUT_S:-90}" python_tests/test_dispatch_gpu.py
 # Item 8 (issue 41): what the failure handling relies on, read from the GPU and recorded: VMM and
 # POSIX-handle support (the ce arenas; the ce transport refuses without them), the GPUDirect
 # RDMA flush options / write ordering (the nvshmem network flush), 64-bit stream memory ops. The
 # failure cases themselves are item 2's (a SIGKILLed rank leaves the survivors' contexts healthy).
-step 8 capabilities 60 python3 -c 'import cupy
+step 8 capabilities 30 python3 -c 'import cupy
 names = {98: "CAN_FLUSH_REMOTE_WRITES", 102: "VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED", 103: "HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED",
          116: "GPU_DIRECT_RDMA_SUPPORTED", 117: "GPU_DIRECT_RDMA_FLUSH_WRITES_OPTIONS", 118: "GPU_DIRECT_RDMA_WRITES_ORDERING",
          122: "CAN_USE_64_BIT_STREAM_MEM_OPS"}
 for n, name in names.items(): print(n, name, cupy.cuda.runtime.deviceGetAttribute(n, 0))'
 # ... and cuda-python's view of them against Communicator.data_paths (skips without cuda-bindings).
-step 8 driver-probe 120 python3 -m pytest -m gpu -q -p no:cacheprovider python_tests/test_driver_probe.py
+step 8 driver-probe 60 python3 -m pytest -m gpu -q -p no:cacheprovider --timeout="${PYTEST_TIMEOUT_S:-90}" python_tests/test_driver_probe.py
 # Item 9 (issue 38): TrainPipelinePEC's worker stream: its host reads do not wait for the main
 # stream's kernels (and did on the legacy default stream); a join orders the main stream after it;
 # a pageable batch copy makes the main thread wait for its stream's kernels only when issued there.
-step 9 pipeline-streams 120 python3 -m pytest -m gpu -q -p no:cacheprovider python_tests/test_pipeline_streams_gpu.py
+step 9 pipeline-streams 90 python3 -m pytest -m gpu -q -p no:cacheprovider --timeout="${PYTEST_TIMEOUT_S:-90}" python_tests/test_pipeline_streams_gpu.py
 tar czf "$OUT/logs.tgz" -C "$LOGS" .
 cat "$summary"
