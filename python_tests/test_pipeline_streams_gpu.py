@@ -79,12 +79,14 @@ def test_joining_a_task_orders_the_main_stream_after_it():
 def test_a_pageable_batch_copy_waits_for_the_compute_stream_unless_the_worker_issues_it():
     """Why the pipeline copies batches on the worker (_route): a non_blocking copy from pageable
     memory syncs the stream it is issued on, so on the main stream the main thread waits for the
-    kernels queued there (its forward and backward); issued by the worker on its own stream, the
-    main thread does not wait at all."""
+    kernels queued there (its forward and backward), at least once the batch is too large to stage
+    at once; issued by the worker on its own stream, the main thread does not wait at all."""
     device = torch.device("cuda", torch.cuda.current_device())
     streams = CudaStreams(device)
     worker = concurrent.futures.ThreadPoolExecutor(1, initializer=lambda: torch.cuda.set_device(device))
-    host = torch.arange(1 << 16, dtype=torch.float32)  # pageable
+    # 64 MiB, pageable: on an H200 (driver 580, 2026-11-27) a 256 KiB copy was staged at once and
+    # returned before the stream's kernels ran; 16 MiB and 256 MiB waited for them.
+    host = torch.arange(1 << 24, dtype=torch.float32)
     assert not host.is_pinned()
     host.to(device, non_blocking=True)  # warm both streams' pools
     worker.submit(streams.run, streams.posted(), lambda: host.to(device, non_blocking=True), ()).result()
@@ -97,11 +99,11 @@ def test_a_pageable_batch_copy_waits_for_the_compute_stream_unless_the_worker_is
     waited_on_worker = busy_done.query()  # the main thread, right after posting the copy
     result, done = copied.result()
     streams.joined(done)
-    assert not waited_on_worker and float(result.sum()) == float(host.sum())
+    assert not waited_on_worker and torch.equal(result.cpu(), host)
 
     torch.cuda._sleep(SLEEP_CYCLES)
     busy_done.record()
     on_main = host.to(device, non_blocking=True)
     assert busy_done.query(), "a pageable copy on the main stream returned before its kernels ran: the baseline moved"
-    assert float(on_main.sum()) == float(host.sum())
+    assert torch.equal(on_main.cpu(), host)
     worker.shutdown()

@@ -46,6 +46,14 @@ if [ -z "${CHECKLIST_SKIP_BUILD:-}" ]; then
   step 0 build 300 python3 -m pip install -q --no-build-isolation --no-deps .
 fi
 step 0 build-info 60 python3 -c 'import json, freescale_comm as fc; print(json.dumps(fc.build_info()))'
+# One rank, one CUDA AllToAll per transport; on a crash, cuda-gdb's native stack (the first lease
+# spent two calls finding a crash that every later step repeated).
+step 0 smoke-ce 60 python3 -X faulthandler scripts/gpu_smoke.py 29511
+if ! grep -q "^ok" "$LOGS/00-smoke-ce.log"; then
+  step 0 smoke-ce-stack 120 cuda-gdb -q -batch -ex "set pagination off" -ex "handle SIGPIPE nostop noprint" -ex run -ex bt \
+    --args python3 scripts/gpu_smoke.py 29512
+fi
+FREESCALE_TRANSPORT=nvshmem step 0 smoke-nvshmem 60 python3 -X faulthandler scripts/gpu_smoke.py 29513
 # NVSHMEM with several PEs on one GPU needs MPS (else its signal waits exit()); best effort.
 nvidia-cuda-mps-control -d > "$LOGS/mps.log" 2>&1 || echo "MPS did not start (see mps.log)" >> "$summary"
 

@@ -23,3 +23,8 @@ FREESCALE_TEST_SUPPORT=ON python3 -m pip install -q --disable-pip-version-check 
 # and shares its import name with fbgemm-gpu-cpu: install the CPU one and torchrec without deps.
 python3 -m pip install -q --disable-pip-version-check fbgemm-gpu-cpu==1.8.0 tensordict "torchmetrics==1.0.3" tqdm pyre-extensions
 python3 -m pip install -q --disable-pip-version-check --no-deps torchrec==1.8.0
+# The Triton that torch 2.11's CUDA wheels pin, beside this environment's: the layout kernels must
+# compile with it too (python_tests/test_layout_kernels.py; its compiler rejected a kernel 3.9 took).
+if [ ! -d build/compat/triton-3.6.0/triton ]; then
+  python3 -m pip install -q --disable-pip-version-check --no-deps --target build/compat/triton-3.6.0 triton==3.6.0
+fi

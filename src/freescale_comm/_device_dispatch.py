@@ -112,7 +112,8 @@ def run_plan_kernels(lengths: torch.Tensor, dest_ranks: torch.Tensor, world: int
         k.scan_totals_kernel[(1,)](chunk_sums, chunk_prefix, starts, block_bad, host, samples, blocks, chunks, width,
                                    CHUNK=k.SCAN_CHUNK, DT=k.DEST_TILE, num_warps=k.SCAN_WARPS)
         k.place_kernel[(blocks,)](lengths, dest_ranks, samples, world, rank, rows, map_rows, prefix, chunk_prefix,
-                                  starts, sent, home_row, packed_row, row_home, BLOCK=k.PLAN_BLOCK, CHUNK=k.SCAN_CHUNK)
+                                  starts, sent, home_row, packed_row, row_home, BLOCK=k.PLAN_BLOCK, CHUNK=k.SCAN_CHUNK,
+                                  num_warps=k.PLACE_WARPS)
     return read_host(host), sent.view(samples, 2), home_row, packed_row, row_home
 
 

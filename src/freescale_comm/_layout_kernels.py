@@ -28,6 +28,7 @@ PLAN_BLOCK = 64  # samples per program of count and place
 DEST_TILE = 16  # destinations per step of the histograms and scans
 SCAN_CHUNK = 128  # blocks per program of scan_chunks (and per step of scan_totals)
 SCAN_WARPS = 8  # warps of the scans' programs ([SCAN_CHUNK, DEST_TILE] int64 tiles)
+PLACE_WARPS = 8  # warps of place's programs ([PLAN_BLOCK, PLAN_BLOCK] int64 tiles: 4 spilled with Triton 3.6)
 COPY_TILE_BYTES = 4096  # bytes a copy program moves (rows x words)
 COPY_MAX_WORDS = 1024  # words of a row per copy program at most (wider rows take several)
 
@@ -131,9 +132,16 @@ def place_kernel(lengths, dest, samples, world, rank, rows, map_rows, prefix, ch
     home = tl.load(chunk_prefix + (chunks + c) * width + world) + tl.load(prefix + (blocks + b) * width + world) \
         + tl.cumsum(length, axis=0) - length
     # Earlier samples of this block with the same destination: how many and their rows, stably.
-    earlier = (j[None, :] < j[:, None]) & (d[None, :] == d[:, None]) & ok[None, :]
+    # The other samples (axis 1) are loaded again as a [1, BLOCK] row rather than broadcast from
+    # the 1-D values: Triton 3.6 (torch 2.11's) fails to compile those broadcast along both axes.
+    jo = j[None, :]
+    io = b * BLOCK + jo
+    lo = tl.load(lengths + io, mask=io < samples, other=0)
+    do = tl.load(dest + io, mask=io < samples, other=0)
+    oko = (io < samples) & (lo >= 0) & (lo <= rows) & (do >= 0) & (do < world)
+    earlier = (jo < j[:, None]) & (do == d[:, None]) & oko
     before = tl.sum(earlier.to(tl.int64), axis=1)
-    rows_before = tl.sum(tl.where(earlier, length[None, :], 0), axis=1)
+    rows_before = tl.sum(tl.where(earlier, lo, 0), axis=1)
     dc = tl.where(ok, d, 0).to(tl.int64)
     k = tl.load(starts + dc, mask=ok, other=0) + tl.load(chunk_prefix + c * width + dc, mask=ok, other=0) \
         + tl.load(prefix + b * width + dc, mask=ok, other=0) + before

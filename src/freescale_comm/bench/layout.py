@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -170,10 +170,11 @@ def launch_spec(kernel: Any, args: tuple, kwargs: dict) -> dict[str, Any]:
     return {"kernel": kernel.fn.__name__, "signature": signature, "constants": constants, "warps": warps}
 
 
-def compile_offline(specs: Sequence[dict[str, Any]], arch: int = 90) -> list[dict[str, Any]]:
+def compile_offline(specs: Sequence[dict[str, Any]], arch: int = 90, triton_dir: Optional[str] = None) -> list[dict[str, Any]]:
     """Compiles each distinct launch_spec with Triton's own compiler for sm_<arch> and reads
     registers and spill bytes from ptxas -v: no GPU needed (Triton's wheel carries ptxas). Runs in
-    a fresh interpreter without TRITON_INTERPRET (which turns the kernels into its stand-ins)."""
+    a fresh interpreter without TRITON_INTERPRET (which turns the kernels into its stand-ins), with
+    the Triton installed in `triton_dir` (pip --target) ahead of this environment's, if given."""
     import json
     import os
     import subprocess
@@ -181,6 +182,8 @@ def compile_offline(specs: Sequence[dict[str, Any]], arch: int = 90) -> list[dic
 
     distinct = list({json.dumps(s, sort_keys=True): s for s in specs}.values())
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    if triton_dir is not None:
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (triton_dir, env.get("PYTHONPATH")) if p)
     code = "import json, sys; from freescale_comm.bench.layout import _compile_here; " \
            "print(json.dumps(_compile_here(json.load(sys.stdin), int(sys.argv[1]))))"
     out = subprocess.run([sys.executable, "-c", code, str(arch)], input=json.dumps(distinct), capture_output=True,
@@ -215,5 +218,5 @@ def _compile_here(specs: Sequence[dict[str, Any]], arch: int) -> list[dict[str, 
         lines = report.splitlines()
         registers = [int(line.split("Used ")[1].split(" registers")[0]) for line in lines if "Used " in line]
         spills = [int(line.split(", ")[1].split(" bytes")[0]) for line in lines if "spill stores" in line]
-        rows.append({**spec, "registers": max(registers), "spill_store_bytes": max(spills)})
+        rows.append({**spec, "triton": triton.__version__, "registers": max(registers), "spill_store_bytes": max(spills)})
     return rows
