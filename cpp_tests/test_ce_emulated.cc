@@ -168,6 +168,56 @@ TEST(CeEmulatedStreams, BackToBackSynchronousOpsOnOneStreamDoNotDeadlock) {
   expect_all_ok(outcomes);
 }
 
+// GPU review (2026-11-27): a user's thread that posts an op or drives a wait runs transport work;
+// it kept our device and a relaxed capture mode for good after, and a DeviceGuard restored "device
+// 0" to a thread that had no context with cudaSetDevice(0), which makes GPU 0's primary context
+// (~500 MB there, in every rank on another GPU). Now the thread's own context and mode come back.
+std::unique_ptr<Communicator> ce_on_device(Bootstrap& bootstrap, int cuda_device, EmulatedDevice& device) {
+  Config config = small_config();
+  config.cuda_device = cuda_device;
+  return std::make_unique<Communicator>(bootstrap, config, [&device](Bootstrap& b, const Config& c) {
+    return make_ce_transport(b, c, device);
+  });
+}
+
+TEST(CeEmulatedThreads, AThreadWithNoContextIsLeftWithNoneAndNoContextIsMadeOnGpu0) {
+  auto outcomes = run_forked_ranks(2, [](int rank, Bootstrap& bootstrap) -> std::string {
+    EmulatedDeviceOptions options;
+    options.devices = 2;
+    EmulatedDevice device(options);
+    device.set_current_context(nullptr);  // a thread that never touched a GPU (fork kept the parent's)
+    auto comm = ce_on_device(bootstrap, 1, device);
+    Exchange x(uniform_counts(2, 1 << 20), rank);
+    comm->wait(comm->all_to_all(x.send.data(), x.recv.data(), x.layout, 0, true), kForever);
+    if (std::string e = x.check(rank); !e.empty()) return e;
+    if (device.current_context() != nullptr) return "the caller's thread was left with a context";
+    if (device.made_context(0)) return "a primary context was made on GPU 0";
+    return device.made_context(1) ? "" : "no context on the communicator's GPU";
+  });
+  expect_all_ok(outcomes);
+}
+
+TEST(CeEmulatedThreads, ACallersDeviceAndCaptureModeComeBackAfterItsOpsAndWaits) {
+  auto outcomes = run_forked_ranks(2, [](int rank, Bootstrap& bootstrap) -> std::string {
+    EmulatedDeviceOptions options;
+    options.devices = 2;
+    EmulatedDevice device(options);
+    device.set_device(0);  // the user's own GPU; the communicator's is 1
+    auto comm = ce_on_device(bootstrap, 1, device);
+    for (int i = 0; i < 3; ++i) {
+      Exchange x(uniform_counts(2, 256 << 10), rank, i);
+      comm->wait(comm->all_to_all(x.send.data(), x.recv.data(), x.layout, 0, true), kForever);
+      if (std::string e = x.check(rank); !e.empty()) return e;
+      if (device.current_device() != 0) return "the caller's device became " + std::to_string(device.current_device());
+      const int mode = device.relax_capture_mode();
+      device.restore_capture_mode(mode);
+      if (mode != 0) return "the caller's capture mode stayed relaxed";
+    }
+    return "";
+  });
+  expect_all_ok(outcomes);
+}
+
 // Issue 29 item 2: Work.wait() on CUDA put a wait for a host-set completion flag on the user's
 // stream before the progress thread had queued the op's copies on the comm stream. On one
 // hardware queue (shared by both streams, as streams share a GPU's connections) that wait sat

@@ -614,6 +614,33 @@ TEST(NvshmemEmulatedSetup, LimitedMpgRefusesWithUnsupportedOnEveryRankInsteadOfE
   expect_all_ok(outcomes);
 }
 
+// GPU review (2026-11-27): nvshmemx_hostlib_init_attr returns 0 when its main stage failed past
+// the bootstrap (status NVSHMEM_STATUS_IS_BOOTSTRAPPED), and NVSHMEM's next call exit()s. The
+// transport called that a limited MPG run needing MPS (kUnsupported): a wrong cause, and the
+// backend's NCCL fallback would go on beside a half-started NVSHMEM. Now: kSystem on every rank,
+// naming NVSHMEM_DEBUG and not MPS, and no further NVSHMEM call (each would end the process).
+TEST(NvshmemEmulatedSetup, AnInitThatFailedPastItsBootstrapFailsOnEveryRankWithoutCallingNvshmemAgain) {
+  auto outcomes = run_forked_ranks(2, [](int rank, Bootstrap& bootstrap) -> std::string {
+    EmulatedDevice device(kSmallQueue);
+    EmulatedShmemOptions options;
+    options.bootstrapped_only = rank == 1;  // only rank 1's init fails
+    EmulatedShmem shmem(device, options);
+    try {
+      auto comm = nvshmem_communicator(bootstrap, small_config(), device, shmem);
+      return "no error";
+    } catch (const Error& e) {
+      const std::string what = e.what();
+      if (e.code() == ErrorCode::kUnsupported) return "refused as unsupported: " + what;
+      if (rank == 1 && (what.find("NVSHMEM_DEBUG") == std::string::npos || what.find("MPS") != std::string::npos)) {
+        return "wrong cause: " + what;
+      }
+      if (rank == 0 && what.find("rank 1") == std::string::npos) return "the culprit unnamed: " + what;
+    }
+    return "";
+  }, std::chrono::seconds(120));
+  expect_all_ok(outcomes);
+}
+
 // Issue 41 item 4: the transport flushes network peers' puts with cudaDeviceFlushGPUDirectRDMAWrites,
 // which attribute 117's host option governs, and writes its byte counts with 64-bit stream memory
 // operations; it checked neither (98, which it declared, is the memops option), so a device

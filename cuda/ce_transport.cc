@@ -121,6 +121,11 @@ class CeTransport final : public HostTransport {
   }
   void post(const std::shared_ptr<OpState>& op) override;
   bool can_send(const Transfer& t) const override;
+  // In a ProgressScope, as every entry point of ours: sending may open a peer's registration.
+  void send_chunk(const Transfer& t, const Chunk& c) override {
+    ProgressScope scope(ops_, device_);
+    HostTransport::send_chunk(t, c);
+  }
   // A whole window per round: sends only queue copies until the round's flush.
   int chunks_per_send_round() const override {
     return static_cast<int>(std::max<uint64_t>(8, window_bytes_ / arenas_[rank_].slot_bytes));
@@ -288,7 +293,7 @@ void CeTransport::setup(Bootstrap& bootstrap, const Config& config) {
   std::string error, handle;
   OwnedFd arena_fd;  // our arena's exported descriptor, until peers have theirs
   CeArenaLayout mine = CeArenaLayout::plan(world_, rank_, config.chunk_bytes, config.arena_bytes);
-  std::optional<DeviceGuard> guard;  // the caller's device comes back when setup ends
+  std::optional<ProgressScope> guard;  // the caller's device comes back when setup ends
   try {
     guard.emplace(ops_, device_);
     // What the data path needs, checked before anything is made: counters written by the device
@@ -373,7 +378,7 @@ void CeTransport::release() noexcept {
   // Best effort, never throws. The lanes hold copies and counter writes only, the join stream
   // waits on lanes' events: they drain; they must, before the segments and arenas their work
   // touches go away.
-  DeviceGuard guard(ops_, device_, std::nothrow);
+  ProgressScope guard(ops_, device_, std::nothrow);
   auto quietly = [](auto&& fn) {
     try {
       fn();
@@ -418,7 +423,7 @@ void CeTransport::release_waits() {
 }
 
 void CeTransport::quiesce() {
-  DeviceGuard guard(ops_, device_, std::nothrow);
+  ProgressScope guard(ops_, device_, std::nothrow);
   // Lanes wait only on counters whose writes peers had enqueued: they run out, but for a peer
   // that died or aborted, whose device writes nothing more; the host writes those counters.
   // A lane still waiting after the timeout (a peer that lies about what it enqueued) is left
@@ -443,7 +448,7 @@ void CeTransport::quiesce() {
 }
 
 void CeTransport::post(const std::shared_ptr<OpState>& op) {
-  ops_.prepare_progress_thread(device_);
+  ProgressScope scope(ops_, device_);
   gate_.post(op);
   post_ready_ops();
 }
@@ -499,7 +504,7 @@ int CeTransport::register_buffer(void* ptr, uint64_t bytes) {
     throw Error(ErrorCode::kInvalidArgument, "register_buffer: ptr and bytes must describe a device buffer (got " +
                                               std::string(ptr == nullptr ? "a null pointer" : "0 bytes") + ")");
   }
-  DeviceGuard guard(ops_, device_);
+  ProgressScope guard(ops_, device_);
   size_t allocation_bytes = 0;
   uint8_t* base = nullptr;
   try {
@@ -735,7 +740,7 @@ bool CeTransport::retire_flushes() {
 }
 
 bool CeTransport::poll() {
-  ops_.prepare_progress_thread(device_);
+  ProgressScope scope(ops_, device_);
   bool moved = flush();  // the send round's chunks
   moved = retire_flushes() || moved;
   moved = post_ready_ops() || moved;
@@ -796,7 +801,7 @@ bool CeTransport::mark_all_enqueued() {
 }
 
 void CeTransport::check_peers() {
-  ops_.prepare_progress_thread(device_);
+  ProgressScope scope(ops_, device_);
   ops_.stream_idle(lanes_[0].stream);  // throws Error(kSystem) once the context faulted
   HostTransport::check_peers();
 }

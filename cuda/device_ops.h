@@ -99,9 +99,15 @@ class DeviceOps {
   virtual void set_device(int device) = 0;
   // The value of `attr` on `device` (0: unsupported). Throws Error(kSystem) if it cannot be read.
   virtual int attribute(int device, DeviceAttribute attr) = 0;
-  // Once per progress thread: `device` current, stream capture mode relaxed (a user's global-mode
-  // graph capture elsewhere must not make this thread's calls illegal).
-  virtual void prepare_progress_thread(int device) = 0;
+  // The calling thread's current context (nullptr: none) and setting it back. A scope of ours
+  // restores the caller's context this way, never with set_device: cudaSetDevice creates a primary
+  // context, so a thread that had none would get one (on GPU 0, ~500 MB, in every rank).
+  virtual void* current_context() = 0;
+  virtual void set_current_context(void* context) = 0;
+  // Sets this thread's stream capture mode relaxed (a user's global-mode graph capture elsewhere
+  // must not make our calls illegal) and returns the mode it had, for restore_capture_mode.
+  virtual int relax_capture_mode() = 0;
+  virtual void restore_capture_mode(int mode) = 0;
   // True while `stream` is being captured into a CUDA graph.
   virtual bool is_capturing(Stream stream) = 0;
 
@@ -226,6 +232,10 @@ class ShmemOps {
   // return 0 in a "limited MPG" run (several PEs on one GPU without MPS), where its stream signal
   // waits exit() the process: callers must refuse to run then.
   virtual bool fully_initialized() = 0;
+  // When fully_initialized() is false: true for a limited MPG run; false when NVSHMEM got no
+  // further than its bootstrap (its hostlib init returns 0 even when its main stage failed, logging
+  // "nvshmemi_common_init failed, continuing"; the process's next NVSHMEM call then exit()s).
+  virtual bool limited_mpg() = 0;
   // Why fully_initialized() is false, for the error message.
   virtual std::string init_status_text() = 0;
 

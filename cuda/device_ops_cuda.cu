@@ -85,15 +85,22 @@ class CudaDeviceOps final : public DeviceOps {
     check_cu(api.device_get_attribute(&value, static_cast<CUdevice_attribute>(attr), dev), "cuDeviceGetAttribute");
     return value;
   }
-  void prepare_progress_thread(int device) override {
-    static thread_local int current = -1;
-    if (current == device) return;
-    check_cuda(cudaSetDevice(device), "cudaSetDevice");
-    if (current == -1) {
-      cudaStreamCaptureMode relaxed = cudaStreamCaptureModeRelaxed;
-      check_cuda(cudaThreadExchangeStreamCaptureMode(&relaxed), "cudaThreadExchangeStreamCaptureMode");
-    }
-    current = device;
+  void* current_context() override {
+    CUcontext ctx = nullptr;
+    check_cu(DriverApi::get().ctx_get_current(&ctx), "cuCtxGetCurrent");
+    return ctx;
+  }
+  void set_current_context(void* context) override {
+    check_cu(DriverApi::get().ctx_set_current(static_cast<CUcontext>(context)), "cuCtxSetCurrent");
+  }
+  int relax_capture_mode() override {
+    cudaStreamCaptureMode mode = cudaStreamCaptureModeRelaxed;
+    check_cuda(cudaThreadExchangeStreamCaptureMode(&mode), "cudaThreadExchangeStreamCaptureMode");
+    return static_cast<int>(mode);
+  }
+  void restore_capture_mode(int mode) override {
+    auto m = static_cast<cudaStreamCaptureMode>(mode);
+    check_cuda(cudaThreadExchangeStreamCaptureMode(&m), "cudaThreadExchangeStreamCaptureMode");
   }
   bool is_capturing(Stream stream) override {
     cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
@@ -330,7 +337,14 @@ class CudaDeviceOps final : public DeviceOps {
     const DriverApi& api = DriverApi::get();
     CUdevice dev = 0;
     CUdeviceptr va = 0;
-    CUresult res = api.device_get(&dev, current_device());
+    int device = 0;
+    try {
+      device = current_device();
+    } catch (...) {
+      api.mem_release(handle);  // taken: released on every failure
+      throw;
+    }
+    CUresult res = api.device_get(&dev, device);
     if (res == CUDA_SUCCESS) res = api.mem_address_reserve(&va, size, granularity, 0, 0);
     if (res == CUDA_SUCCESS) {
       res = api.mem_map(va, size, 0, handle, 0);

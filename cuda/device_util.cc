@@ -82,33 +82,50 @@ bool shareable_memory_supported(DeviceOps& ops, int device) {
 }
 
 DeviceGuard::DeviceGuard(DeviceOps& ops, int device) : ops_(ops) {
-  previous_ = ops_.current_device();
-  if (previous_ == device) {
-    previous_ = -1;
-  } else {
-    ops_.set_device(device);
-  }
+  void* context = ops_.current_context();
+  if (context != nullptr && ops_.current_device() == device) return;  // there already
+  ops_.set_device(device);
+  previous_ = context;
+  restore_ = true;
 }
 
 DeviceGuard::DeviceGuard(DeviceOps& ops, int device, std::nothrow_t) : ops_(ops) {
   try {
-    previous_ = ops_.current_device();
-    if (previous_ == device) {
-      previous_ = -1;
-    } else {
-      ops_.set_device(device);
-    }
+    void* context = ops_.current_context();
+    if (context != nullptr && ops_.current_device() == device) return;
+    ops_.set_device(device);
+    previous_ = context;
+    restore_ = true;
   } catch (...) {
-    previous_ = -1;
+    restore_ = false;  // best effort: the caller's next CUDA call sees the device it finds
   }
 }
 
 DeviceGuard::~DeviceGuard() {
-  if (previous_ < 0) return;
+  if (!restore_) return;
   try {
-    ops_.set_device(previous_);
+    ops_.set_current_context(previous_);  // nullptr: the thread had none, and has none again
   } catch (...) {
     // Destructors never throw; the caller's next CUDA call sees the device it finds.
+  }
+}
+
+ProgressScope::ProgressScope(DeviceOps& ops, int device)
+    : ops_(ops), device_(ops, device), capture_mode_(ops.relax_capture_mode()) {}
+
+ProgressScope::ProgressScope(DeviceOps& ops, int device, std::nothrow_t) : ops_(ops), device_(ops, device, std::nothrow) {
+  try {
+    capture_mode_ = ops_.relax_capture_mode();
+  } catch (...) {
+    capture_mode_ = -1;
+  }
+}
+
+ProgressScope::~ProgressScope() {
+  if (capture_mode_ < 0) return;
+  try {
+    ops_.restore_capture_mode(capture_mode_);
+  } catch (...) {
   }
 }
 

@@ -33,7 +33,8 @@ bool shareable_memory_supported(DeviceOps& ops, int device);
 std::string missing_capability(DeviceOps& ops, int device, const char* transport,
                                std::initializer_list<DeviceAttribute> attrs);
 
-// Makes `device` current for a scope on a caller's thread, then restores the caller's device.
+// Makes `device` current for a scope on a caller's thread, then restores the caller's context
+// (DeviceOps::current_context: a thread that had none is left with none, not given GPU 0's).
 class DeviceGuard {
  public:
   DeviceGuard(DeviceOps& ops, int device);
@@ -44,7 +45,25 @@ class DeviceGuard {
 
  private:
   DeviceOps& ops_;
-  int previous_ = -1;
+  void* previous_ = nullptr;  // the caller's context
+  bool restore_ = false;
+};
+
+// Around transport work on any thread (the progress thread, or a user's thread posting an op or
+// driving a wait): `device` current and the stream capture mode relaxed, the thread's own context
+// and mode restored after. (A user's thread kept our device and relaxed mode for good before.)
+class ProgressScope {
+ public:
+  ProgressScope(DeviceOps& ops, int device);
+  ProgressScope(DeviceOps& ops, int device, std::nothrow_t);  // best effort, for teardown
+  ~ProgressScope();
+  ProgressScope(const ProgressScope&) = delete;
+  ProgressScope& operator=(const ProgressScope&) = delete;
+
+ private:
+  DeviceOps& ops_;
+  DeviceGuard device_;
+  int capture_mode_ = -1;  // the caller's; -1: not changed
 };
 
 // A word of mapped host memory that a device writes asynchronously (cudaHostAlloc'd mirrors):

@@ -46,6 +46,9 @@ const DriverApi& DriverApi::get() {
     resolve("cuStreamWaitValue32", api.stream_wait_value32);
     resolve("cuStreamWaitValue64", api.stream_wait_value64);
     resolve("cuDeviceGet", api.device_get);
+    resolve("cuCtxGetCurrent", api.ctx_get_current);
+    resolve("cuCtxSetCurrent", api.ctx_set_current);
+    resolve("cuGetErrorName", api.get_error_name);
     resolve("cuDeviceGetAttribute", api.device_get_attribute);
     resolve("cuMemGetAddressRange", api.mem_get_address_range);
     resolve("cuMemGetAllocationGranularity", api.mem_get_allocation_granularity);
@@ -71,7 +74,10 @@ void check_cuda(cudaError_t err, const char* what) {
 
 void check_cu(CUresult res, const char* what) {
   if (res == CUDA_SUCCESS) return;
-  throw Error(ErrorCode::kSystem, std::string(what) + ": CUresult " + std::to_string(static_cast<int>(res)));
+  const char* name = nullptr;  // e.g. CUDA_ERROR_NOT_PERMITTED; the number alone where unknown
+  if (DriverApi::get().get_error_name(res, &name) != CUDA_SUCCESS) name = nullptr;
+  throw Error(ErrorCode::kSystem, std::string(what) + ": " + (name != nullptr ? name : "CUresult") + " (" +
+                                      std::to_string(static_cast<int>(res)) + ")");
 }
 
 }  // namespace freescale

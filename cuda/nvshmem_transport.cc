@@ -293,7 +293,7 @@ NvshmemTransport::NvshmemTransport(Bootstrap& bootstrap, const Config& config, D
   ErrorCode code = ErrorCode::kSystem;
   std::string error;
   std::string running = "-";  // "<my PE> <PEs>" where NVSHMEM already runs in this process
-  std::optional<DeviceGuard> guard;
+  std::optional<ProgressScope> guard;
   try {
     took_ = !g_nvshmem_taken.exchange(true);
     if (!took_) {
@@ -362,6 +362,9 @@ NvshmemTransport::NvshmemTransport(Bootstrap& bootstrap, const Config& config, D
   // NVSHMEM reads its environment once, at the first call (rank 0: unique_id): set it before.
   // An adopted runtime read its environment already: it is the other user's (data_path says so).
   if (!adopted_ && one_host) setenv("NVSHMEM_REMOTE_TRANSPORT", "none", 0);  // one node: no network to probe
+  // No NVSHMEM collective is ours: its init would build NCCL communicators for its teams, and an
+  // NCCL error there exit()s the process. A user's own setting stands.
+  if (!adopted_) setenv("NVSHMEM_DISABLE_NCCL", "1", 0);
   if (!adopted_ && std::getenv("NVSHMEM_SYMMETRIC_SIZE") == nullptr) {
     uint64_t heap = std::max<uint64_t>(1ull << 30, layout_.num_bytes() + kHeapMargin);
     setenv("NVSHMEM_SYMMETRIC_SIZE", std::to_string(heap).c_str(), 0);
@@ -388,14 +391,21 @@ NvshmemTransport::NvshmemTransport(Bootstrap& bootstrap, const Config& config, D
     if (status != 0) {
       throw Error(code, "NVSHMEM's init returned " + std::to_string(status) + " (NVSHMEM_DEBUG=INFO tells why)");
     }
-    if (!shmem_.fully_initialized()) {
+    if (!shmem_.fully_initialized() && shmem_.limited_mpg()) {
       // NVSHMEM 3.8 reports success here with several PEs on one GPU and no (or an oversubscribed)
       // MPS, and its on-stream calls exit() the process in that mode: refuse instead.
       code = ErrorCode::kUnsupported;
       throw Error(code, "NVSHMEM started in a limited mode (" + shmem_.init_status_text() +
                             "): its on-stream calls would end the process. Several ranks on one GPU need MPS "
-                            "(nvidia-cuda-mps-control -d, thread percentages summing to at most 100); or use "
-                            "FREESCALE_TRANSPORT=ce within a node");
+                            "(nvidia-cuda-mps-control -d) with thread percentages summing to at most 100 "
+                            "(CUDA_MPS_ACTIVE_THREAD_PERCENTAGE per rank, or "
+                            "NVSHMEM_IGNORE_CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=1); or use FREESCALE_TRANSPORT=ce "
+                            "within a node");
+    }
+    if (!shmem_.fully_initialized()) {  // its init returned 0 after a failure past the bootstrap
+      throw Error(code, "NVSHMEM's init failed after its bootstrap (" + shmem_.init_status_text() +
+                            ", though it returned 0; NVSHMEM_DEBUG=INFO tells why). NVSHMEM is left "
+                            "half-started in this process: any further NVSHMEM call would end it");
     }
   } catch (const std::exception& e) {
     error = e.what();
@@ -442,7 +452,7 @@ NvshmemTransport::NvshmemTransport(Bootstrap& bootstrap, const Config& config, D
 NvshmemTransport::~NvshmemTransport() {
   // Best effort, never throws. nvshmem_free is collective (a closing rank cannot count on its
   // peers): the arena stays while NVSHMEM runs; close() gave our reference back or kept it.
-  DeviceGuard guard(ops_, device_, std::nothrow);
+  ProgressScope guard(ops_, device_, std::nothrow);
   auto quietly = [](auto&& fn) {
     try {
       fn();
@@ -498,7 +508,7 @@ void NvshmemTransport::give_back_reference() noexcept {
     keep_reference();
     return;
   }
-  DeviceGuard guard(ops_, device_, std::nothrow);
+  ProgressScope guard(ops_, device_, std::nothrow);
   const auto deadline = std::chrono::steady_clock::now() + settle_limit_;
   GroupClose state = group_close_state();
   while (state == GroupClose::kPending && std::chrono::steady_clock::now() < deadline) {
@@ -524,7 +534,7 @@ void NvshmemTransport::keep_reference() noexcept {
 }
 
 void NvshmemTransport::release_setup() noexcept {
-  DeviceGuard guard(ops_, device_, std::nothrow);
+  ProgressScope guard(ops_, device_, std::nothrow);
   if (reference_held_) {  // a failed step fails every rank alike: our references go back together
     reference_held_ = false;
     try {
@@ -560,7 +570,7 @@ std::vector<Stream> NvshmemTransport::all_streams() const {
 
 bool NvshmemTransport::settle_streams() {
   settled_ = true;
-  DeviceGuard guard(ops_, device_, std::nothrow);
+  ProgressScope guard(ops_, device_, std::nothrow);
   bool failed = false;
   const bool ran_out = drain_streams(ops_, all_streams(), settle_deadline(), &failed).empty();
   stuck_ = stuck_ || !ran_out;
@@ -573,7 +583,7 @@ Stream NvshmemTransport::stream_of(std::vector<Stream>& streams, size_t index) {
 }
 
 void NvshmemTransport::post(const std::shared_ptr<OpState>& op) {
-  ops_.prepare_progress_thread(device_);
+  ProgressScope scope(ops_, device_);
   gate_.post(op);
   gate_.start_ready([this](const std::shared_ptr<OpState>& ready) { start(ready); });
 }
@@ -610,7 +620,7 @@ bool NvshmemTransport::can_send(const Transfer& t) const {
 }
 
 void NvshmemTransport::send_chunk(const Transfer& t, const Chunk& c) {
-  ops_.prepare_progress_thread(device_);
+  ProgressScope scope(ops_, device_);
   const std::shared_ptr<OpState>& op = t.op;
   const int lane = nvshmem_lane(op->priority);
   const int dst = t.peer;
@@ -648,7 +658,7 @@ void NvshmemTransport::send_chunk(const Transfer& t, const Chunk& c) {
 }
 
 bool NvshmemTransport::poll() {
-  ops_.prepare_progress_thread(device_);
+  ProgressScope scope(ops_, device_);
   if (settled_) return false;
   bool moved = gate_.start_ready([this](const std::shared_ptr<OpState>& op) { start(op); });
   for (auto it = landing_.begin(); it != landing_.end();) {

@@ -68,6 +68,7 @@ class NvshmemOps final : public ShmemOps {
     int status = api_.init_status();
     return status == NVSHMEM_STATUS_IS_INITIALIZED || status == NVSHMEM_STATUS_FULL_MPG;
   }
+  bool limited_mpg() override { return api_.init_status() == NVSHMEM_STATUS_LIMITED_MPG; }
   std::string init_status_text() override { return status_name(api_.init_status()); }
   bool running() override {
     const int status = api_.init_status();

@@ -12,7 +12,7 @@ SubmitGate::SubmitGate(DeviceOps& ops, int device) : ops_(ops), device_(device) 
 
 SubmitGate::~SubmitGate() {
   if (leaked_) return;
-  DeviceGuard guard(ops_, device_, std::nothrow);
+  ProgressScope guard(ops_, device_, std::nothrow);
   try {
     for (auto& [seq, ev] : submitted_) ops_.destroy_event(ev);
     for (auto& [seq, c] : completions_) ops_.destroy_event(c.event);
@@ -70,7 +70,7 @@ bool SubmitGate::event_done(Event ev, const char* what) {
 }
 
 Event SubmitGate::mark(Stream stream) {
-  DeviceGuard guard(ops_, device_);
+  ProgressScope guard(ops_, device_);
   Event ev = take_event();
   try {
     ops_.record_event(ev, stream);
@@ -142,7 +142,7 @@ bool SubmitGate::stream_wait(const OpState& op, Stream stream, std::chrono::micr
     }
   };
   try {
-    DeviceGuard guard(ops_, device_);
+    ProgressScope guard(ops_, device_);
     ops_.wait_event(stream, ev);  // captures the record made before: the event may be reused after
   } catch (...) {
     release();

@@ -184,18 +184,21 @@ def futures_order_the_waiting_stream(info, nbytes: int) -> dict[str, int]:
 
     outs = [torch.full((n,), -1, dtype=torch.int32, device="cuda") for _ in range(world)]
     with torch.cuda.stream(issue):
+        issue.wait_stream(torch.cuda.default_stream())  # the fills, before the op writes
         fut = dist.all_to_all(outs, ins, async_op=True).get_future()
     with torch.cuda.stream(consume):
         bad_wait = count(fut.wait(), want)
 
     outs2 = [torch.full((n,), -1, dtype=torch.int32, device="cuda") for _ in range(world)]
     with torch.cuda.stream(issue):
+        issue.wait_stream(torch.cuda.default_stream())
         chained = dist.all_to_all(outs2, ins, async_op=True).get_future().then(lambda f: count(f.value(), want))
     with torch.cuda.stream(consume):
         bad_then = chained.wait()
 
     outs3 = [torch.full((n,), -1, dtype=torch.int32, device="cuda") for _ in range(world)]
     with torch.cuda.stream(issue):
+        issue.wait_stream(torch.cuda.default_stream())
         work = dist.all_to_all(outs3, ins, async_op=True)
         work.wait()  # unpacks on `issue`
     with torch.cuda.stream(consume):
@@ -203,6 +206,7 @@ def futures_order_the_waiting_stream(info, nbytes: int) -> dict[str, int]:
 
     out = torch.full_like(flat_in, -1)
     with torch.cuda.stream(issue):
+        issue.wait_stream(torch.cuda.default_stream())
         fut_single = dist.all_to_all_single(out, flat_in, async_op=True).get_future()
     with torch.cuda.stream(consume):
         bad_single = count(fut_single.wait(), [flat_want])

@@ -21,7 +21,11 @@
 namespace freescale {
 namespace {
 
-thread_local int t_device = 0;
+thread_local int t_device = 0;         // cudaGetDevice: 0 until set (with or without a context)
+thread_local void* t_context = nullptr;  // cuCtxGetCurrent: a device's token, or none
+thread_local int t_capture_mode = 0;     // cudaStreamCaptureModeGlobal
+
+void* context_token(int device) { return reinterpret_cast<void*>(static_cast<uintptr_t>(device) + 1); }
 
 // Thrown inside a stream task when the device is torn down while the task waits.
 struct Abandoned {};
@@ -249,6 +253,10 @@ void EmulatedDevice::raise_fault(const std::string& what) {
 }
 
 void EmulatedDevice::check_no_fault(const char* call) const {
+  if (t_context == nullptr) {  // the runtime makes its current device's primary context current
+    make_context(t_device);
+    t_context = context_token(t_device);
+  }
   context_.store(true, std::memory_order_release);
   if (!faulted_.load(std::memory_order_acquire)) return;
   throw Error(ErrorCode::kSystem, std::string("emulated ") + call + ": an earlier asynchronous error poisoned the context "
@@ -299,8 +307,35 @@ void EmulatedDevice::set_device(int device) {
     throw Error(ErrorCode::kSystem, "emulated cudaSetDevice(" + std::to_string(device) + "): invalid device ordinal");
   }
   t_device = device;
+  t_context = context_token(device);
+  make_context(device);
   context_.store(true, std::memory_order_release);
 }
+
+void EmulatedDevice::make_context(int device) const {
+  std::lock_guard<std::mutex> lock(contexts_mu_);
+  contexts_made_.insert(device);
+}
+
+bool EmulatedDevice::made_context(int device) const {
+  std::lock_guard<std::mutex> lock(contexts_mu_);
+  return contexts_made_.count(device) != 0;
+}
+
+void* EmulatedDevice::current_context() { return t_context; }
+
+void EmulatedDevice::set_current_context(void* context) {
+  t_context = context;
+  if (context != nullptr) t_device = static_cast<int>(reinterpret_cast<uintptr_t>(context) - 1);
+}
+
+int EmulatedDevice::relax_capture_mode() {
+  const int previous = t_capture_mode;
+  t_capture_mode = 2;  // cudaStreamCaptureModeRelaxed
+  return previous;
+}
+
+void EmulatedDevice::restore_capture_mode(int mode) { t_capture_mode = mode; }
 
 int EmulatedDevice::attribute(int device, DeviceAttribute attr) {
   if (device < 0 || device >= options_.devices) {
@@ -981,11 +1016,19 @@ int EmulatedShmem::init(const std::string& unique_id, int rank, int world) {
 }
 
 std::string EmulatedShmem::init_status_text() {
+  if (options_.bootstrapped_only) return "NVSHMEM_STATUS_IS_BOOTSTRAPPED (emulated: init failed past its bootstrap)";
   return options_.limited_mpg ? "NVSHMEM_STATUS_LIMITED_MPG (emulated: several PEs on one GPU without MPS)"
                               : "NVSHMEM_STATUS_IS_INITIALIZED";
 }
 
+void EmulatedShmem::exit_if_half_started() const {
+  if (!options_.bootstrapped_only) return;
+  std::fputs("emulated nvshmem: nvshmem initialization failed, exiting\n", stderr);  // NVSHMEMI_ERROR_EXIT
+  std::_Exit(87);
+}
+
 void* EmulatedShmem::malloc(size_t bytes) {
+  exit_if_half_started();
   size_t start = (used_ + kHeapAlign - 1) / kHeapAlign * kHeapAlign;
   if (heaps_.empty() || start + bytes > heap_bytes_) return nullptr;
   used_ = start + bytes;
@@ -1004,6 +1047,7 @@ void EmulatedShmem::put_signal_on_stream(void* dest, const void* src, size_t byt
                                          ShmemSignalOp op, int pe, Stream stream) {
   uint8_t* to = remote(dest, pe);
   auto* word = reinterpret_cast<std::atomic<uint64_t>*>(remote(signal, pe));
+  exit_if_half_started();
   if (options_.limited_mpg) std::_Exit(86);  // what NVSHMEM 3.8 may do (ShmemOps::fully_initialized)
   if (op == ShmemSignalOp::kAdd || !is_mapped(dest, pe)) kernels_.fetch_add(1);  // NVSHMEM's kernels
   if (op == ShmemSignalOp::kSet && is_mapped(signal, pe)) set_from_pageable_memory(stream);
@@ -1017,6 +1061,7 @@ void EmulatedShmem::put_signal_on_stream(void* dest, const void* src, size_t byt
 
 void EmulatedShmem::signal_op_on_stream(uint64_t* signal, uint64_t value, ShmemSignalOp op, int pe, Stream stream) {
   auto* word = reinterpret_cast<std::atomic<uint64_t>*>(remote(signal, pe));
+  exit_if_half_started();
   if (options_.limited_mpg) std::_Exit(86);
   if (op == ShmemSignalOp::kAdd || !is_mapped(signal, pe)) kernels_.fetch_add(1);
   if (op == ShmemSignalOp::kSet && is_mapped(signal, pe)) set_from_pageable_memory(stream);
@@ -1042,6 +1087,7 @@ size_t EmulatedShmem::signals_held() {
 }
 
 void EmulatedShmem::quiet_on_stream(Stream stream) {
+  exit_if_half_started();
   if (options_.limited_mpg) std::_Exit(86);
   const bool stalls = issued_to_stalled_.load();  // it completes those puts too: never
   device_.enqueue(stream, [this, stalls] {
@@ -1073,6 +1119,7 @@ bool EmulatedShmem::arrives(const char* what, int pe, Link link) {
 }
 
 void EmulatedShmem::finalize() {
+  exit_if_half_started();
   if (references_ == 0) return;
   if (--references_ > 0) return;
   started_ = false;

@@ -55,6 +55,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <set>
 #include <string>
 #include <thread>
 #include <vector>
@@ -142,7 +143,14 @@ class EmulatedDevice final : public DeviceOps {
   // the device (as the CUDA runtime makes one then). NVSHMEM's init needs one (pytorch#161232).
   bool has_context() const { return context_.load(std::memory_order_acquire); }
   int attribute(int device, DeviceAttribute attr) override;
-  void prepare_progress_thread(int device) override { set_device(device); }
+  // A thread's context is a token per device (nullptr: none), as cuCtxGetCurrent's primary one.
+  void* current_context() override;
+  void set_current_context(void* context) override;
+  int relax_capture_mode() override;
+  void restore_capture_mode(int mode) override;
+  // Whether `device`'s primary context was made in this process (by set_device, or by a runtime
+  // call on a thread with no context: CUDA's runtime makes its current device's then).
+  bool made_context(int device) const;
   bool is_capturing(Stream) override { return false; }
 
   Stream create_stream() override;
@@ -241,6 +249,9 @@ class EmulatedDevice final : public DeviceOps {
   // Every runtime call that reaches the device: makes the context; throws if a fault poisoned it.
   void check_no_fault(const char* call) const;
   mutable std::atomic<bool> context_{false};
+  mutable std::mutex contexts_mu_;
+  mutable std::set<int> contexts_made_;  // devices whose primary context exists
+  void make_context(int device) const;
   void block_creation_while_waiting();
   void count_call(size_t DriverCalls::*kind);
   // cudaDeviceSynchronize as cudaFree and cudaFreeHost imply it: waits until
@@ -308,6 +319,10 @@ struct EmulatedShmemOptions {
   // Emulates NVSHMEM 3.8's "limited MPG" run: init returns 0, init status says it is not fully
   // initialized, and an on-stream call terminates the process (as its stream waits do).
   bool limited_mpg = false;
+  // Emulates an NVSHMEM whose main init stage failed past its bootstrap: init returns 0 anyway
+  // (nvshmemx_hostlib_init_attr: "nvshmemi_common_init failed, continuing"), the status says
+  // NVSHMEM_STATUS_IS_BOOTSTRAPPED, and any further call terminates the process.
+  bool bootstrapped_only = false;
   // PEs reached over the network (no P2P mapping): is_mapped() is false for them, and each put or
   // signal to them counts as a kernel (NVSHMEM's proxy launch). Their bytes still move.
   std::vector<int> network_pes;
@@ -362,7 +377,8 @@ class EmulatedShmem final : public ShmemOps {
   int n_pes() override { return static_cast<int>(heaps_.size()); }
   // init() calls so far that found the runtime running (NVSHMEM's reference count, less one).
   int extra_inits() const { return extra_inits_; }
-  bool fully_initialized() override { return !options_.limited_mpg; }
+  bool fully_initialized() override { return !options_.limited_mpg && !options_.bootstrapped_only; }
+  bool limited_mpg() override { return options_.limited_mpg; }
   std::string init_status_text() override;
   void* malloc(size_t bytes) override;
   void put_signal_on_stream(void* dest, const void* src, size_t bytes, uint64_t* signal, uint64_t value,
@@ -406,6 +422,8 @@ class EmulatedShmem final : public ShmemOps {
   bool is_mapped_pe(int pe) const;
   // NVSHMEM's SET to a mapped PE: counts it and waits for `stream` (signals_from_pageable_memory).
   void set_from_pageable_memory(Stream stream);
+  // options_.bootstrapped_only: ends the process as NVSHMEM's next call does after such an init.
+  void exit_if_half_started() const;
   uint8_t* remote(const void* local, int pe) const;
   // Applies a signal that reached its word, through the reordering hold when it is on.
   void deliver(std::atomic<uint64_t>* word, uint64_t value, ShmemSignalOp op);
