@@ -246,3 +246,51 @@ def bad_bundles_raise_before_communicating(info) -> list[str]:
     bundle = lb.dispatch_bundle({"a": one})
     assert torch.equal(lb.combine_bundle(bundle.sequences["a"], bundle).values(), one.values())
     return messages
+
+
+class NestedArgumentsModule(nn.Module):
+    """Per-sample work over arguments that hold per-sample rows inside other types: a KeyedTensor
+    of dense features, a dict of tensors, a tuple (as TorchRec users pass them)."""
+
+    def forward(self, sequences: dict[str, JaggedTensor], dense, extras: dict, pair: tuple) -> torch.Tensor:
+        items = sequences["items"]
+        n = items.lengths().numel()
+        user = torch.zeros(n, DIM).index_add_(0, _segments(items.lengths()), items.values())
+        user = user + dense.values()[:, :DIM] * 2 + dense.values()[:, DIM:].sum(1, keepdim=True)
+        user = user + extras["labels"].unsqueeze(1) + extras["times"].float().sum(1, keepdim=True)
+        return user + pair[0].unsqueeze(1) * pair[1].unsqueeze(1)
+
+
+def hooks_move_per_sample_rows_inside_other_arguments(info, seed: int) -> dict:
+    """fc.balance with per-sample rows in a KeyedTensor, a dict and a tuple: the output equals the
+    unbalanced module's bit for bit, and samples did move. (Before, only top-level tensors moved:
+    the others stayed home, out of step with the balanced samples, silently where the balanced
+    count happened to equal the home one.)"""
+    from torchrec.sparse.jagged_tensor import KeyedTensor
+
+    sequences, labels, num_targets = make_inputs(info.rank, seed)
+    n = labels.numel()
+    gen = torch.Generator().manual_seed(seed * 31 + info.rank)
+    dense = KeyedTensor(keys=["a", "b"], length_per_key=[DIM, 3], values=torch.randn(n, DIM + 3, generator=gen))
+    extras = {"labels": labels, "times": torch.randint(0, 100, (n, 2), generator=gen)}
+    pair = (num_targets.float(), torch.rand(n, generator=gen))
+    module = NestedArgumentsModule()
+    ref = module(sequences, dense, extras, pair)
+    fc.balance(module, COST)
+    seen = []
+    module.register_forward_pre_hook(lambda m, args: seen.append(args[0]["items"].lengths().numel()))
+    out = module(sequences, dense, extras, pair)
+    module.freescale_balance.remove()
+    return {"equal": torch.equal(out, ref), "home": n, "computed": seen[0]}
+
+
+def a_jagged_argument_beside_the_sequences_is_refused(info) -> str:
+    """A second JaggedTensor argument (its own lengths) cannot move with the samples: TypeError
+    on every rank, before any communication."""
+    sequences, labels, _ = make_inputs(info.rank, 3)
+    module = fc.balance(NestedArgumentsModule(), COST)
+    try:
+        module(sequences, sequences["extra"], {"labels": labels}, ())
+    except TypeError as e:
+        return str(e)
+    return "no error"

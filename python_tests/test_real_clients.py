@@ -97,6 +97,23 @@ def test_balancing_a_torchrec_sequence_module_with_one_hook(world):
     assert any(r["samples_computed"] != r["samples_home"] for r in results), results  # samples did move
 
 
+def test_balancing_moves_per_sample_rows_inside_keyed_tensors_dicts_and_tuples():
+    _need("torchrec")
+    from bundle_programs import hooks_move_per_sample_rows_inside_other_arguments
+
+    results = spawn(hooks_move_per_sample_rows_inside_other_arguments, 2, 11, backend="freescale")
+    assert all(r["equal"] for r in results), results
+    assert any(r["computed"] != r["home"] for r in results), results  # samples did move
+
+
+def test_a_jagged_argument_beside_the_sequences_is_refused_on_every_rank():
+    _need("torchrec")
+    from bundle_programs import a_jagged_argument_beside_the_sequences_is_refused
+
+    for message in spawn(a_jagged_argument_beside_the_sequences_is_refused, 2, backend="freescale", timeout_s=60):
+        assert message.startswith("arg1: a jagged argument beside the sequences"), message
+
+
 def test_balancing_when_features_are_alike_on_one_rank_only():
     """Rank 1's three features have equal lengths (its "extra" follows "items"), rank 0's do not:
     sharing one dispatch's counts among alike features must be a decision all ranks make alike,

@@ -30,7 +30,9 @@ from freescale_comm.bundle import (
     is_keyed_jagged,
     is_sequence_batch,
     local_shares,
+    per_sample_leaves,
     resolved,
+    with_moved,
 )
 from freescale_comm.dispatch import DispatchHandle, check_jagged_batch, combine, communicator_for, dispatch
 from freescale_comm.planner import CostModel, RebalancePlan, plan_rebalance
@@ -296,18 +298,16 @@ class _BalanceHooks:
         """sequences first; every other tensor argument with one row per sample moves with them."""
         jts = args[0].to_dict() if is_keyed_jagged(args[0]) else args[0]
         samples = next(iter(jts.values())).lengths().numel()
-        per_sample = {}
+        per_sample: dict[str, torch.Tensor] = {}
         for i, a in enumerate(args[1:], start=1):
-            if has_rows_per_sample(a, samples):
-                per_sample[f"arg{i}"] = a
+            per_sample.update(per_sample_leaves(a, samples, f"arg{i}"))
         for k, a in kwargs.items():
-            if has_rows_per_sample(a, samples):
-                per_sample[f"kw_{k}"] = a
+            per_sample.update(per_sample_leaves(a, samples, f"kw_{k}"))
         bundle = self.balancer.dispatch_bundle(args[0], per_sample)
         self.last_plan = bundle.plan
         sequences = bundle.sequences if is_keyed_jagged(bundle.sequences) else _BalancedDict(bundle.sequences)
-        new_args = tuple(bundle.per_sample.get(f"arg{i}", a) for i, a in enumerate(args[1:], start=1))
-        new_kwargs = {k: bundle.per_sample.get(f"kw_{k}", a) for k, a in kwargs.items()}
+        new_args = tuple(with_moved(a, bundle.per_sample, f"arg{i}") for i, a in enumerate(args[1:], start=1))
+        new_kwargs = {k: with_moved(a, bundle.per_sample, f"kw_{k}") for k, a in kwargs.items()}
         self._pending.append((weakref.ref(sequences), bundle))
         return (sequences, *new_args), new_kwargs
 
@@ -337,7 +337,8 @@ def balance(module: torch.nn.Module, cost_model: CostModel, *, group: Optional[d
     runs and its output is combined home after (gradients follow). Either forward(values,
     lengths, ...) returning one row-block per sample, or a TorchRec sequence module:
     forward(sequences, ...) with an EmbeddingCollection's output first; its other tensor
-    arguments with one row per sample move along, and its output goes home as
+    arguments with one row per sample move along (also inside KeyedTensors, dicts, lists and
+    tuples; a jagged one beside the sequences is refused), and its output goes home as
     LoadBalancer.combine_bundle says. Returns the module; its `freescale_balance.remove()` takes
     the hooks off."""
     if not isinstance(module, torch.nn.Module):

@@ -41,6 +41,53 @@ def has_rows_per_sample(x: object, samples: int) -> bool:
     return isinstance(x, torch.Tensor) and x.dim() >= 1 and x.shape[0] == samples
 
 
+def is_keyed_tensor(x: object) -> bool:
+    """A TorchRec KeyedTensor (or alike): dense per-key columns, values() [rows, sum of lengths]."""
+    return all(callable(getattr(x, m, None)) for m in ("values", "keys", "length_per_key", "key_dim")) and \
+        not is_keyed_jagged(x)
+
+
+def per_sample_leaves(x: Any, samples: int, path: str) -> dict[str, torch.Tensor]:
+    """The tensors with one row per sample inside a module argument, by path: the argument
+    itself, a KeyedTensor's values (key_dim 1), or those inside dicts, lists and tuples (at any
+    depth). Jagged arguments beside the sequences are refused (TypeError): they need their own
+    lengths' dispatch; put them into the sequences. (Missing one moved the module's rows of it
+    out of step with its samples: silently where the counts happened to agree.)"""
+    if has_rows_per_sample(x, samples):
+        return {path: x}
+    if is_keyed_tensor(x):
+        if x.key_dim() != 1 or x.values().shape[0] != samples:
+            raise ValueError(f"{path}: a KeyedTensor balanced with its samples needs key_dim 1 and one row per sample "
+                             f"({samples}); got key_dim {x.key_dim()}, values {tuple(x.values().shape)}")
+        return {path: x.values()}
+    if is_jagged(x) or is_keyed_jagged(x):
+        raise TypeError(f"{path}: a jagged argument beside the sequences cannot be balanced with them (its own lengths); "
+                        "make it a feature of the sequences (the first argument)")
+    leaves: dict[str, torch.Tensor] = {}
+    if isinstance(x, dict):
+        for k, v in x.items():
+            leaves.update(per_sample_leaves(v, samples, f"{path}/{k!r}"))
+    elif isinstance(x, (list, tuple)):
+        for i, v in enumerate(x):
+            leaves.update(per_sample_leaves(v, samples, f"{path}/{i}"))
+    return leaves
+
+
+def with_moved(x: Any, moved: dict[str, torch.Tensor], path: str) -> Any:
+    """The argument rebuilt around its moved leaves (per_sample_leaves' paths)."""
+    if path in moved:
+        if isinstance(x, torch.Tensor):
+            return moved[path]
+        return type(x)(keys=x.keys(), length_per_key=x.length_per_key(), values=moved[path], key_dim=x.key_dim())
+    if isinstance(x, dict) and any(p.startswith(path + "/") for p in moved):
+        out = {k: with_moved(v, moved, f"{path}/{k!r}") for k, v in x.items()}
+        return out if type(x) is dict else type(x)(out)
+    if isinstance(x, (list, tuple)) and any(p.startswith(path + "/") for p in moved):
+        items = [with_moved(v, moved, f"{path}/{i}") for i, v in enumerate(x)]
+        return type(x)(*items) if hasattr(x, "_fields") else type(x)(items)
+    return x
+
+
 def is_sequence_batch(x: object) -> bool:
     """What dispatch_bundle takes as `sequences`: a KJT, or a non-empty dict of JaggedTensors."""
     return is_keyed_jagged(x) or (isinstance(x, dict) and len(x) > 0 and all(is_jagged(v) for v in x.values()))
