@@ -294,3 +294,40 @@ def a_jagged_argument_beside_the_sequences_is_refused(info) -> str:
     except TypeError as e:
         return str(e)
     return "no error"
+
+
+class FixedTableModule(nn.Module):
+    """Takes a tensor that is not per sample (the same [5, DIM] on every rank) beside the sequences."""
+
+    def forward(self, sequences: dict[str, JaggedTensor], table: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        items = sequences["items"]
+        user = torch.zeros(items.lengths().numel(), DIM).index_add_(0, _segments(items.lengths()), items.values())
+        return user * table.sum(0) + labels.unsqueeze(1)
+
+
+def a_fixed_tensor_whose_rows_equal_one_ranks_batch_stays(info, seed: int) -> bool:
+    """Rank 0 holds 5 samples, rank 1 six; the table has 5 rows on both. Whether it moves must be
+    one decision (it moved on rank 0 alone: SIZE_MISMATCH); labels move. Output equals the
+    unbalanced module's."""
+    sequences, labels, _ = make_inputs(info.rank, seed)
+    table = torch.arange(5 * DIM, dtype=torch.float32).view(5, DIM) / 7
+    module = FixedTableModule()
+    ref = module(sequences, table, labels)
+    fc.balance(module, COST)
+    out = module(sequences, table, labels)
+    module.freescale_balance.remove()
+    return bool(torch.equal(out, ref))
+
+
+def ranks_passing_different_arguments(info) -> str:
+    """Rank 1 passes its labels inside a tuple, rank 0 bare: CommError on both, naming the ranks."""
+    sequences, labels, _ = make_inputs(info.rank, 5)
+    module = fc.balance(FixedTableModule(), COST)
+    table = torch.ones(5, DIM)
+    try:
+        module(sequences, table, labels if info.rank == 0 else (labels, labels))
+    except fc.CommError as e:
+        return str(e)
+    except Exception as e:  # noqa: BLE001 - the module itself may fail later on rank 1
+        return f"{type(e).__name__}: {e}"
+    return "no error"

@@ -106,6 +106,21 @@ def test_balancing_moves_per_sample_rows_inside_keyed_tensors_dicts_and_tuples()
     assert any(r["computed"] != r["home"] for r in results), results  # samples did move
 
 
+def test_a_fixed_tensor_argument_moves_on_no_rank_though_one_ranks_batch_matches_its_rows():
+    _need("torchrec")
+    from bundle_programs import a_fixed_tensor_whose_rows_equal_one_ranks_batch_stays
+
+    assert spawn(a_fixed_tensor_whose_rows_equal_one_ranks_batch_stays, 2, 11, backend="freescale") == [True, True]
+
+
+def test_ranks_passing_arguments_of_different_structures_all_raise():
+    _need("torchrec")
+    from bundle_programs import ranks_passing_different_arguments
+
+    for message in spawn(ranks_passing_different_arguments, 2, backend="freescale", timeout_s=120):
+        assert "ranks [0]: 2 tensors" in message and "ranks [1]: 3 tensors" in message, message
+
+
 def test_a_jagged_argument_beside_the_sequences_is_refused_on_every_rank():
     _need("torchrec")
     from bundle_programs import a_jagged_argument_beside_the_sequences_is_refused

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import math
 import weakref
+import zlib
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -24,13 +26,14 @@ from freescale_comm._device_copy import to_device
 from freescale_comm.bundle import (
     BalancedBundle,
     agreed_shares,
+    argument_leaves,
     combine_bundle,
     dispatch_bundle,
     has_rows_per_sample,
     is_keyed_jagged,
     is_sequence_batch,
+    leaf_rows,
     local_shares,
-    per_sample_leaves,
     resolved,
     with_moved,
 )
@@ -98,20 +101,24 @@ class LoadBalancer:
         """Collective: all-gathers every rank's sample lengths and plans (same plan on all)."""
         return self._plan(lengths, bytes_per_item, [])[0]
 
-    def _plan(self, lengths: torch.Tensor, bytes_per_item: int,
-              extra: list[int]) -> tuple[RebalancePlan, list[list[int]], list[np.ndarray]]:
-        """plan(), with `extra` (ints, as many on every rank) riding on the same exchange; returns
-        the plan, every rank's extra and every rank's lengths."""
+    def _plan(self, lengths: torch.Tensor, bytes_per_item: int, extra: list[int],
+              codes: Sequence[int] = ()) -> tuple[RebalancePlan, list[list[int]], list[np.ndarray], list[list[int]]]:
+        """plan(), with `extra` (ints, as many on every rank) and `codes` (ints, any number)
+        riding on the same exchange; returns the plan, every rank's extra, every rank's lengths
+        and every rank's codes."""
         if not dist.is_initialized():
             raise RuntimeError("LoadBalancer needs torch.distributed: call dist.init_process_group(...) first")
-        mine = torch.cat([torch.tensor([len(extra), *extra], dtype=torch.int64), lengths.to(torch.int64).cpu()])
+        head = [len(extra), *extra, len(codes), *codes]
+        mine = torch.cat([torch.tensor(head, dtype=torch.int64), lengths.to(torch.int64).cpu()])
         per_rank = _all_gather_host(communicator_for(self.group), mine)
         _check_widths([int(v[0]) // 2 for v in per_rank])  # features (a bundle's: two flags each; plain samples: 0)
         extras = [v[1:1 + len(extra)].tolist() for v in per_rank]
-        all_lengths = [v[1 + len(extra):].numpy() for v in per_rank]
+        at = 1 + len(extra)
+        all_codes = [v[at + 1:at + 1 + int(v[at])].tolist() for v in per_rank]
+        all_lengths = [v[at + 1 + int(v[at]):].numpy() for v in per_rank]
         plan = plan_rebalance(all_lengths, cost_model=self.cost_model, bytes_per_item=bytes_per_item,
                               tolerance=self.tolerance)
-        return plan, extras, all_lengths
+        return plan, extras, all_lengths, all_codes
 
     def plan_ahead(self, comm: Any, batches: list[list[np.ndarray]], item_bytes: int) -> list[PlanAhead]:
         """Collective on `comm` (every rank in the same program order, e.g. a pipeline's worker while
@@ -169,7 +176,8 @@ class LoadBalancer:
         return combine(values, handle, priority=priority)
 
     def dispatch_bundle(self, sequences: Any, per_sample: Optional[dict[str, torch.Tensor]] = None, *,
-                        lengths: Optional[torch.Tensor] = None, priority: int = 0) -> BalancedBundle:
+                        lengths: Optional[torch.Tensor] = None, priority: int = 0,
+                        _arguments: Optional[dict[str, Any]] = None) -> BalancedBundle:
         """Stage 1 for a TorchRec batch, after the EmbeddingCollection's output AllToAll.
         Collective. `sequences`: the EC's output (dict of JaggedTensors, one per feature, or a
         KeyedJaggedTensor), B samples each; `per_sample`: tensors with B rows of any dtype
@@ -206,12 +214,20 @@ class LoadBalancer:
         # each rank receives of them is known from the plan)
         feature_lengths = [jt.lengths().long() for jt in jts.values()]
         ahead = sequences.plan_for(self) if lengths is None and isinstance(sequences, PlannedSequences) else None
+        # fc.balance's hooks: the module's other arguments' leaves, each moved where it has one row per
+        # sample on every rank (a rank-local look moved a fixed tensor on the ranks whose batch size
+        # its rows happened to equal: SIZE_MISMATCH). Their codes ride on the plan's exchange.
+        codes = [] if _arguments is None else _argument_codes(_arguments, batch)
         if ahead is not None:  # every rank made it from these lengths: no all-gather, no host read
             plan, per_rank, all_costs = ahead.plan, ahead.extras, ahead.costs
+            all_codes = [v.tolist() for v in _all_gather_host(communicator_for(self.group),
+                                                             torch.tensor(codes, dtype=torch.int64))] if codes else []
         else:
             mine = _feature_views(feature_lengths, cost)
-            plan, per_rank, all_costs = self._plan(cost.cpu(), self.bytes_per_item if self.bytes_per_item is not None
-                                                   else item_bytes, mine)
+            plan, per_rank, all_costs, all_codes = self._plan(
+                cost.cpu(), self.bytes_per_item if self.bytes_per_item is not None else item_bytes, mine, codes)
+        if _arguments is not None:
+            per_sample.update(_agreed_moves(_arguments, all_codes))
         n = len(feature_lengths)
         follows_cost = [all(r[n + i] == 1 for r in per_rank) for i in range(n)]
         rank = dist.get_rank(self.group)
@@ -224,6 +240,31 @@ class LoadBalancer:
         JaggedTensors laid out as a feature, and dicts/lists/tuples of them (see
         freescale_comm.bundle.combine_bundle)."""
         return combine_bundle(output, bundle, priority)
+
+
+def _argument_codes(leaves: dict[str, Any], samples: int) -> list[int]:
+    """This rank's look at a balanced module's argument leaves (argument_leaves), for the plan's
+    exchange: a hash of their paths and kinds, then per leaf 1 if it has one row per sample here."""
+    shape = "\0".join(f"{p}:{'t' if isinstance(x, torch.Tensor) else 'k'}" for p, x in leaves.items())
+    flags = [int(has_rows_per_sample(leaf_rows(x), samples)) for x in leaves.values()]
+    return [zlib.crc32(shape.encode()), *flags]
+
+
+def _agreed_moves(leaves: dict[str, Any], all_codes: list[list[int]]) -> dict[str, torch.Tensor]:
+    """The leaves every rank moves (one row per sample on every rank), or CommError on every rank
+    where ranks passed arguments of different shapes."""
+    if len({tuple(c[:1]) + (len(c),) for c in all_codes}) > 1:
+        by: dict[tuple, list[int]] = {}
+        for r, c in enumerate(all_codes):
+            by.setdefault((c[0], len(c) - 1), []).append(r)
+        raise comm_error("the ranks passed a balanced module's other arguments in different structures (" +
+                         ", ".join(f"ranks {ranks}: {n} tensors, layout {h:#010x}" for (h, n), ranks in by.items()) +
+                         "): every rank must pass the same arguments, tensors at the same places")
+    moved = {}
+    for i, (path, leaf) in enumerate(leaves.items(), start=1):
+        if all(c[i] == 1 for c in all_codes):
+            moved[path] = leaf_rows(leaf)
+    return moved
 
 
 def _feature_views(lengths: list[torch.Tensor], cost: torch.Tensor) -> list[int]:
@@ -295,15 +336,14 @@ class _BalanceHooks:
         return (batch.values, batch.lengths, *args[2:]), kwargs
 
     def _before_bundle(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-        """sequences first; every other tensor argument with one row per sample moves with them."""
-        jts = args[0].to_dict() if is_keyed_jagged(args[0]) else args[0]
-        samples = next(iter(jts.values())).lengths().numel()
-        per_sample: dict[str, torch.Tensor] = {}
+        """sequences first; every other argument's tensors with one row per sample on every rank move
+        with them (LoadBalancer.dispatch_bundle's _arguments)."""
+        leaves: dict[str, Any] = {}
         for i, a in enumerate(args[1:], start=1):
-            per_sample.update(per_sample_leaves(a, samples, f"arg{i}"))
-        for k, a in kwargs.items():
-            per_sample.update(per_sample_leaves(a, samples, f"kw_{k}"))
-        bundle = self.balancer.dispatch_bundle(args[0], per_sample)
+            leaves.update(argument_leaves(a, f"arg{i}"))
+        for k in sorted(kwargs):  # the same order on every rank
+            leaves.update(argument_leaves(kwargs[k], f"kw_{k}"))
+        bundle = self.balancer.dispatch_bundle(args[0], {}, _arguments=leaves)
         self.last_plan = bundle.plan
         sequences = bundle.sequences if is_keyed_jagged(bundle.sequences) else _BalancedDict(bundle.sequences)
         new_args = tuple(with_moved(a, bundle.per_sample, f"arg{i}") for i, a in enumerate(args[1:], start=1))

@@ -47,30 +47,33 @@ def is_keyed_tensor(x: object) -> bool:
         not is_keyed_jagged(x)
 
 
-def per_sample_leaves(x: Any, samples: int, path: str) -> dict[str, torch.Tensor]:
-    """The tensors with one row per sample inside a module argument, by path: the argument
-    itself, a KeyedTensor's values (key_dim 1), or those inside dicts, lists and tuples (at any
-    depth). Jagged arguments beside the sequences are refused (TypeError): they need their own
-    lengths' dispatch; put them into the sequences. (Missing one moved the module's rows of it
-    out of step with its samples: silently where the counts happened to agree.)"""
-    if has_rows_per_sample(x, samples):
-        return {path: x}
+def argument_leaves(x: Any, path: str) -> dict[str, Any]:
+    """Every tensor (at least one dimension) and KeyedTensor inside a module argument, by path:
+    the argument itself, or those inside dicts, lists and tuples at any depth. Jagged arguments
+    (beside the sequences) are refused with TypeError: they need their own lengths' dispatch."""
+    if isinstance(x, torch.Tensor):
+        return {path: x} if x.dim() >= 1 else {}
     if is_keyed_tensor(x):
-        if x.key_dim() != 1 or x.values().shape[0] != samples:
-            raise ValueError(f"{path}: a KeyedTensor balanced with its samples needs key_dim 1 and one row per sample "
-                             f"({samples}); got key_dim {x.key_dim()}, values {tuple(x.values().shape)}")
-        return {path: x.values()}
+        return {path: x}
     if is_jagged(x) or is_keyed_jagged(x):
         raise TypeError(f"{path}: a jagged argument beside the sequences cannot be balanced with them (its own lengths); "
                         "make it a feature of the sequences (the first argument)")
-    leaves: dict[str, torch.Tensor] = {}
+    leaves: dict[str, Any] = {}
     if isinstance(x, dict):
         for k, v in x.items():
-            leaves.update(per_sample_leaves(v, samples, f"{path}/{k!r}"))
+            leaves.update(argument_leaves(v, f"{path}/{k!r}"))
     elif isinstance(x, (list, tuple)):
         for i, v in enumerate(x):
-            leaves.update(per_sample_leaves(v, samples, f"{path}/{i}"))
+            leaves.update(argument_leaves(v, f"{path}/{i}"))
     return leaves
+
+
+def leaf_rows(leaf: Any) -> Optional[torch.Tensor]:
+    """What of an argument leaf would move with its samples: a tensor itself, a KeyedTensor's
+    values (key_dim 1: a row per sample; else None)."""
+    if isinstance(leaf, torch.Tensor):
+        return leaf
+    return leaf.values() if leaf.key_dim() == 1 else None
 
 
 def with_moved(x: Any, moved: dict[str, torch.Tensor], path: str) -> Any:
