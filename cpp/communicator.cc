@@ -7,11 +7,14 @@
 #include "cpp/device_transports.h"
 #include "cpp/host_transport.h"
 #include "cpp/peer_liveness.h"
+#include "cpp/thread_role.h"
 #include "cpp/timeouts.h"
 #include "cpp/transport_select.h"
 
 namespace freescale {
 namespace {
+
+thread_local bool t_own_progress_thread = false;
 
 constexpr std::chrono::milliseconds kHealthPeriod{10};  // peer / deadline checks while busy
 constexpr std::chrono::microseconds kDriverRetry{200};  // a waiter re-tries to drive this often
@@ -292,7 +295,11 @@ void Communicator::fail_all(ErrorCode code, const std::string& message, int culp
   active_.clear();
 }
 
+void mark_own_progress_thread() { t_own_progress_thread = true; }
+bool on_own_progress_thread() { return t_own_progress_thread; }
+
 void Communicator::progress_loop() {
+  mark_own_progress_thread();
   while (true) {
     {
       std::unique_lock<std::mutex> lock(kick_mu_);

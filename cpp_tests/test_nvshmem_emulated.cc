@@ -636,6 +636,12 @@ TEST(NvshmemEmulatedSetup, AnInitThatFailedPastItsBootstrapFailsOnEveryRankWitho
       }
       if (rank == 0 && what.find("rank 1") == std::string::npos) return "the culprit unnamed: " + what;
     }
+    try {  // a later communicator: refused before any NVSHMEM call (rank 1's would end its process)
+      auto comm = nvshmem_communicator(bootstrap, small_config(), device, shmem);
+      return "a second communicator started";
+    } catch (const Error& e) {
+      if (std::string(e.what()).find("half-started") == std::string::npos) return std::string("second try: ") + e.what();
+    }
     return "";
   }, std::chrono::seconds(120));
   expect_all_ok(outcomes);

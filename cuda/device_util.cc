@@ -6,6 +6,7 @@
 
 #include "cpp/errors.h"
 #include "cpp/op_state.h"
+#include "cpp/thread_role.h"
 #include "cpp/segment_map.h"
 
 namespace freescale {
@@ -110,10 +111,33 @@ DeviceGuard::~DeviceGuard() {
   }
 }
 
-ProgressScope::ProgressScope(DeviceOps& ops, int device)
-    : ops_(ops), device_(ops, device), capture_mode_(ops.relax_capture_mode()) {}
+namespace {
+thread_local int t_bound_device = -1;  // our own progress thread's device, once bound
 
-ProgressScope::ProgressScope(DeviceOps& ops, int device, std::nothrow_t) : ops_(ops), device_(ops, device, std::nothrow) {
+// Our own progress thread: bound to `device` (and relaxed) once, for good. False elsewhere.
+bool bind_own_thread(DeviceOps& ops, int device) {
+  if (!on_own_progress_thread()) return false;
+  if (t_bound_device == device) return true;
+  ops.set_device(device);
+  if (t_bound_device < 0) ops.relax_capture_mode();
+  t_bound_device = device;
+  return true;
+}
+}  // namespace
+
+ProgressScope::ProgressScope(DeviceOps& ops, int device) : ops_(ops) {
+  if (bind_own_thread(ops, device)) return;
+  device_.emplace(ops, device);
+  capture_mode_ = ops.relax_capture_mode();
+}
+
+ProgressScope::ProgressScope(DeviceOps& ops, int device, std::nothrow_t) : ops_(ops) {
+  try {
+    if (bind_own_thread(ops, device)) return;
+  } catch (...) {
+    return;  // best effort
+  }
+  device_.emplace(ops, device, std::nothrow);
   try {
     capture_mode_ = ops_.relax_capture_mode();
   } catch (...) {

@@ -5,6 +5,8 @@
 #include <cstdint>
 #include <functional>
 #include <initializer_list>
+#include <new>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -49,9 +51,9 @@ class DeviceGuard {
   bool restore_ = false;
 };
 
-// Around transport work on any thread (the progress thread, or a user's thread posting an op or
-// driving a wait): `device` current and the stream capture mode relaxed, the thread's own context
-// and mode restored after. (A user's thread kept our device and relaxed mode for good before.)
+// Around transport work on any thread: `device` current and the stream capture mode relaxed. On a
+// user's thread (posting an op, driving a wait) its own context and mode come back after (it kept
+// ours for good before); our own progress thread (cpp/thread_role.h) is bound once and stays.
 class ProgressScope {
  public:
   ProgressScope(DeviceOps& ops, int device);
@@ -62,7 +64,7 @@ class ProgressScope {
 
  private:
   DeviceOps& ops_;
-  DeviceGuard device_;
+  std::optional<DeviceGuard> device_;
   int capture_mode_ = -1;  // the caller's; -1: not changed
 };
 

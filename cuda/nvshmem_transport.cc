@@ -68,6 +68,9 @@ constexpr uint64_t S = kNvshmemSlotsPerLane;
 constexpr std::chrono::milliseconds kSettleAtMost{10000};
 
 std::atomic<bool> g_nvshmem_taken{false};  // NVSHMEM is initialized once per process
+// An init that failed past NVSHMEM's bootstrap leaves it half-started for good: any later NVSHMEM
+// call in the process exit()s it, so no later communicator may make one.
+std::atomic<bool> g_nvshmem_half_started{false};
 
 uint64_t chunks_of(uint64_t bytes, uint64_t chunk) { return bytes == 0 ? 0 : (bytes + chunk - 1) / chunk; }
 
@@ -295,6 +298,10 @@ NvshmemTransport::NvshmemTransport(Bootstrap& bootstrap, const Config& config, D
   std::string running = "-";  // "<my PE> <PEs>" where NVSHMEM already runs in this process
   std::optional<ProgressScope> guard;
   try {
+    if (g_nvshmem_half_started.load()) {
+      throw Error(code, "NVSHMEM's init failed earlier in this process and left it half-started: no NVSHMEM call can "
+                        "be made here again (each would end the process); use FREESCALE_TRANSPORT=ce");
+    }
     took_ = !g_nvshmem_taken.exchange(true);
     if (!took_) {
       code = ErrorCode::kUnsupported;
@@ -403,6 +410,7 @@ NvshmemTransport::NvshmemTransport(Bootstrap& bootstrap, const Config& config, D
                             "within a node");
     }
     if (!shmem_.fully_initialized()) {  // its init returned 0 after a failure past the bootstrap
+      g_nvshmem_half_started.store(true);
       throw Error(code, "NVSHMEM's init failed after its bootstrap (" + shmem_.init_status_text() +
                             ", though it returned 0; NVSHMEM_DEBUG=INFO tells why). NVSHMEM is left "
                             "half-started in this process: any further NVSHMEM call would end it");
@@ -786,6 +794,7 @@ void NvshmemTransport::part_checked(const std::shared_ptr<OpState>& op, int src)
 }
 
 void NvshmemTransport::check_peers() {
+  ProgressScope scope(ops_, device_);
   // Peers on this host that died; when one is needed by an op, its notice, if it left one,
   // names the root cause (e.g. it detected a split mismatch and exited): read the notices afresh.
   std::vector<bool> died(static_cast<size_t>(world_), false);
@@ -832,6 +841,7 @@ void NvshmemTransport::check_peers() {
 }
 
 void NvshmemTransport::close() {
+  ProgressScope scope(ops_, device_, std::nothrow);
   const bool settled = arena_ != nullptr && settle_streams();
   closed_cleanly_ = !notified_.load();  // not after an abort's notice
   // Reasons of our own to keep the reference are said before the closed notice: a peer that read
@@ -879,6 +889,7 @@ void NvshmemTransport::notify_peers(uint64_t notice, bool closing) {
 
 bool NvshmemTransport::send_notice(uint64_t offset, uint64_t value, bool closing) {
   if (arena_ == nullptr) return false;
+  ProgressScope scope(ops_, device_, std::nothrow);  // also from abort(), on any thread
   try {
     // Mapped peers first: our own stream writes, which cannot stall behind a network peer (and on
     // close our streams ran out before, so what we wrote them landed before the notice).

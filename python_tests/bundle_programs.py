@@ -4,6 +4,7 @@ plan, through LoadBalancer.dispatch_bundle / combine_bundle and the fc.balance h
 
 from __future__ import annotations
 
+import collections
 import contextlib
 from typing import Iterator
 
@@ -248,6 +249,9 @@ def bad_bundles_raise_before_communicating(info) -> list[str]:
     return messages
 
 
+Pair = collections.namedtuple("Pair", "targets weights")
+
+
 class NestedArgumentsModule(nn.Module):
     """Per-sample work over arguments that hold per-sample rows inside other types: a KeyedTensor
     of dense features, a dict of tensors, a tuple (as TorchRec users pass them)."""
@@ -262,7 +266,7 @@ class NestedArgumentsModule(nn.Module):
 
 
 def hooks_move_per_sample_rows_inside_other_arguments(info, seed: int) -> dict:
-    """fc.balance with per-sample rows in a KeyedTensor, a dict and a tuple: the output equals the
+    """fc.balance with per-sample rows in a KeyedTensor, a defaultdict and a namedtuple: the output equals the
     unbalanced module's bit for bit, and samples did move. (Before, only top-level tensors moved:
     the others stayed home, out of step with the balanced samples, silently where the balanced
     count happened to equal the home one.)"""
@@ -272,8 +276,8 @@ def hooks_move_per_sample_rows_inside_other_arguments(info, seed: int) -> dict:
     n = labels.numel()
     gen = torch.Generator().manual_seed(seed * 31 + info.rank)
     dense = KeyedTensor(keys=["a", "b"], length_per_key=[DIM, 3], values=torch.randn(n, DIM + 3, generator=gen))
-    extras = {"labels": labels, "times": torch.randint(0, 100, (n, 2), generator=gen)}
-    pair = (num_targets.float(), torch.rand(n, generator=gen))
+    extras = collections.defaultdict(list, labels=labels, times=torch.randint(0, 100, (n, 2), generator=gen))
+    pair = Pair(num_targets.float(), torch.rand(n, generator=gen))
     module = NestedArgumentsModule()
     ref = module(sequences, dense, extras, pair)
     fc.balance(module, COST)
@@ -286,7 +290,7 @@ def hooks_move_per_sample_rows_inside_other_arguments(info, seed: int) -> dict:
 
 def a_jagged_argument_beside_the_sequences_is_refused(info) -> str:
     """A second JaggedTensor argument (its own lengths) cannot move with the samples: TypeError
-    on every rank, before any communication."""
+    on every rank (after the plan's exchange, where the ranks' arguments are compared)."""
     sequences, labels, _ = make_inputs(info.rank, 3)
     module = fc.balance(NestedArgumentsModule(), COST)
     try:

@@ -68,7 +68,9 @@ step 5 e2e-cuda 150 freescale-bench e2e --device cuda --ranks 4 --no-progress --
 # runs "limited MPG", which the transport refuses); the ce items ran without MPS, as users run them.
 if [ "$FIRST" -le 6 ] && [ "$LAST" -ge 6 ]; then
   nvidia-cuda-mps-control -d > "$LOGS/mps.log" 2>&1 || echo "MPS did not start (see mps.log)" >> "$summary"
-  export CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=25  # 4 ranks at most
+  trap 'echo quit | nvidia-cuda-mps-control > /dev/null 2>&1' EXIT  # a warm machine's next call runs without it
+  # 4 ranks at most; NVSHMEM's figures then come from 25 % of the SMs each: not comparable with ce's
+  export CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=25
 fi
 step 6 nvshmem-tests 150 python3 -m pytest -m gpu -q -p no:cacheprovider --timeout="${PYTEST_TIMEOUT_S:-90}" python_tests/test_nvshmem_gpu.py
 # Issue 43: beside torch's NVSHMEM symmetric memory and nvshmem4py (each test skips what is missing).

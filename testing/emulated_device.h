@@ -369,11 +369,17 @@ class EmulatedShmem final : public ShmemOps {
   // arguments, as NVSHMEM's does: the runtime keeps the first caller's PE numbering and heap.
   int init(const std::string& unique_id, int rank, int world) override;
   bool running() override { return started_; }
-  int add_reference(int, int) override { return started_ ? init("", 0, 0) : 1; }
+  int add_reference(int, int) override {
+    exit_if_half_started();
+    return started_ ? init("", 0, 0) : 1;
+  }
   // One reference less; the last one tears the runtime down, collectively (it waits for every
   // PE's last finalize): later puts, signals and quiets fault the context (its heaps are gone).
   void finalize() override;
-  int my_pe() override { return rank_; }
+  int my_pe() override {
+    exit_if_half_started();
+    return rank_;
+  }
   int n_pes() override { return static_cast<int>(heaps_.size()); }
   // init() calls so far that found the runtime running (NVSHMEM's reference count, less one).
   int extra_inits() const { return extra_inits_; }

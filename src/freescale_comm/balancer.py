@@ -31,7 +31,9 @@ from freescale_comm.bundle import (
     dispatch_bundle,
     has_rows_per_sample,
     is_keyed_jagged,
+    is_keyed_tensor,
     is_sequence_batch,
+    leaf_kind,
     leaf_rows,
     local_shares,
     resolved,
@@ -217,11 +219,13 @@ class LoadBalancer:
         # fc.balance's hooks: the module's other arguments' leaves, each moved where it has one row per
         # sample on every rank (a rank-local look moved a fixed tensor on the ranks whose batch size
         # its rows happened to equal: SIZE_MISMATCH). Their codes ride on the plan's exchange.
-        codes = [] if _arguments is None else _argument_codes(_arguments, batch)
+        codes = [] if _arguments is None else _argument_codes(_arguments, batch, cost.device)
         if ahead is not None:  # every rank made it from these lengths: no all-gather, no host read
             plan, per_rank, all_costs = ahead.plan, ahead.extras, ahead.costs
+            # (a module given only the sequences needs none: its hooks' argument leaves are empty)
             all_codes = [v.tolist() for v in _all_gather_host(communicator_for(self.group),
-                                                             torch.tensor(codes, dtype=torch.int64))] if codes else []
+                                                             torch.tensor(codes, dtype=torch.int64))] \
+                if _arguments else [codes]
         else:
             mine = _feature_views(feature_lengths, cost)
             plan, per_rank, all_costs, all_codes = self._plan(
@@ -242,11 +246,15 @@ class LoadBalancer:
         return combine_bundle(output, bundle, priority)
 
 
-def _argument_codes(leaves: dict[str, Any], samples: int) -> list[int]:
+def _argument_codes(leaves: dict[str, Any], samples: int, device: torch.device) -> list[int]:
     """This rank's look at a balanced module's argument leaves (argument_leaves), for the plan's
-    exchange: a hash of their paths and kinds, then per leaf 1 if it has one row per sample here."""
-    shape = "\0".join(f"{p}:{'t' if isinstance(x, torch.Tensor) else 'k'}" for p, x in leaves.items())
-    flags = [int(has_rows_per_sample(leaf_rows(x), samples)) for x in leaves.values()]
+    exchange: a hash of their paths, kinds and devices, then per leaf 1 if it has one row per
+    sample here on the samples' device."""
+    shape = "\0".join(f"{p}:{leaf_kind(x)}" for p, x in leaves.items())
+    flags = []
+    for x in leaves.values():
+        rows = leaf_rows(x)
+        flags.append(int(rows is not None and rows.device == device and has_rows_per_sample(rows, samples)))
     return [zlib.crc32(shape.encode()), *flags]
 
 
@@ -260,6 +268,10 @@ def _agreed_moves(leaves: dict[str, Any], all_codes: list[list[int]]) -> dict[st
         raise comm_error("the ranks passed a balanced module's other arguments in different structures (" +
                          ", ".join(f"ranks {ranks}: {n} tensors, layout {h:#010x}" for (h, n), ranks in by.items()) +
                          "): every rank must pass the same arguments, tensors at the same places")
+    jagged = [p for p, x in leaves.items() if leaf_rows(x) is None and not is_keyed_tensor(x)]
+    if jagged:  # on every rank alike (the structures agree)
+        raise TypeError(f"{jagged[0]}: a jagged argument beside the sequences cannot be balanced with them (its own "
+                        "lengths); make it a feature of the sequences (the first argument)")
     moved = {}
     for i, (path, leaf) in enumerate(leaves.items(), start=1):
         if all(c[i] == 1 for c in all_codes):

@@ -9,6 +9,7 @@ lengths(), weights_or_none()) and rebuilt with their own type.
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -48,19 +49,16 @@ def is_keyed_tensor(x: object) -> bool:
 
 
 def argument_leaves(x: Any, path: str) -> dict[str, Any]:
-    """Every tensor (at least one dimension) and KeyedTensor inside a module argument, by path:
-    the argument itself, or those inside dicts, lists and tuples at any depth. Jagged arguments
-    (beside the sequences) are refused with TypeError: they need their own lengths' dispatch."""
+    """Every tensor (at least one dimension), KeyedTensor and jagged tensor inside a module
+    argument, by path: the argument itself, or those inside dicts (by key), lists and tuples at
+    any depth. (A jagged one beside the sequences cannot move with them: the caller refuses it.)"""
     if isinstance(x, torch.Tensor):
         return {path: x} if x.dim() >= 1 else {}
-    if is_keyed_tensor(x):
+    if is_keyed_tensor(x) or is_jagged(x) or is_keyed_jagged(x):
         return {path: x}
-    if is_jagged(x) or is_keyed_jagged(x):
-        raise TypeError(f"{path}: a jagged argument beside the sequences cannot be balanced with them (its own lengths); "
-                        "make it a feature of the sequences (the first argument)")
     leaves: dict[str, Any] = {}
     if isinstance(x, dict):
-        for k, v in x.items():
+        for k, v in sorted(x.items(), key=lambda kv: repr(kv[0])):  # the same order on every rank
             leaves.update(argument_leaves(v, f"{path}/{k!r}"))
     elif isinstance(x, (list, tuple)):
         for i, v in enumerate(x):
@@ -70,10 +68,19 @@ def argument_leaves(x: Any, path: str) -> dict[str, Any]:
 
 def leaf_rows(leaf: Any) -> Optional[torch.Tensor]:
     """What of an argument leaf would move with its samples: a tensor itself, a KeyedTensor's
-    values (key_dim 1: a row per sample; else None)."""
+    values (key_dim 1: a row per sample); None for others (jagged ones)."""
     if isinstance(leaf, torch.Tensor):
         return leaf
-    return leaf.values() if leaf.key_dim() == 1 else None
+    if is_keyed_tensor(leaf) and leaf.key_dim() == 1:
+        return leaf.values()
+    return None
+
+
+def leaf_kind(leaf: Any) -> str:
+    """t(ensor), k(eyed tensor) or j(agged), with the device of what would move."""
+    rows = leaf_rows(leaf)
+    kind = "t" if isinstance(leaf, torch.Tensor) else "k" if rows is not None else "j"
+    return kind if rows is None else f"{kind}@{rows.device.type}"
 
 
 def with_moved(x: Any, moved: dict[str, torch.Tensor], path: str) -> Any:
@@ -83,8 +90,9 @@ def with_moved(x: Any, moved: dict[str, torch.Tensor], path: str) -> Any:
             return moved[path]
         return type(x)(keys=x.keys(), length_per_key=x.length_per_key(), values=moved[path], key_dim=x.key_dim())
     if isinstance(x, dict) and any(p.startswith(path + "/") for p in moved):
-        out = {k: with_moved(v, moved, f"{path}/{k!r}") for k, v in x.items()}
-        return out if type(x) is dict else type(x)(out)
+        out = copy.copy(x)  # its type and what it carries (a defaultdict's factory)
+        out.update({k: with_moved(v, moved, f"{path}/{k!r}") for k, v in x.items()})
+        return out
     if isinstance(x, (list, tuple)) and any(p.startswith(path + "/") for p in moved):
         items = [with_moved(v, moved, f"{path}/{i}") for i, v in enumerate(x)]
         return type(x)(*items) if hasattr(x, "_fields") else type(x)(items)
