@@ -38,8 +38,11 @@ def alltoallv_matches_reference(info, cases: list[tuple[str, int]]) -> list[str]
     return wrong
 
 
-def kernels_during_alltoall(info, nbytes: int) -> list[str]:
-    """Names of the GPU kernels the profiler saw while CE AllToAlls ran (memcpys are not kernels)."""
+def kernels_during_alltoall(info, nbytes: int) -> tuple[list[str], int]:
+    """Names of the GPU kernels the profiler saw while CE AllToAlls ran (memcpys are not kernels),
+    and how many memcpys it saw: none would mean it saw nothing (a vacuous pass). Note: on a
+    driver before 13.1, copies within one GPU run on SMs while still reported as memcpys
+    (Communicator.data_paths says so): zero kernels is not zero SMs there."""
     torch.cuda.set_device(0)
     comm = fc.Communicator()
     x = torch.ones(nbytes // 4, device="cuda")
@@ -51,8 +54,9 @@ def kernels_during_alltoall(info, nbytes: int) -> list[str]:
             comm.all_to_all_single(out, x)
         torch.cuda.synchronize()
     comm.close()
-    return sorted({e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
-                   and "memcpy" not in e.name.lower() and "memset" not in e.name.lower()})
+    gpu = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    kernels = sorted({n for n in gpu if "memcpy" not in n.lower() and "memset" not in n.lower()})
+    return kernels, sum("memcpy" in n.lower() for n in gpu)
 
 
 def urgent_overtakes_bulk(info, bulk_bytes: int) -> bool:

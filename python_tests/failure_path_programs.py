@@ -83,13 +83,15 @@ def mismatch_by_bytes(info, device: str, cases: list[tuple[int, int]]) -> list[s
 
 
 def killed_mid_op(info, victim: int, device: str = "cpu") -> str:
-    """The victim SIGKILLs itself during a large all_to_all_single (4 MiB per peer); survivors
-    return their CommError's code, how long their wait took, and whether their CUDA context
-    still works (issue 41: copies from the victim's arena must not fault it)."""
+    """The victim SIGKILLs itself during a large all_to_all_single (4 MiB per peer; on CUDA 128 MiB,
+    which a GPU does not finish in the victim's 5 ms); survivors return their CommError's code, how
+    long their wait took, and whether their CUDA context still works (issue 41: copies from the
+    victim's arena must not fault it)."""
     _use(device)
     comm = fc.Communicator()
     world = info.world_size
-    x = torch.ones(world * (4 * MiB) // 4, device=device)
+    per_peer = (128 if device == "cuda" else 4) * MiB
+    x = torch.ones(world * per_peer // 4, device=device)
     out = torch.empty_like(x)
     comm.all_to_all_single(out[:world], x[:world])  # a CUDA core is built collectively, before the victim dies
     work = comm.all_to_all_single(out, x, async_op=True)

@@ -359,3 +359,8 @@ def fork_after_communicator(info) -> dict:
     outcome["next_op_ok"] = bool(torch.equal(out, want))
     comm.close()
     return outcome
+
+
+def sleep_for_a_minute(info) -> None:
+    """A rank that outlives its caller's patience (the harness's own tests)."""
+    time.sleep(60)

@@ -33,6 +33,15 @@ def test_torch_references_match_the_planner(reference, world, samples):
     assert sample_counts == want_samples and row_counts == want_rows
 
 
+def test_a_benchmark_that_counted_wrong_elements_exits_1_naming_the_row(capsys):
+    """alltoall, overlap and layout printed rows with #wrong > 0 and exited 0: a GPU checklist's
+    summary (the last line and the exit code) showed nothing wrong."""
+    assert cli._fails_on_wrong("alltoall", [{"impl": "sm_copy", "wrong": 0}]) == 0
+    assert cli._fails_on_wrong("overlap", [{"impl": "ce", "size_bytes": 64, "wrong": 0}],
+                               [{"case": "layout_kernels", "world": 32, "wrong": 3}]) == 1
+    assert "3 wrong elements" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("argv", [["--ranks", "0"], ["--reps", "0"], ["--sizes", "4"], ["--layout-samples", "0"]])
 def test_overlap_refuses_bad_arguments(argv, capsys):
     assert cli.main(["overlap", *argv, "--no-progress"]) == 2

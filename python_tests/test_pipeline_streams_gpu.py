@@ -95,11 +95,13 @@ def test_a_pageable_batch_copy_waits_for_the_compute_stream_unless_the_worker_is
     busy_done = torch.cuda.Event()
     torch.cuda._sleep(SLEEP_CYCLES)  # the main stream's "forward"
     busy_done.record()
-    copied = worker.submit(streams.run, streams.posted(), lambda: host.to(device, non_blocking=True), ())
-    waited_on_worker = busy_done.query()  # the main thread, right after posting the copy
-    result, done = copied.result()
+    # On the worker: whether the main stream's kernels had run when its copy returned (they had not:
+    # the copy did not wait for them).
+    copied = worker.submit(streams.run, streams.posted(),
+                           lambda: (host.to(device, non_blocking=True), busy_done.query()), ())
+    (result, kernels_ran_first), done = copied.result()
     streams.joined(done)
-    assert not waited_on_worker and torch.equal(result.cpu(), host)
+    assert not kernels_ran_first and torch.equal(result.cpu(), host)
 
     torch.cuda._sleep(SLEEP_CYCLES)
     busy_done.record()

@@ -143,13 +143,21 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, backend: Opti
         pending.discard(rank)
         return True
 
-    while pending and time.monotonic() < deadline:
-        take_one(0.1)
-        for rank in list(pending):
-            if not procs[rank].is_alive() and procs[rank].exitcode is not None:
-                while rank in pending and take_one(0.2):  # results still in flight
-                    pass
-                pending.discard(rank)  # otherwise it died without reporting (killed)
+    try:
+        while pending and time.monotonic() < deadline:
+            take_one(0.1)
+            for rank in list(pending):
+                if not procs[rank].is_alive() and procs[rank].exitcode is not None:
+                    while rank in pending and take_one(0.2):  # results still in flight
+                        pass
+                    pending.discard(rank)  # otherwise it died without reporting (killed)
+    except BaseException:  # a test's own timeout, Ctrl-C: no rank outlives the call
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+        for p in procs:
+            p.join(timeout=5.0)
+        raise
     for rank, p in enumerate(procs):
         p.join(timeout=max(0.0, deadline - time.monotonic()) + 5.0)
         if p.is_alive():

@@ -193,7 +193,7 @@ def run_alltoall_cuda(args: argparse.Namespace) -> int:
                                              f"{cfg.transport} vs sm_copy, {datetime.date.today()}"))
     if args.json:
         write_json(args.json, "alltoall", res["busbw_rows"], ranks=cfg.ranks, transport=cfg.transport, device=res["device"])
-    return 0
+    return _fails_on_wrong("alltoall", res["busbw_rows"])
 
 
 def run_overlap(args: argparse.Namespace) -> int:
@@ -225,7 +225,16 @@ def run_overlap(args: argparse.Namespace) -> int:
     if args.json:
         write_json(args.json, "overlap", res["rows"], busbw_rows=res["busbw_rows"], layout_rows=layout_rows,
                    device=res["device"], date=str(datetime.date.today()), config=dataclasses.asdict(cfg))
-    return 0
+    return _fails_on_wrong("overlap", res["busbw_rows"], layout_rows)
+
+
+def _fails_on_wrong(command: str, *row_lists: list[dict]) -> int:
+    """1 (and a line on stderr) if any row counted wrong elements: a benchmark of wrong bytes fails."""
+    bad = [r for rows in row_lists for r in rows if r.get("wrong", 0)]
+    for r in bad:
+        print(f"freescale-bench {command}: {r['wrong']} wrong elements in {({k: r[k] for k in r if k != 'wrong'})}",
+              file=sys.stderr)
+    return 1 if bad else 0
 
 
 def run_layout(args: argparse.Namespace) -> int:
@@ -254,7 +263,7 @@ def run_layout(args: argparse.Namespace) -> int:
     if args.json:
         write_json(args.json, "layout", rows, kernels=resources, device=torch.cuda.get_device_name(),
                    date=str(datetime.date.today()))
-    return 0
+    return _fails_on_wrong("layout", rows)
 
 
 def _modes(simulated: bool = False) -> tuple[str, ...]:

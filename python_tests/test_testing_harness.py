@@ -1,0 +1,26 @@
+"""freescale_comm.testing, the harness every multi-rank test runs on."""
+import multiprocessing
+import signal
+
+import pytest
+
+from freescale_comm.testing import run_ranks
+from rank_programs import sleep_for_a_minute
+
+
+def test_ranks_do_not_outlive_a_call_interrupted_by_the_tests_own_timeout():
+    """pytest-timeout (the GPU checklist's --timeout) raises inside run_ranks' wait: its ranks were
+    left running, sharing the GPU with the next tests until pytest exited."""
+    def interrupt(signum, frame):
+        raise TimeoutError("the test's own timeout")
+
+    previous = signal.signal(signal.SIGALRM, interrupt)
+    signal.alarm(3)
+    try:
+        with pytest.raises(TimeoutError):
+            run_ranks(sleep_for_a_minute, 2, backend=None, timeout_s=60)
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
+    alive = [p.name for p in multiprocessing.active_children() if p.name.startswith("freescale-rank")]
+    assert alive == [], alive
