@@ -191,8 +191,10 @@ def run_alltoall_cuda(args: argparse.Namespace) -> int:
     res = overlap.run(cfg, progress=not args.no_progress, busbw_only=True)
     print(bandwidth_table(res["busbw_rows"], f"alltoall, {cfg.ranks} ranks on one {res['device']}, CUDA tensors, "
                                              f"{cfg.transport} vs sm_copy, {datetime.date.today()}"))
+    print(f"# data path: {res['data_path']}")
     if args.json:
-        write_json(args.json, "alltoall", res["busbw_rows"], ranks=cfg.ranks, transport=cfg.transport, device=res["device"])
+        write_json(args.json, "alltoall", res["busbw_rows"], ranks=cfg.ranks, transport=cfg.transport, device=res["device"],
+                   data_path=res["data_path"])
     return _fails_on_wrong("alltoall", res["busbw_rows"])
 
 
@@ -217,6 +219,7 @@ def run_overlap(args: argparse.Namespace) -> int:
     where = f"{cfg.ranks} ranks on one {res['device']}, {datetime.date.today()}"
     print(overlap.table(res["rows"], f"overlap, {where}; bf16 GEMM n={res['gemm_n']}, medians of {cfg.reps}"))
     print(overlap.summary(res["rows"], cfg.transport))
+    print(f"# data path: {res['data_path']}")
     print(bandwidth_table(res["busbw_rows"], f"alltoall on CUDA tensors, {where} (sm_copy: one index_select of the same bytes)"))
     layout_rows = layout.run(args.layout_worlds, args.layout_samples, args.layout_dim, args.layout_scale,
                              args.warmup, args.reps)
@@ -224,7 +227,8 @@ def run_overlap(args: argparse.Namespace) -> int:
                                     f"{layout_rows[0]['rows']} rows x {args.layout_dim} bf16, one {res['device']}"))
     if args.json:
         write_json(args.json, "overlap", res["rows"], busbw_rows=res["busbw_rows"], layout_rows=layout_rows,
-                   device=res["device"], date=str(datetime.date.today()), config=dataclasses.asdict(cfg))
+                   device=res["device"], date=str(datetime.date.today()), config=dataclasses.asdict(cfg),
+                   data_path=res["data_path"])
     return _fails_on_wrong("overlap", res["busbw_rows"], layout_rows)
 
 

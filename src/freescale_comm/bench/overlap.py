@@ -164,11 +164,15 @@ def _rank_bench(info: Any, cfg: OverlapConfig, progress: bool, busbw_only: bool)
         total = len(cfg.busbw_sizes) + (0 if busbw_only else len(cfg.sizes))
         bar = tqdm(total=total, desc="overlap", unit="size", leave=False)
     busbw_rows = _busbw_rows(comm, rank, world, cfg, side, bar)
+    # How the bytes moved (e.g. SM kernels for copies within one GPU before driver 13.1): a figure
+    # of copy engines means nothing without it.
+    data_path = comm.data_paths.get("cuda:0", "unknown")
     if busbw_only:
         if bar is not None:
             bar.close()
         comm.close()
-        return {"busbw_rows": busbw_rows, "device": torch.cuda.get_device_name(0)} if rank == 0 else None
+        return {"busbw_rows": busbw_rows, "device": torch.cuda.get_device_name(0),
+                "data_path": data_path} if rank == 0 else None
 
     gemm, gemm_n, gemm_ms = None, 0, 0.0
     if rank == 0:
@@ -210,7 +214,7 @@ def _rank_bench(info: Any, cfg: OverlapConfig, progress: bool, busbw_only: bool)
         alone = next(x for x in rows if x["size_bytes"] == r["size_bytes"] and x["case"] == "gemm_alone")
         r["slowdown_pct"] = 100.0 * (r["gemm_ms"] / alone["gemm_ms"] - 1.0)
     return {"rows": rows, "busbw_rows": busbw_rows, "gemm_n": gemm_n, "gemm_sized_ms": gemm_ms,
-            "device": torch.cuda.get_device_name(0)}
+            "device": torch.cuda.get_device_name(0), "data_path": data_path}
 
 
 def run(cfg: OverlapConfig, progress: bool, busbw_only: bool = False) -> dict[str, Any]:
