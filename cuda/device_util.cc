@@ -82,24 +82,22 @@ bool shareable_memory_supported(DeviceOps& ops, int device) {
          ops.attribute(device, DeviceAttribute::kPosixFdHandles) != 0;
 }
 
-DeviceGuard::DeviceGuard(DeviceOps& ops, int device) : ops_(ops) {
+DeviceGuard::DeviceGuard(DeviceOps& ops, int device) : ops_(ops) { enter(device); }
+
+DeviceGuard::DeviceGuard(DeviceOps& ops, int device, std::nothrow_t) : ops_(ops) {
+  try {
+    enter(device);
+  } catch (...) {
+    restore_ = false;  // best effort: the caller's next CUDA call sees the device it finds
+  }
+}
+
+void DeviceGuard::enter(int device) {
   void* context = ops_.current_context();
   if (context != nullptr && ops_.current_device() == device) return;  // there already
   ops_.set_device(device);
   previous_ = context;
   restore_ = true;
-}
-
-DeviceGuard::DeviceGuard(DeviceOps& ops, int device, std::nothrow_t) : ops_(ops) {
-  try {
-    void* context = ops_.current_context();
-    if (context != nullptr && ops_.current_device() == device) return;
-    ops_.set_device(device);
-    previous_ = context;
-    restore_ = true;
-  } catch (...) {
-    restore_ = false;  // best effort: the caller's next CUDA call sees the device it finds
-  }
 }
 
 DeviceGuard::~DeviceGuard() {

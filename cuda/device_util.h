@@ -46,6 +46,8 @@ class DeviceGuard {
   DeviceGuard& operator=(const DeviceGuard&) = delete;
 
  private:
+  void enter(int device);
+
   DeviceOps& ops_;
   void* previous_ = nullptr;  // the caller's context
   bool restore_ = false;

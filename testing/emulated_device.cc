@@ -253,10 +253,7 @@ void EmulatedDevice::raise_fault(const std::string& what) {
 }
 
 void EmulatedDevice::check_no_fault(const char* call) const {
-  if (t_context == nullptr) {  // the runtime makes its current device's primary context current
-    make_context(t_device);
-    t_context = context_token(t_device);
-  }
+  if (t_context == nullptr) make_current(t_device);  // as the runtime does with its current device's
   context_.store(true, std::memory_order_release);
   if (!faulted_.load(std::memory_order_acquire)) return;
   throw Error(ErrorCode::kSystem, std::string("emulated ") + call + ": an earlier asynchronous error poisoned the context "
@@ -307,12 +304,12 @@ void EmulatedDevice::set_device(int device) {
     throw Error(ErrorCode::kSystem, "emulated cudaSetDevice(" + std::to_string(device) + "): invalid device ordinal");
   }
   t_device = device;
-  t_context = context_token(device);
-  make_context(device);
+  make_current(device);
   context_.store(true, std::memory_order_release);
 }
 
-void EmulatedDevice::make_context(int device) const {
+void EmulatedDevice::make_current(int device) const {
+  t_context = context_token(device);
   std::lock_guard<std::mutex> lock(contexts_mu_);
   contexts_made_.insert(device);
 }

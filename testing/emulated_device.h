@@ -251,7 +251,8 @@ class EmulatedDevice final : public DeviceOps {
   mutable std::atomic<bool> context_{false};
   mutable std::mutex contexts_mu_;
   mutable std::set<int> contexts_made_;  // devices whose primary context exists
-  void make_context(int device) const;
+  // `device`'s primary context, made if it was not, becomes this thread's current one.
+  void make_current(int device) const;
   void block_creation_while_waiting();
   void count_call(size_t DriverCalls::*kind);
   // cudaDeviceSynchronize as cudaFree and cudaFreeHost imply it: waits until

@@ -31,7 +31,6 @@ from freescale_comm.bundle import (
     dispatch_bundle,
     has_rows_per_sample,
     is_keyed_jagged,
-    is_keyed_tensor,
     is_sequence_batch,
     leaf_kind,
     leaf_rows,
@@ -261,14 +260,14 @@ def _argument_codes(leaves: dict[str, Any], samples: int, device: torch.device) 
 def _agreed_moves(leaves: dict[str, Any], all_codes: list[list[int]]) -> dict[str, torch.Tensor]:
     """The leaves every rank moves (one row per sample on every rank), or CommError on every rank
     where ranks passed arguments of different shapes."""
-    if len({tuple(c[:1]) + (len(c),) for c in all_codes}) > 1:
+    if len({(c[0], len(c)) for c in all_codes}) > 1:
         by: dict[tuple, list[int]] = {}
         for r, c in enumerate(all_codes):
             by.setdefault((c[0], len(c) - 1), []).append(r)
         raise comm_error("the ranks passed a balanced module's other arguments in different structures (" +
                          ", ".join(f"ranks {ranks}: {n} tensors, layout {h:#010x}" for (h, n), ranks in by.items()) +
                          "): every rank must pass the same arguments, tensors at the same places")
-    jagged = [p for p, x in leaves.items() if leaf_rows(x) is None and not is_keyed_tensor(x)]
+    jagged = [p for p, x in leaves.items() if leaf_kind(x) == "j"]
     if jagged:  # on every rank alike (the structures agree)
         raise TypeError(f"{jagged[0]}: a jagged argument beside the sequences cannot be balanced with them (its own "
                         "lengths); make it a feature of the sequences (the first argument)")

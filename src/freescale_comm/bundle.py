@@ -79,12 +79,12 @@ def leaf_rows(leaf: Any) -> Optional[torch.Tensor]:
 def leaf_kind(leaf: Any) -> str:
     """t(ensor), k(eyed tensor) or j(agged), with the device of what would move."""
     rows = leaf_rows(leaf)
-    kind = "t" if isinstance(leaf, torch.Tensor) else "k" if rows is not None else "j"
+    kind = "t" if isinstance(leaf, torch.Tensor) else "k" if is_keyed_tensor(leaf) else "j"
     return kind if rows is None else f"{kind}@{rows.device.type}"
 
 
 def with_moved(x: Any, moved: dict[str, torch.Tensor], path: str) -> Any:
-    """The argument rebuilt around its moved leaves (per_sample_leaves' paths)."""
+    """The argument rebuilt around its moved leaves (argument_leaves' paths)."""
     if path in moved:
         if isinstance(x, torch.Tensor):
             return moved[path]
