@@ -74,6 +74,7 @@ from freescale_comm.pipelines._catalog import Catalog, LocalShard, Slot
 from freescale_comm.pipelines._host_counts import (CountBatch, first_uses, positions, select, select_into,
                                                    stable_order)
 from freescale_comm.pipelines._packed_ids import packs, unpack
+from freescale_comm.pipelines._tbe_update import tbe_update
 
 
 @dataclass
@@ -801,7 +802,7 @@ class PecExchange:
 
     def _apply(self, *flights: _InFlight, first_counts: Optional[dict[int, int]] = None) -> None:
         """Waits for the gradients of `flights` (one batch's) and applies them through each TBE's
-        fused backward, one update. With micro-batches, each row's gradients are ordered by
+        fused update (_tbe_update.py), one update. With micro-batches, each row's gradients are ordered by
         micro-batch, then requester, however they travelled (so every prefetch mode sums alike).
         first_counts (slot -> rows marked early, Served.early_counts): only the rows the flights
         mark early are updated now; the rest wait in `later` for apply_later(). Each row's
@@ -890,48 +891,3 @@ def _sizes(bounds: list[int]) -> list[int]:
 def _gradient_division() -> bool:
     from torchrec.distributed import comm_ops
     return comm_ops.get_gradient_division()
-
-
-def tbe_update(tbe: torch.nn.Module, per_feature: dict[int, tuple[torch.Tensor, torch.Tensor]], iteration: int,
-               lr: float) -> None:
-    """Applies gradients to rows of `tbe`'s tables through its fused backward, as if its forward ran
-    at step `iteration` (the counter Adam-like optimizers read) with learning rate `lr`.
-    per_feature: TBE feature index -> (int64 rows [n], float grads [n, dim]); each id is its own
-    bag, so a row's gradients accumulate in the order given (the order TorchRec's input has)."""
-    features = len(tbe.feature_table_map)
-    dims = [tbe.embedding_specs[t][1] for t in tbe.feature_table_map]
-    device = next(iter(per_feature.values()))[0].device
-    empty = torch.empty(0, dtype=torch.int64, device=device)
-    parts = [per_feature.get(f, (empty, torch.empty(0, dims[f], device=device))) for f in range(features)]
-    indices = torch.cat([rows for rows, _ in parts])
-    numels = [rows.numel() for rows, _ in parts]  # host ints: no read of the device
-    counts = on_device(numels, device)
-    if tbe.is_nobag:  # sequence TBE: one bag per feature, output [ids, dim]
-        offsets = torch.cat([counts.new_zeros(1), counts.cumsum(0)])
-        grad_out = torch.cat([g for _, g in parts])
-    else:  # pooled TBE: B bags per feature, id i of a feature alone in bag i, output [B, sum dims]
-        bags = max(max(numels, default=0), 1)
-        starts = torch.cat([counts.new_zeros(1), counts.cumsum(0)[:-1]])
-        within = torch.minimum(torch.arange(1, bags + 1, device=device).unsqueeze(0), counts.unsqueeze(1))  # [F, B]
-        offsets = torch.cat([counts.new_zeros(1), (starts.unsqueeze(1) + within).reshape(-1)])
-        grad_out = torch.zeros(bags, sum(dims), device=device)
-        col = 0
-        for (_, g), d in zip(parts, dims):
-            grad_out[:g.shape[0], col:col + d] = g
-            col += d
-    saved_lr = tbe.get_learning_rate()
-    saved_iter = tbe.iter.clone()  # (a copy on the device, not a host read)
-    saved_iter_cpu = tbe.iter_cpu.clone() if hasattr(tbe, "iter_cpu") else None
-    tbe.set_learning_rate(lr)
-    tbe.iter.fill_(iteration)
-    if hasattr(tbe, "iter_cpu"):
-        tbe.iter_cpu.fill_(iteration)
-    try:
-        with torch.enable_grad():  # the fused update is the TBE's backward, even under a caller's no_grad
-            out = tbe(indices, offsets)  # the forward advances the counter to iteration + 1
-            out.backward(grad_out.to(out.dtype))
-    finally:
-        tbe.set_learning_rate(saved_lr)
-        tbe.iter.copy_(saved_iter)
-        if saved_iter_cpu is not None:
-            tbe.iter_cpu.copy_(saved_iter_cpu)

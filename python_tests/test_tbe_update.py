@@ -1,0 +1,88 @@
+"""TrainPipelinePEC's fused update without a forward (pipelines/_tbe_update.py): on CPU, FBGEMM's
+fused-update op called directly must leave weights and optimizer state bit-identical to the TBE's
+forward + backward, the way TorchRec's backward applies them; where it does not apply, the
+forward + backward runs."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+pytest.importorskip("torchrec")
+from fbgemm_gpu.split_embedding_configs import EmbOptimType  # noqa: E402
+from fbgemm_gpu.split_table_batched_embeddings_ops_common import EmbeddingLocation, PoolingMode  # noqa: E402
+from fbgemm_gpu.split_table_batched_embeddings_ops_training import (  # noqa: E402
+    ComputeDevice, SplitTableBatchedEmbeddingBagsCodegen)
+
+from freescale_comm.pipelines import _tbe_update  # noqa: E402
+from freescale_comm.pipelines._tbe_update import _direct_op, tbe_update  # noqa: E402
+
+ROWS = 50
+
+
+def _tbe(optimizer: EmbOptimType, pooling: PoolingMode, **kwargs) -> SplitTableBatchedEmbeddingBagsCodegen:
+    dims = [8, 8, 8] if pooling == PoolingMode.NONE else [8, 16, 4]  # sequence tables share one dim
+    torch.manual_seed(0)
+    if optimizer == EmbOptimType.EXACT_ROWWISE_ADAGRAD:
+        kwargs.setdefault("weight_decay", 0.01)
+    return SplitTableBatchedEmbeddingBagsCodegen(
+        [(ROWS, d, EmbeddingLocation.HOST, ComputeDevice.CPU) for d in dims], optimizer=optimizer,
+        pooling_mode=pooling, learning_rate=0.05, **kwargs)
+
+
+def _state(tbe) -> list[torch.Tensor]:
+    state = [tbe.weights_host.clone(), tbe.learning_rate_tensor.clone(), tbe.iter.clone()]
+    if hasattr(tbe, "momentum1_host"):
+        state.append(tbe.momentum1_host.clone())
+    return state
+
+
+def _train(tbe, direct: bool) -> None:
+    """Four updates with repeated rows, a feature without rows in every other, a changing rate."""
+    dims = [tbe.embedding_specs[t][1] for t in tbe.feature_table_map]
+    g = torch.Generator().manual_seed(1)
+    for step in range(4):
+        sizes = [(0, 30), (2, 7)] + ([(1, 0)] if step % 2 else [(1, 3)])
+        work = {f: (torch.randint(0, ROWS, (n,), generator=g), torch.randn(n, dims[f], generator=g)) for f, n in sizes}
+        tbe_update(tbe, work, iteration=step + 10, lr=0.03 + 0.01 * step, direct=direct)
+
+
+@pytest.mark.parametrize("optimizer,pooling", list(itertools.product(
+    [EmbOptimType.EXACT_SGD, EmbOptimType.EXACT_ROWWISE_ADAGRAD, EmbOptimType.EXACT_ADAGRAD],
+    [PoolingMode.NONE, PoolingMode.SUM, PoolingMode.MEAN])))
+def test_direct_update_equals_forward_backward(optimizer, pooling):
+    direct, reference = _tbe(optimizer, pooling), _tbe(optimizer, pooling)
+    before = _state(direct)
+    assert _direct_op(direct) is not None, "FBGEMM's CPU op changed its schema: the direct call is off"
+    _train(direct, direct=True)
+    _train(reference, direct=False)
+    after, expected = _state(direct), _state(reference)
+    assert not torch.equal(after[0], before[0])  # it trained
+    for a, e in zip(after, expected):
+        assert torch.equal(a, e)
+    assert torch.equal(after[1], before[1]) and torch.equal(after[2], before[2])  # rate and counter kept
+
+
+def test_clipping_takes_the_forward_backward():
+    """Gradient clipping clamps in autograd's backward, before the op: not the direct call."""
+    tbe = _tbe(EmbOptimType.EXACT_ROWWISE_ADAGRAD, PoolingMode.SUM, gradient_clipping=True, max_gradient=0.01)
+    assert _direct_op(tbe) is None
+    reference = _tbe(EmbOptimType.EXACT_ROWWISE_ADAGRAD, PoolingMode.SUM, gradient_clipping=True, max_gradient=0.01)
+    _train(tbe, direct=True)
+    _train(reference, direct=False)
+    assert torch.equal(tbe.weights_host, reference.weights_host)
+
+
+def test_an_unknown_schema_takes_the_forward_backward(monkeypatch):
+    """An FBGEMM whose op has another schema is never called with guessed arguments."""
+    monkeypatch.setitem(_tbe_update._KNOWN, ("rowwise_adagrad", False), "fbgemm::something_else() -> ()")
+    monkeypatch.setattr(_tbe_update, "_ops", {})
+    tbe = _tbe(EmbOptimType.EXACT_ROWWISE_ADAGRAD, PoolingMode.SUM)
+    assert _direct_op(tbe) is None
+    calls = []
+    real = _tbe_update.autograd_fused_update
+    monkeypatch.setattr(_tbe_update, "autograd_fused_update", lambda *a: calls.append(1) or real(*a))
+    _train(tbe, direct=True)
+    assert len(calls) == 4
