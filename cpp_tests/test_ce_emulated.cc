@@ -5,6 +5,7 @@
 #include <unistd.h>
 
 #include <atomic>
+#include <cstring>
 #include <mutex>
 #include <thread>
 #include <vector>
@@ -193,6 +194,37 @@ TEST(CeEmulatedThreads, AThreadWithNoContextIsLeftWithNoneAndNoContextIsMadeOnGp
     if (device.current_context() != nullptr) return "the caller's thread was left with a context";
     if (device.made_context(0)) return "a primary context was made on GPU 0";
     return device.made_context(1) ? "" : "no context on the communicator's GPU";
+  });
+  expect_all_ok(outcomes);
+}
+
+// The driver's cuMemGetAddressRange acts in the calling thread's current context (cuda.h lists
+// CUDA_ERROR_INVALID_CONTEXT): the emulator refuses it on a thread with none, and registering a
+// buffer from such a thread (a user's fresh thread) still works, because the transport's scope
+// makes its device's context current first.
+TEST(CeEmulatedThreads, RegisteringFromAThreadWithNoContextRunsInTheCommunicatorsContext) {
+  auto outcomes = run_forked_ranks(2, [](int rank, Bootstrap& bootstrap) -> std::string {
+    EmulatedDeviceOptions options;
+    options.devices = 2;
+    EmulatedDevice device(options);
+    auto comm = ce_on_device(bootstrap, 1, device);
+    Exchange x(uniform_counts(2, 1 << 20), rank);
+    device.set_device(1);
+    auto* recv = static_cast<uint8_t*>(device.device_alloc(x.recv.size()));
+    device.set_current_context(nullptr);  // a thread that never touched a GPU
+    size_t bytes = 0;
+    try {
+      device.allocation_base(recv, &bytes);
+      return "the emulator looked an address up with no current context";
+    } catch (const Error& e) {
+      if (std::string(e.what()).find("CUDA_ERROR_INVALID_CONTEXT") == std::string::npos) return e.what();
+    }
+    comm->register_buffer(recv, x.recv.size());
+    if (device.current_context() != nullptr) return "the caller's thread was left with a context";
+    bootstrap.allgather("");
+    comm->wait(comm->all_to_all(x.send.data(), recv, x.layout, 0, true), kForever);
+    std::memcpy(x.recv.data(), recv, x.recv.size());
+    return x.check(rank);
   });
   expect_all_ok(outcomes);
 }

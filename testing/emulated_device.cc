@@ -723,7 +723,18 @@ void EmulatedDevice::count_call(size_t DriverCalls::*kind) {
   calls_.*kind += 1;
 }
 
+void EmulatedDevice::require_current_context(const char* call, Stream stream) const {
+  // A driver call with no stream of its own (or the legacy stream 0, which is the current
+  // context's) acts in the thread's current context; with none, the driver returns
+  // CUDA_ERROR_INVALID_CONTEXT (runtime calls would make one instead: make_current).
+  if (stream == 0 && t_context == nullptr) {
+    throw Error(ErrorCode::kSystem, std::string("emulated ") + call +
+                                        ": CUDA_ERROR_INVALID_CONTEXT (no current context on this thread)");
+  }
+}
+
 void EmulatedDevice::write_value32(Stream stream, DevicePtr addr, uint32_t value) {
+  require_current_context("cuStreamWriteValue32", stream);
   count_call(&DriverCalls::value_writes);
   enqueue(stream, [addr, value] { reinterpret_cast<std::atomic<uint32_t>*>(addr)->store(value, std::memory_order_release); });
 }
@@ -736,12 +747,14 @@ void EmulatedDevice::require_64_bit_memops(const char* call) {
 }
 
 void EmulatedDevice::write_value64(Stream stream, DevicePtr addr, uint64_t value) {
+  require_current_context("cuStreamWriteValue64", stream);
   require_64_bit_memops("cuStreamWriteValue64");
   count_call(&DriverCalls::value_writes);
   enqueue(stream, [addr, value] { reinterpret_cast<std::atomic<uint64_t>*>(addr)->store(value, std::memory_order_release); });
 }
 
 void EmulatedDevice::wait_value32(Stream stream, DevicePtr addr, uint32_t value, WaitCmp cmp) {
+  require_current_context("cuStreamWaitValue32", stream);
   count_call(&DriverCalls::value_waits);
   enqueue(stream, [this, addr, value, cmp] {
     spin_until([&] { return compare(reinterpret_cast<const std::atomic<uint32_t>*>(addr), value, cmp); });
@@ -749,6 +762,7 @@ void EmulatedDevice::wait_value32(Stream stream, DevicePtr addr, uint32_t value,
 }
 
 void EmulatedDevice::wait_value64(Stream stream, DevicePtr addr, uint64_t value, WaitCmp cmp) {
+  require_current_context("cuStreamWaitValue64", stream);
   require_64_bit_memops("cuStreamWaitValue64");
   count_call(&DriverCalls::value_waits);
   enqueue(stream, [this, addr, value, cmp] {
@@ -874,6 +888,7 @@ void* EmulatedDevice::ipc_open(const std::string& handle) {
 }
 
 void* EmulatedDevice::allocation_base(const void* ptr, size_t* bytes) {
+  require_current_context("cuMemGetAddressRange", 0);
   std::lock_guard<std::mutex> lock(mu_);
   auto it = allocations_.upper_bound(const_cast<void*>(ptr));
   if (it != allocations_.begin()) {

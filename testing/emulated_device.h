@@ -165,6 +165,9 @@ class EmulatedDevice final : public DeviceOps {
 
   void copy_batch(Stream stream, const CopyBatch& batch) override;
   void write_value32(Stream stream, DevicePtr addr, uint32_t value) override;
+  // Throws CUDA_ERROR_INVALID_CONTEXT where a driver call acting in the current context (no
+  // stream, or the legacy stream 0) runs on a thread that has none.
+  void require_current_context(const char* call, Stream stream) const;
   void write_value64(Stream stream, DevicePtr addr, uint64_t value) override;
   void wait_value32(Stream stream, DevicePtr addr, uint32_t value, WaitCmp cmp) override;
   void wait_value64(Stream stream, DevicePtr addr, uint64_t value, WaitCmp cmp) override;
