@@ -96,6 +96,8 @@ step 8 driver-probe 60 python3 -m pytest -m gpu -q -p no:cacheprovider --timeout
 # stream's kernels (and did on the legacy default stream); a join orders the main stream after it;
 # a pageable batch copy makes the main thread wait for its stream's kernels only when issued there.
 step 9 pipeline-streams 90 python3 -m pytest -m gpu -q -p no:cacheprovider --timeout="${PYTEST_TIMEOUT_S:-90}" python_tests/test_pipeline_streams_gpu.py
+# ... and its fused Adam (FBGEMM's Adam is CUDA-only): equal to TrainPipelineSparseDist, one rank.
+step 9 pipeline-adam 120 python3 -m pytest -m gpu -q -p no:cacheprovider --timeout=110 python_tests/test_pec_adam_gpu.py
 # Run on lease 1 already (figures in docs/benchmarks.md): after the items that never ran.
 step 4 layout-kernels 120 python3 -m pytest -m gpu -q -p no:cacheprovider --timeout="${PYTEST_TIMEOUT_S:-90}" python_tests/test_dispatch_gpu.py
 # the kernels vs PyTorch at training sizes, then each kernel's compiled variants, registers, spills
