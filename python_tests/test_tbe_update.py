@@ -86,3 +86,18 @@ def test_an_unknown_schema_takes_the_forward_backward(monkeypatch):
     monkeypatch.setattr(_tbe_update, "autograd_fused_update", lambda *a: calls.append(1) or real(*a))
     _train(tbe, direct=True)
     assert len(calls) == 4
+
+
+@pytest.mark.parametrize("mode,max_norm", [(1, 0.0), (2, 0.0), (1, 0.5)])
+def test_row_wise_adagrad_options_pass_through(mode, max_norm):
+    """Weight decay as L2 or decoupled, and a max row norm: the direct call hands them to the op."""
+    from fbgemm_gpu.split_table_batched_embeddings_ops_training import WeightDecayMode
+    kwargs = {"weight_decay_mode": WeightDecayMode(mode), "max_norm": max_norm}
+    for pooling in (PoolingMode.NONE, PoolingMode.SUM):
+        direct = _tbe(EmbOptimType.EXACT_ROWWISE_ADAGRAD, pooling, **kwargs)
+        reference = _tbe(EmbOptimType.EXACT_ROWWISE_ADAGRAD, pooling, **kwargs)
+        assert _direct_op(direct) is not None
+        _train(direct, direct=True)
+        _train(reference, direct=False)
+        assert torch.equal(direct.weights_host, reference.weights_host)
+        assert torch.equal(direct.momentum1_host, reference.momentum1_host)
