@@ -22,8 +22,14 @@ from freescale_comm.pipelines._tbe_update import _direct_op, tbe_update  # noqa:
 ROWS = 50
 
 
-def _tbe(optimizer: EmbOptimType, pooling: PoolingMode, **kwargs) -> SplitTableBatchedEmbeddingBagsCodegen:
+def _tbe(optimizer: EmbOptimType, pooling: PoolingMode, shared: bool = False, **kwargs) -> SplitTableBatchedEmbeddingBagsCodegen:
+    """Three features on three tables, or (shared) two features on one table and one on another:
+    FBGEMM's pooled CPU row-wise Adagrad takes another kernel for a shared table, the only one that
+    applies weight decay."""
     dims = [8, 8, 8] if pooling == PoolingMode.NONE else [8, 16, 4]  # sequence tables share one dim
+    if shared:
+        dims = dims[1:]
+        kwargs["feature_table_map"] = [0, 0, 1]
     torch.manual_seed(0)
     if optimizer == EmbOptimType.EXACT_ROWWISE_ADAGRAD:
         kwargs.setdefault("weight_decay", 0.01)
@@ -49,11 +55,11 @@ def _train(tbe, direct: bool) -> None:
         tbe_update(tbe, work, iteration=step + 10, lr=0.03 + 0.01 * step, direct=direct)
 
 
-@pytest.mark.parametrize("optimizer,pooling", list(itertools.product(
+@pytest.mark.parametrize("optimizer,pooling,shared", list(itertools.product(
     [EmbOptimType.EXACT_SGD, EmbOptimType.EXACT_ROWWISE_ADAGRAD, EmbOptimType.EXACT_ADAGRAD],
-    [PoolingMode.NONE, PoolingMode.SUM, PoolingMode.MEAN])))
-def test_direct_update_equals_forward_backward(optimizer, pooling):
-    direct, reference = _tbe(optimizer, pooling), _tbe(optimizer, pooling)
+    [PoolingMode.NONE, PoolingMode.SUM, PoolingMode.MEAN], [False, True])))
+def test_direct_update_equals_forward_backward(optimizer, pooling, shared):
+    direct, reference = _tbe(optimizer, pooling, shared), _tbe(optimizer, pooling, shared)
     before = _state(direct)
     assert _direct_op(direct) is not None, "FBGEMM's CPU op changed its schema: the direct call is off"
     _train(direct, direct=True)
@@ -88,16 +94,41 @@ def test_an_unknown_schema_takes_the_forward_backward(monkeypatch):
     assert len(calls) == 4
 
 
-@pytest.mark.parametrize("mode,max_norm", [(1, 0.0), (2, 0.0), (1, 0.5)])
-def test_row_wise_adagrad_options_pass_through(mode, max_norm):
-    """Weight decay as L2 or decoupled, and a max row norm: the direct call hands them to the op."""
+@pytest.mark.parametrize("mode", [1, 2])
+def test_row_wise_adagrad_weight_decay_passes_through(mode):
+    """Weight decay as L2 or decoupled reaches the op (a pooled shared table and a sequence TBE: the
+    kernels that apply it on CPU)."""
     from fbgemm_gpu.split_table_batched_embeddings_ops_training import WeightDecayMode
-    kwargs = {"weight_decay_mode": WeightDecayMode(mode), "max_norm": max_norm}
     for pooling in (PoolingMode.NONE, PoolingMode.SUM):
-        direct = _tbe(EmbOptimType.EXACT_ROWWISE_ADAGRAD, pooling, **kwargs)
-        reference = _tbe(EmbOptimType.EXACT_ROWWISE_ADAGRAD, pooling, **kwargs)
+        direct, reference, plain = (_tbe(EmbOptimType.EXACT_ROWWISE_ADAGRAD, pooling, True, weight_decay=decay,
+                                         weight_decay_mode=WeightDecayMode(mode)) for decay in (0.01, 0.01, 0.0))
         assert _direct_op(direct) is not None
-        _train(direct, direct=True)
-        _train(reference, direct=False)
+        for tbe, is_direct in ((direct, True), (reference, False), (plain, True)):
+            _train(tbe, direct=is_direct)
         assert torch.equal(direct.weights_host, reference.weights_host)
         assert torch.equal(direct.momentum1_host, reference.momentum1_host)
+        assert not torch.equal(direct.weights_host, plain.weights_host)  # the decay did something
+
+
+def test_counter_modes_and_backward_hooks_take_the_forward_backward():
+    """Row-wise Adagrad with a counter or CowClip runs another op (row counters, iterations); a
+    backward hook (FBGEMM's writeback drops repeated ids' gradients) runs only through the module:
+    the direct call must not apply to them."""
+    from fbgemm_gpu.tbe.config.optimizer_config import (CounterBasedRegularizationDefinition, CounterWeightDecayMode,
+                                                        UserEnabledConfigDefinition, WeightDecayMode)
+    counter = _tbe(EmbOptimType.EXACT_ROWWISE_ADAGRAD, PoolingMode.SUM, weight_decay_mode=WeightDecayMode.COUNTER,
+                   counter_based_regularization=CounterBasedRegularizationDefinition(
+                       counter_weight_decay_mode=CounterWeightDecayMode.DECOUPLE, counter_halflife=2))
+    assert _direct_op(counter) is None
+    reference = _tbe(EmbOptimType.EXACT_ROWWISE_ADAGRAD, PoolingMode.SUM, weight_decay_mode=WeightDecayMode.COUNTER,
+                     counter_based_regularization=CounterBasedRegularizationDefinition(
+                         counter_weight_decay_mode=CounterWeightDecayMode.DECOUPLE, counter_halflife=2))
+    _train(counter, direct=True)
+    _train(reference, direct=False)
+    assert torch.equal(counter.weights_host, reference.weights_host)
+    writeback = _tbe(EmbOptimType.EXACT_SGD, PoolingMode.SUM,
+                     extra_optimizer_config=UserEnabledConfigDefinition(use_writeback_bwd_prehook=True))
+    assert _direct_op(writeback) is None
+    hooked = _tbe(EmbOptimType.EXACT_SGD, PoolingMode.SUM)
+    hooked.register_full_backward_pre_hook(lambda module, grad: None)
+    assert _direct_op(hooked) is None

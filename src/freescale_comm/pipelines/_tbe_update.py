@@ -43,6 +43,7 @@ _KNOWN = {  # (optimizer, nobag) -> schema
                        "Tensor learning_rate_tensor, float eps=0.) -> ()",
 }
 _OPTIMIZERS = {"exact_sgd": "sgd", "exact_row_wise_adagrad": "rowwise_adagrad", "exact_adagrad": "adagrad"}
+_PLAIN_WEIGHT_DECAY = (0, 1, 2)  # WeightDecayMode NONE, L2, DECOUPLE: what the ops above take as arguments
 _ops: dict[tuple[str, bool], Optional[object]] = {}  # checked once per process
 
 
@@ -55,6 +56,13 @@ def _direct_op(tbe: torch.nn.Module) -> Optional[tuple[str, bool, object]]:
         return None  # not on the host, another optimizer, or clipping (the autograd path clamps first)
     if int(getattr(tbe, "output_dtype", -1)) != 0 or weights.dtype != torch.float32:
         return None  # checked with FP32 tables and outputs only
+    if int(getattr(args, "weight_decay_mode", -1)) not in _PLAIN_WEIGHT_DECAY:
+        return None  # counter / CowClip modes run another op (row counters, iterations); global decay has no CPU op
+    if getattr(tbe, "_used_rowwise_adagrad_with_counter", False) or \
+            getattr(tbe, "_used_rowwise_adagrad_with_global_weight_decay", False):
+        return None
+    if getattr(tbe, "use_writeback_bwd_prehook", False) or tbe._backward_pre_hooks or tbe._backward_hooks:
+        return None  # a backward hook (FBGEMM's writeback drops repeated ids' gradients) runs in Module.__call__ only
     if not isinstance(getattr(tbe, "learning_rate_tensor", None), torch.Tensor):
         return None
     nobag = bool(tbe.is_nobag)
@@ -74,7 +82,9 @@ def _direct_op(tbe: torch.nn.Module) -> Optional[tuple[str, bool, object]]:
 def direct_fused_update(tbe: torch.nn.Module, indices: torch.Tensor, offsets: torch.Tensor,
                         grad_out: torch.Tensor, lr: float) -> bool:
     """Runs `tbe`'s fused CPU update for (indices, offsets) with output gradient `grad_out` and
-    learning rate `lr`, as its backward would; False (nothing done) where it does not apply."""
+    learning rate `lr`, as its backward would; False (nothing done) where it does not apply.
+    Unlike the forward, it checks no bounds: every index must be a row of its table (the pipeline's
+    rows were checked against the tables when routed and looked up before any update)."""
     found = _direct_op(tbe)
     if found is None:
         return False
