@@ -132,3 +132,16 @@ def test_counter_modes_and_backward_hooks_take_the_forward_backward():
     hooked = _tbe(EmbOptimType.EXACT_SGD, PoolingMode.SUM)
     hooked.register_full_backward_pre_hook(lambda module, grad: None)
     assert _direct_op(hooked) is None
+
+
+def test_the_schema_check_ignores_alias_set_names_only():
+    """FBGEMM 1.9 registers the same ops with other alias-set names ((g!) for 1.8's (b!)) and other
+    spelling of defaults: the same signature. Another argument, type or default is not."""
+    from freescale_comm.pipelines._tbe_update import _KNOWN, _signature
+    ours = _KNOWN[("adagrad", True)]
+    same = ours.replace("(b!)", "(g!)").replace("eps=0.", "eps = 0")
+    assert same != ours
+    assert _signature(torch._C.parse_schema(same)) == _signature(torch._C.parse_schema(ours))
+    for other in (ours.replace("eps=0.", "eps=1."), ours.replace("float eps=0.", "float eps=0., int iter=0"),
+                  ours.replace("Tensor(b!) momentum1_host", "Tensor momentum1_host")):
+        assert _signature(torch._C.parse_schema(other)) != _signature(torch._C.parse_schema(ours)), other

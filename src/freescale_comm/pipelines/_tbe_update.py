@@ -47,6 +47,15 @@ _PLAIN_WEIGHT_DECAY = (0, 1, 2)  # WeightDecayMode NONE, L2, DECOUPLE: what the 
 _ops: dict[tuple[str, bool], Optional[object]] = {}  # checked once per process
 
 
+def _signature(schema) -> tuple:
+    """A schema's name, arguments (name, type, default, written or not, keyword-only) and returns:
+    everything but the names of alias sets, which FBGEMM renames between releases ((b!) in 1.8,
+    (g!) in 1.9's registration of the same op)."""
+    def argument(a) -> tuple:
+        return a.name, str(a.type), repr(a.default_value), bool(a.alias_info and a.alias_info.is_write), a.kwarg_only
+    return schema.name, tuple(map(argument, schema.arguments)), tuple(map(argument, schema.returns))
+
+
 def _direct_op(tbe: torch.nn.Module) -> Optional[tuple[str, bool, object]]:
     """(optimizer, nobag, op) where the direct call applies to `tbe`, else None."""
     weights = getattr(tbe, "weights_host", None)
@@ -71,7 +80,8 @@ def _direct_op(tbe: torch.nn.Module) -> Optional[tuple[str, bool, object]]:
         name = f"split_embedding{'_nobag' if nobag else ''}_backward_codegen_{optimizer}_cpu"
         packet = getattr(torch.ops.fbgemm, name, None) if hasattr(torch.ops, "fbgemm") else None
         try:
-            matches = packet is not None and str(packet.default._schema) == _KNOWN[key]
+            matches = packet is not None and _signature(packet.default._schema) == \
+                _signature(torch._C.parse_schema(_KNOWN[key]))
         except (AttributeError, RuntimeError):
             matches = False
         _ops[key] = packet.default if matches else None
