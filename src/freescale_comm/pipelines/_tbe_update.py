@@ -19,8 +19,9 @@ import torch
 from freescale_comm._device_copy import on_device
 
 # The CPU fused-update ops called directly, with the schema each was checked against (bit-identical
-# to the forward + backward path, python_tests/test_tbe_update.py): an FBGEMM whose op differs falls
-# back to forward + backward instead of guessing at its arguments.
+# to the forward + backward path, python_tests/test_tbe_update.py, with FBGEMM 1.8.0 in CI and 1.9.0
+# beside torch 2.14.1): an FBGEMM whose op differs falls back to forward + backward instead of
+# guessing at its arguments.
 _POOLED_TAIL = "Tensor grad_output, Tensor(a!) host_weights, Tensor weights_placements, Tensor weights_offsets, " \
     "Tensor D_offsets, int max_D, Tensor hash_size_cumsum, int total_hash_size_bits, Tensor indices, Tensor offsets, " \
     "int pooling_mode, Tensor indice_weights, bool stochastic_rounding, "
