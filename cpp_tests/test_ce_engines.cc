@@ -430,3 +430,44 @@ TEST(CeEngines, AnUrgentOpDuringABulkOpWaitsBehindOneWindow) {
 
 }  // namespace
 }  // namespace freescale
+
+namespace freescale {
+namespace {
+
+// cudaIpcCloseMemHandle synchronizes the device (tensorpipe#321 saw it); the emulator makes
+// cudaIpcOpenMemHandle do so too, the harsher reading where CUDA's documentation is silent. A
+// sender maps a peer's registered buffer the first time it sends into it, while its lanes may
+// still hold copies and stream waits of the ops before: here each rank registers a new buffer for
+// every op and posts every op before waiting on any, with rings smaller than a block (waits on
+// the peer's tail queued), so each first mapping meets busy streams. The mapping must not wait
+// for work that only this rank's later progress could release (an emulated hang throws).
+TEST(CeEngines, MappingAPeersNewBufferWhileOpsAreInFlightDoesNotDeadlock) {
+  auto outcomes = run_forked_ranks(3, [](int rank, Bootstrap& bootstrap) -> std::string {
+    EmulatedDevice device;
+    const Config config = testing::small_config();
+    auto comm = ce_communicator(bootstrap, config, device);
+    constexpr int kOps = 6;
+    std::vector<std::unique_ptr<Exchange>> exchanges;
+    std::vector<uint8_t*> buffers;
+    std::vector<std::shared_ptr<OpState>> ops;
+    for (int i = 0; i < kOps; ++i) {
+      exchanges.push_back(std::make_unique<Exchange>(uniform_counts(3, 2 * config.arena_bytes), rank, i));
+      Exchange& x = *exchanges.back();
+      buffers.push_back(static_cast<uint8_t*>(device.device_alloc(x.recv.size())));
+      comm->register_buffer(buffers.back(), x.recv.size());
+      ops.push_back(comm->all_to_all(x.send.data(), buffers.back(), x.layout, 0, false));
+    }
+    for (int i = 0; i < kOps; ++i) {
+      if (!comm->wait(ops[i], std::chrono::seconds(60))) return "op " + std::to_string(i) + " did not complete";
+      Exchange& x = *exchanges[i];
+      std::memcpy(x.recv.data(), buffers[i], x.recv.size());
+      if (std::string e = x.check(rank); !e.empty()) return "op " + std::to_string(i) + ": " + e;
+    }
+    return device.fault();
+  });
+  expect_all_ok(outcomes);
+  EXPECT_TRUE(testing::leftover_segments(outcomes).empty());
+}
+
+}  // namespace
+}  // namespace freescale

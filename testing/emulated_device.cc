@@ -878,6 +878,7 @@ std::string EmulatedDevice::ipc_handle(void* ptr) {
 
 void* EmulatedDevice::ipc_open(const std::string& handle) {
   check_no_fault("cudaIpcOpenMemHandle");
+  synchronize_device("cudaIpcOpenMemHandle");  // (see the header: modelled as synchronizing)
   size_t bytes = 0;
   int fd = open_peer_fd(handle, &bytes);
   void* p = map_fd_or_close(fd, mapped_bytes(bytes));
@@ -904,6 +905,7 @@ void* EmulatedDevice::allocation_base(const void* ptr, size_t* bytes) {
 
 void EmulatedDevice::ipc_close(void* ptr) {
   check_no_fault("cudaIpcCloseMemHandle");
+  synchronize_device("cudaIpcCloseMemHandle");
   std::lock_guard<std::mutex> lock(mu_);
   auto it = allocations_.find(ptr);
   if (it == allocations_.end() || it->second.fd >= 0) throw Error(ErrorCode::kSystem, "emulated cudaIpcCloseMemHandle: not an IPC mapping");

@@ -27,8 +27,9 @@
 //    cudaFreeHost, cudaHostUnregister, cudaIpcCloseMemHandle, stream and event destruction)
 //    throws it, sticky (the context is lost: only the process's exit frees it);
 //  - cudaFree and cudaFreeHost synchronize the whole device (every stream, a user's
-//    included), as their implicit synchronization does: one that would hang throws after
-//    hang_report_after;
+//    included), as their implicit synchronization does, and so do cudaIpcCloseMemHandle (seen
+//    to, tensorpipe#321) and cudaIpcOpenMemHandle (the harsher reading where CUDA's documentation
+//    is silent): one that would hang throws after hang_report_after;
 //  - who executes each copy (executor(): copy engine or SM kernel, by where its ends live, the
 //    driver version and whether the batch API is there), counted with the driver calls;
 //  - a user's compute kernel that holds every SM (occupy_every_sm): a batch holding an SM copy
