@@ -43,6 +43,7 @@ class Batch(Pipelineable):
     def record_stream(self, stream: torch.Stream) -> None:
         self.pooled.record_stream(stream)
         self.sequence.record_stream(stream)
+        self.label.record_stream(stream)
 
     def pin_memory(self) -> "Batch":
         return self

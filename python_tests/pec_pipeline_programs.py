@@ -88,8 +88,8 @@ def make_batches(steps: int, world: int, collision: float, seed: int = 0, batch:
 
 @torch.fx.wrap
 def _mean_rows(values: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
-    segment = torch.repeat_interleave(torch.arange(lengths.numel()), lengths)
-    sums = torch.zeros(lengths.numel(), values.shape[1], dtype=values.dtype).index_add_(0, segment, values)
+    segment = torch.repeat_interleave(torch.arange(lengths.numel(), device=values.device), lengths.to(values.device))
+    sums = torch.zeros(lengths.numel(), values.shape[1], dtype=values.dtype, device=values.device).index_add_(0, segment, values)
     return sums / lengths.clamp(min=1).unsqueeze(1).to(values.dtype)
 
 
@@ -165,6 +165,10 @@ def build(pg: dist.ProcessGroup, optimizer: str, model_cls: type = Model, device
         fused = model_kwargs.pop("fused_params")
     sharders = (EmbeddingBagCollectionSharder(fused_params=fused), EmbeddingCollectionSharder(fused_params=fused))
     model = model_cls(torch.device("meta"), **model_kwargs)
+    if device.type != "cpu":  # the dense head was made on the CPU (DMP materializes only meta tensors on `device`)
+        for param in model.parameters():
+            if not param.is_meta:
+                param.data = param.data.to(device)
     ebc = construct_module_sharding_plan(model.ebc, {f"t_{f}": _spec(k, world, i) for i, (f, k) in enumerate(POOLED.items())},
                                          sharders[0], local_size=world, world_size=world, device_type=device.type)
     ec = construct_module_sharding_plan(model.ec, {f"t_{f}": _spec(k, world, i + 1) for i, (f, k) in enumerate(SEQUENCE.items())},

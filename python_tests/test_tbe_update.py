@@ -132,6 +132,24 @@ def test_counter_modes_and_backward_hooks_take_the_forward_backward():
     hooked = _tbe(EmbOptimType.EXACT_SGD, PoolingMode.SUM)
     hooked.register_full_backward_pre_hook(lambda module, grad: None)
     assert _direct_op(hooked) is None
+    forward_hooked = _tbe(EmbOptimType.EXACT_SGD, PoolingMode.SUM)
+    forward_hooked.register_forward_hook(lambda module, args, out: None)
+    assert _direct_op(forward_hooked) is None
+    plain = _tbe(EmbOptimType.EXACT_SGD, PoolingMode.SUM)
+    handle = torch.nn.modules.module.register_module_forward_pre_hook(lambda module, args: None)
+    try:
+        assert _direct_op(plain) is None  # a hook on every module runs on the TBE's forward too
+    finally:
+        handle.remove()
+    assert _direct_op(plain) is not None
+
+
+def test_an_fbgemm_release_not_checked_takes_the_forward_backward(monkeypatch):
+    """A later FBGEMM may keep an op's schema and change its wrapper: only checked releases."""
+    import fbgemm_gpu
+    monkeypatch.setattr(fbgemm_gpu, "__version__", "1.10.0")
+    monkeypatch.setattr(_tbe_update, "_ops", {})
+    assert _direct_op(_tbe(EmbOptimType.EXACT_SGD, PoolingMode.SUM)) is None
 
 
 def test_the_schema_check_ignores_alias_set_names_only():

@@ -240,6 +240,11 @@ void EmulatedDevice::run_queue(HwQueue& q) {
   }
 }
 
+std::vector<std::string> EmulatedDevice::hangs() const {
+  std::lock_guard<std::mutex> lock(hangs_mu_);
+  return hangs_;
+}
+
 std::string EmulatedDevice::fault() const {
   if (!faulted_.load(std::memory_order_acquire)) return "";
   std::lock_guard<std::mutex> lock(fault_mu_);
@@ -500,10 +505,15 @@ void EmulatedDevice::synchronize_device(const char* call) {
     if (!q->popped.wait_until(lock, deadline, [&] {
           return (q->fifo.empty() && !q->running) || torn_down_.load() || faulted_.load();
         })) {
-      throw Error(ErrorCode::kInternal,
-                  std::string("emulated ") + call + ": its implicit device synchronization would hang on a GPU: a stream "
-                  "(ours or a user's) still holds work after " + std::to_string(options_.hang_report_after.count()) +
-                  " ms (a wait nothing will satisfy?)");
+      const std::string what =
+          std::string("emulated ") + call + ": its implicit device synchronization would hang on a GPU: a stream "
+          "(ours or a user's) still holds work after " + std::to_string(options_.hang_report_after.count()) +
+          " ms (a wait nothing will satisfy?)";
+      {
+        std::lock_guard<std::mutex> hangs_lock(hangs_mu_);
+        hangs_.push_back(what);
+      }
+      throw Error(ErrorCode::kInternal, what);
     }
   }
   check_no_fault(call);

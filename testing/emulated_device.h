@@ -237,6 +237,9 @@ class EmulatedDevice final : public DeviceOps {
   // copy kernel cannot start meanwhile (copy engines are not SMs: their copies go on). A kernel
   // as HSTU's attention runs it: all SMs, for as long as the step computes.
   void occupy_every_sm(bool occupied) { sms_occupied_.store(occupied); }
+  // Every implicit device synchronization that would have hung on a GPU (each also threw, and a
+  // caller may have caught it: this keeps it visible to tests).
+  std::vector<std::string> hangs() const;
   // The context's fault ("" while healthy).
   std::string fault() const;
   // Another device's memory mapped here by peer access (EmulatedShmem: P2P-mapped PEs' heaps):
@@ -254,6 +257,8 @@ class EmulatedDevice final : public DeviceOps {
   void check_no_fault(const char* call) const;
   mutable std::atomic<bool> context_{false};
   mutable std::mutex contexts_mu_;
+  mutable std::mutex hangs_mu_;
+  std::vector<std::string> hangs_;  // hangs()
   mutable std::set<int> contexts_made_;  // devices whose primary context exists
   // `device`'s primary context, made if it was not, becomes this thread's current one.
   void make_current(int device) const;
