@@ -239,6 +239,8 @@ def train(pg: dist.ProcessGroup, pipeline: str, optimizer: str, batches: list[li
         exchange._a2a = counted
         exchange._rows, exchange._send_grads = round_of("rows", exchange._rows), round_of("gradients", exchange._send_grads)
         exchange.ask = round_of("ids", exchange.ask)
+    from freescale_comm.pipelines import _tbe_update
+    updates_before = dict(_tbe_update.update_counts)
     outputs = []
     micro_sizes = []  # with micro-batches: the samples of each micro-batch of each batch trained (but the first)
     for _ in range(epochs):
@@ -256,7 +258,8 @@ def train(pg: dist.ProcessGroup, pipeline: str, optimizer: str, batches: list[li
     state = _state(dmp, opt)  # mid-run for stop_after: the model's state_dict() flushes PEC first
     if hasattr(pipe, "close"):
         pipe.close()
-    return {"outputs": outputs, "state": state, "exchanges": exchanges, "micro_sizes": micro_sizes,
+    updates = {k: v - updates_before[k] for k, v in _tbe_update.update_counts.items()}  # fused updates by path
+    return {"outputs": outputs, "state": state, "exchanges": exchanges, "micro_sizes": micro_sizes, "updates": updates,
             "fetched": moved["rows"], "gradients": moved["gradients"], "ids": moved["ids"],
             "asked": sum(getattr(pipe, "rows_asked", []))}
 
@@ -277,7 +280,8 @@ def pec_matches_sparse_dist(info, steps: int, collisions: list[float], optimizer
             out_diff = max((_rel(a, b) for a, b in zip(ref["outputs"], pec["outputs"])), default=0.0)
             assert ref["state"].keys() == pec["state"].keys(), (case, sorted(ref["state"]), sorted(pec["state"]))
             state_diff = {k: _rel(ref["state"][k], pec["state"][k]) for k in ref["state"]}
-            report[case] = {"outputs": out_diff, "state": state_diff, "exchanges": pec["exchanges"]}
+            report[case] = {"outputs": out_diff, "state": state_diff, "exchanges": pec["exchanges"],
+                            "updates": pec["updates"]}
     # two epochs (a new iterator after StopIteration), and the state read after 5 of 8 steps
     batches = make_batches(steps, world, 0.5, seed=77)
     for case, kwargs in (("two epochs", {"epochs": 2}), ("stopped after 5 steps", {"stop_after": 5})):

@@ -12,6 +12,7 @@ thrown away)."""
 
 from __future__ import annotations
 
+import threading
 from typing import Optional
 
 import torch
@@ -49,6 +50,9 @@ _OPTIMIZERS = {"exact_sgd": "sgd", "exact_row_wise_adagrad": "rowwise_adagrad", 
 _CHECKED_RELEASES = {(1, 8), (1, 9)}
 _PLAIN_WEIGHT_DECAY = (0, 1, 2)  # WeightDecayMode NONE, L2, DECOUPLE: what the ops above take as arguments
 _ops: dict[tuple[str, bool], Optional[object]] = {}  # checked once per process
+# Counted, not claimed: fused updates by path in this process ("direct", "forward_backward").
+update_counts = {"direct": 0, "forward_backward": 0}
+_counts_lock = threading.Lock()
 
 
 def _checked_fbgemm() -> bool:
@@ -199,6 +203,8 @@ def tbe_update(tbe: torch.nn.Module, per_feature: dict[int, tuple[torch.Tensor, 
         for (_, g), d in zip(parts, dims):
             grad_out[:g.shape[0], col:col + d] = g
             col += d
-    if direct and direct_fused_update(tbe, indices, offsets, grad_out, lr):
-        return
-    autograd_fused_update(tbe, indices, offsets, grad_out, iteration, lr)
+    path = "direct" if direct and direct_fused_update(tbe, indices, offsets, grad_out, lr) else "forward_backward"
+    if path == "forward_backward":
+        autograd_fused_update(tbe, indices, offsets, grad_out, iteration, lr)
+    with _counts_lock:
+        update_counts[path] += 1
