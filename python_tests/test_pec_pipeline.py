@@ -30,9 +30,9 @@ def test_pec_pipeline_is_bit_identical_to_sparse_dist_on_two_ranks():
             if "adagrad" in case:  # the momentum is compared too (SGD keeps no state)
                 assert any(k.startswith("state:") for k in diff["state"]), (case, sorted(diff["state"]))
             assert all(v == 0.0 for v in diff["state"].values()), (case, {k: v for k, v in diff["state"].items() if v})
-            # counted: the exchanges no rank has anything for are skipped, on every rank alike
             if "updates" in diff:  # on CPU every fused update skips the TBE forward (FBGEMM's op directly)
                 assert diff["updates"]["direct"] > 0 and diff["updates"]["forward_backward"] == 0, (case, diff["updates"])
+            # counted: the exchanges no rank has anything for are skipped, on every rank alike
             rows_or_grads = [p for p, dtype in diff.get("exchanges", []) if dtype == "torch.float32"]
             if case.startswith("collision=0.0"):  # no row is read twice in a row: no high-priority
                 assert rows_or_grads.count(100) == 1, (case, rows_or_grads)  # round but the last batch's gradients

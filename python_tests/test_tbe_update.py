@@ -116,13 +116,11 @@ def test_counter_modes_and_backward_hooks_take_the_forward_backward():
     the direct call must not apply to them."""
     from fbgemm_gpu.tbe.config.optimizer_config import (CounterBasedRegularizationDefinition, CounterWeightDecayMode,
                                                         UserEnabledConfigDefinition, WeightDecayMode)
-    counter = _tbe(EmbOptimType.EXACT_ROWWISE_ADAGRAD, PoolingMode.SUM, weight_decay_mode=WeightDecayMode.COUNTER,
-                   counter_based_regularization=CounterBasedRegularizationDefinition(
-                       counter_weight_decay_mode=CounterWeightDecayMode.DECOUPLE, counter_halflife=2))
+    counter, reference = (_tbe(EmbOptimType.EXACT_ROWWISE_ADAGRAD, PoolingMode.SUM, weight_decay_mode=WeightDecayMode.COUNTER,
+                               counter_based_regularization=CounterBasedRegularizationDefinition(
+                                   counter_weight_decay_mode=CounterWeightDecayMode.DECOUPLE, counter_halflife=2))
+                          for _ in range(2))
     assert _direct_op(counter) is None
-    reference = _tbe(EmbOptimType.EXACT_ROWWISE_ADAGRAD, PoolingMode.SUM, weight_decay_mode=WeightDecayMode.COUNTER,
-                     counter_based_regularization=CounterBasedRegularizationDefinition(
-                         counter_weight_decay_mode=CounterWeightDecayMode.DECOUPLE, counter_halflife=2))
     _train(counter, direct=True)
     _train(reference, direct=False)
     assert torch.equal(counter.weights_host, reference.weights_host)

@@ -166,9 +166,6 @@ class EmulatedDevice final : public DeviceOps {
 
   void copy_batch(Stream stream, const CopyBatch& batch) override;
   void write_value32(Stream stream, DevicePtr addr, uint32_t value) override;
-  // Throws CUDA_ERROR_INVALID_CONTEXT where a driver call acting in the current context (no
-  // stream, or the legacy stream 0) runs on a thread that has none.
-  void require_current_context(const char* call, Stream stream) const;
   void write_value64(Stream stream, DevicePtr addr, uint64_t value) override;
   void wait_value32(Stream stream, DevicePtr addr, uint32_t value, WaitCmp cmp) override;
   void wait_value64(Stream stream, DevicePtr addr, uint64_t value, WaitCmp cmp) override;
@@ -264,12 +261,15 @@ class EmulatedDevice final : public DeviceOps {
   void make_current(int device) const;
   void block_creation_while_waiting();
   void count_call(size_t DriverCalls::*kind);
-  // cudaDeviceSynchronize as cudaFree and cudaFreeHost imply it: waits until
+  // cudaDeviceSynchronize as cudaFree, cudaFreeHost and the IPC open / close imply it: waits until
   // every stream (destroyed ones still running included) ran out; throws kInternal after
   // hang_report_after (a GPU would hang) and the context's fault if it has one.
   void synchronize_device(const char* call);
   // Throws as the driver does where the device lacks 64-bit stream memory operations.
   void require_64_bit_memops(const char* call);
+  // Throws CUDA_ERROR_INVALID_CONTEXT where a driver call acting in the current context (no
+  // stream, or the legacy stream 0) runs on a thread that has none.
+  void require_current_context(const char* call, Stream stream) const;
   // A queue's thread, before an SM copy: waits while a user's kernel holds every SM (true if it
   // had to). Throws Abandoned on teardown or a fault.
   bool wait_for_free_sms();
