@@ -335,3 +335,103 @@ def ranks_passing_different_arguments(info) -> str:
     except Exception as e:  # noqa: BLE001 - the module itself may fail later on rank 1
         return f"{type(e).__name__}: {e}"
     return "no error"
+
+
+# Every sample costs the same: the plan evens out sample counts (here it moves rank 0's first two
+# samples to rank 1, which holds one).
+SAMPLES_ONLY = CostModel(quadratic=0.0, linear=0.0, constant=1.0)
+# Per case, per rank: each feature's lengths. After balancing rank 1 computes rank 0's first two
+# samples and its own, where
+# - "samples": "items" has 1 + 2 + 0 rows for 3 samples: as many rows as samples, there only;
+# - "features": "a" has 1 + 2 + 2 rows and "b" 2 + 3 + 0, equal there only (other lengths).
+COINCIDING = {
+    "samples": [{"items": [1, 2, 5, 6, 7]}, {"items": [0]}],
+    "features": [{"a": [1, 2, 5, 6, 7], "b": [2, 3, 0, 0, 0]}, {"a": [2], "b": [0]}],
+}
+
+
+class RowsModule(nn.Module):
+    """Returns per-sample sums of `feature` and its rows scaled (a per-position output, as HSTU's),
+    as a tuple, or keyed by the feature's name in a dict (`keyed`); `short_on` returns one row
+    fewer on that rank (a layout that fits nothing there)."""
+
+    def __init__(self, feature: str, keyed: bool = False, short_on: int = -1) -> None:
+        super().__init__()
+        self.feature, self.keyed, self.short_on = feature, keyed, short_on
+        self.seen: dict = {}
+
+    def forward(self, sequences: dict[str, JaggedTensor]):
+        jt = sequences[self.feature]
+        n = jt.lengths().numel()
+        self.seen = {"samples": n, **{k: int(v.lengths().sum()) for k, v in sequences.items()}}
+        user = torch.zeros(n, DIM).index_add_(0, _segments(jt.lengths()), jt.values())
+        rows = jt.values() * 3
+        if dist.get_rank() == self.short_on:
+            rows = rows[:-1]
+        return {"user": user, self.feature: rows} if self.keyed else (user, rows)
+
+
+def per_row_output_where_layout_sizes_coincide(info, case: str, feature: str, keyed: bool) -> dict:
+    """fc.balance on RowsModule over COINCIDING[case]: outputs and the inputs' gradients equal the
+    unbalanced module's bit for bit. Returns what the balanced forward saw here (samples, rows per
+    feature). Before, each rank picked an output's way home from its own sizes: a rank where the
+    rows equalled its samples sent them home as per-sample rows (SIZE_MISMATCH on every rank), one
+    where two features' rows were equal raised ValueError alone (its peers waited)."""
+    gen = torch.Generator().manual_seed(7 + info.rank)
+    sequences = {}
+    for name, lengths in COINCIDING[case][info.rank].items():
+        lengths = torch.tensor(lengths)
+        sequences[name] = JaggedTensor(values=torch.randn(int(lengths.sum()), DIM, generator=gen).requires_grad_(),
+                                       lengths=lengths)
+    module = RowsModule(feature, keyed)
+
+    def run() -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        out = module(sequences)
+        outs = list(out.values()) if keyed else list(out)
+        loss = sum((o * torch.arange(o.numel(), dtype=o.dtype).view_as(o)).sum() for o in outs)
+        grads = torch.autograd.grad(loss, [jt.values() for jt in sequences.values()], allow_unused=True)
+        return [o.detach() for o in outs], [g if g is not None else torch.zeros(0) for g in grads]
+
+    ref_out, ref_grads = run()
+    fc.balance(module, SAMPLES_ONLY)
+    out, grads = run()
+    module.freescale_balance.remove()
+    equal = all(torch.equal(a, b) for a, b in zip(out + grads, ref_out + ref_grads))
+    return {"equal": equal, "seen": module.seen}
+
+
+def output_fitting_no_layout_on_one_rank(info) -> str:
+    """COINCIDING["features"], "b"'s rows one short on rank 1: ValueError on every rank alike (one
+    rank alone raised before, the other waited in the AllToAll)."""
+    gen = torch.Generator().manual_seed(7 + info.rank)
+    sequences = {name: JaggedTensor(values=torch.randn(sum(lengths), DIM, generator=gen), lengths=torch.tensor(lengths))
+                 for name, lengths in COINCIDING["features"][info.rank].items()}
+    module = fc.balance(RowsModule("b", short_on=1), SAMPLES_ONLY)
+    try:
+        module(sequences)
+    except ValueError as e:
+        return str(e)
+    return "no error"
+
+
+def outputs_of_different_structures(info, kinds: str) -> str:
+    """COINCIDING["features"] (the ranks agree on the ways home), rank 1's module returning another
+    structure: `kinds` "count" (one output more) or "kind" (a JaggedTensor where rank 0 returns a
+    tensor). CommError on every rank, naming it."""
+    gen = torch.Generator().manual_seed(7 + info.rank)
+    sequences = {name: JaggedTensor(values=torch.randn(sum(lengths), DIM, generator=gen), lengths=torch.tensor(lengths))
+                 for name, lengths in COINCIDING["features"][info.rank].items()}
+
+    class Differs(RowsModule):
+        def forward(self, sequences):
+            user, rows = super().forward(sequences)
+            if dist.get_rank() == 1:
+                return (user, rows, user) if kinds == "count" else (user, sequences["b"])
+            return user, rows
+
+    module = fc.balance(Differs("b"), SAMPLES_ONLY)
+    try:
+        module(sequences)
+    except fc.CommError as e:
+        return str(e)
+    return "no error"

@@ -159,15 +159,18 @@ def test_a_balanced_forward_exchanges_only_what_the_plan_does_not_tell():
     flags) is 2 messages, and tells every rank what it receives of the samples (so the
     per-sample handle sends nothing) and of each feature whose lengths are the cost lengths on
     every rank (those send their rows only); a feature with other lengths sends counts, lengths
-    and rows. The output goes home in 3 (user, cats, extra).
+    and rows. The output goes home in 3 (user, cats, extra), after 1 where the ranks agree on
+    each output's way home (only when the plan cannot tell that sizes never coincide: a feature's
+    rows on other ranks are unknown unless it has the cost lengths).
     - "extra" with lengths of its own (the cost is the longer of its and "items'"): 2 + items 3 +
-      its weights 1 + cats 1 + extra 3 + 2 per-sample tensors + 3 = 15 (before: 16, and 3
-      all-gathers through the group: the per-sample handle's counts, lengths and empty rows).
+      its weights 1 + cats 1 + extra 3 + 2 per-sample tensors + 1 + 3 = 16 (before: 16 without
+      the agreement, and 3 all-gathers through the group: the per-sample handle's counts, lengths
+      and empty rows).
     - every feature with the same lengths: 2 + 1 + 1 + 1 + 1 + 2 + 3 = 11 (before: 14 and 3)."""
     _need("torchrec")
     from bundle_programs import messages_of_a_balanced_forward
 
-    assert spawn(messages_of_a_balanced_forward, 2, 11, False) == [15, 15]
+    assert spawn(messages_of_a_balanced_forward, 2, 11, False) == [16, 16]
     assert spawn(messages_of_a_balanced_forward, 2, 11, True) == [11, 11]
 
 

@@ -23,6 +23,7 @@ import torch.distributed as dist
 
 from freescale_comm._errors import comm_error
 from freescale_comm._device_copy import to_device
+from freescale_comm._output_layouts import sizes_differ_everywhere
 from freescale_comm.bundle import (
     BalancedBundle,
     agreed_shares,
@@ -235,8 +236,10 @@ class LoadBalancer:
         follows_cost = [all(r[n + i] == 1 for r in per_rank) for i in range(n)]
         rank = dist.get_rank(self.group)
         dest = to_device(torch.from_numpy(np.ascontiguousarray(plan.dest[rank])), cost.device)  # (no stream sync)
-        return dispatch_bundle(sequences, per_sample, cost, dest, plan, self.group, priority,
-                               agreed_shares([r[:n] for r in per_rank]), _received(plan, rank, all_costs), follows_cost)
+        shares = agreed_shares([r[:n] for r in per_rank])
+        return dispatch_bundle(sequences, per_sample, cost, dest, plan, self.group, priority, shares,
+                               _received(plan, rank, all_costs), follows_cost,
+                               sizes_differ_everywhere(plan.dest, all_costs, shares, follows_cost))
 
     def combine_bundle(self, output: Any, bundle: BalancedBundle, *, priority: int = 0) -> Any:
         """Stage 2 for dispatch_bundle: sends `output` home. Tensors with one row per sample,

@@ -15,6 +15,7 @@ from typing import Any, Optional
 
 import torch
 
+from freescale_comm._output_layouts import Ways
 from freescale_comm.dispatch import DispatchHandle, Received, combine, dispatch_like, dispatch_received
 from freescale_comm.planner import RebalancePlan
 
@@ -121,6 +122,9 @@ class BalancedBundle:
     handles: dict[str, DispatchHandle]  # feature -> combines row outputs laid out as that feature
     home_lengths: dict[str, torch.Tensor]  # feature -> its lengths before balancing
     plan: RebalancePlan  # the plan every rank computed
+    # every rank knows from the plan that per-sample rows and each feature's rows differ in count
+    # on every rank (_output_layouts.sizes_differ_everywhere): each rank picks an output's way home alone
+    sizes_differ_everywhere: bool = False
 
     @property
     def num_samples(self) -> int:
@@ -143,7 +147,8 @@ def agreed_shares(per_rank: list[list[int]]) -> list[int]:
 
 def dispatch_bundle(sequences: Any, per_sample: dict[str, torch.Tensor], cost_lengths: torch.Tensor,
                     dest: torch.Tensor, plan: RebalancePlan, group: Any, priority: int,
-                    shares: list[int], cost_received: Received, follows_cost: list[bool]) -> BalancedBundle:
+                    shares: list[int], cost_received: Received, follows_cost: list[bool],
+                    sizes_differ_everywhere: bool = False) -> BalancedBundle:
     """Moves every feature of `sequences` and every per-sample tensor to `dest` (int64 [samples]).
     Features with equal lengths on every rank (`shares`, see agreed_shares) share one dispatch's
     counts; weights and per-sample tensors ride on handles already made (one AllToAll each).
@@ -178,54 +183,48 @@ def dispatch_bundle(sequences: Any, per_sample: dict[str, torch.Tensor], cost_le
     moved = {name: dispatch_like(t, first.handle, priority=priority) for name, t in per_sample.items()}
     out = type(sequences).from_jt_dict(balanced) if is_keyed_jagged(sequences) else balanced
     home = {name: jt.lengths().long() for name, jt in jts.items()}
-    return BalancedBundle(out, moved, first.source_ranks, first.handle, handles, home, plan)
+    return BalancedBundle(out, moved, first.source_ranks, first.handle, handles, home, plan, sizes_differ_everywhere)
 
 
 def combine_bundle(output: Any, bundle: BalancedBundle, priority: int = 0) -> Any:
     """Sends `output` (computed on the bundle's samples) home. A tensor with one row per sample
     → per-sample handle; a JaggedTensor → the feature whose lengths it has; a tensor with as many
     rows as a feature (all such features alike) → that feature's handle; dicts, lists and tuples
-    → each entry (a dict key naming a feature picks it); anything else is returned as is."""
-    return _combine(output, bundle, priority, None)
+    → each entry (a dict key naming a feature picks it); anything else is returned as is. Every
+    rank picks each output's way alike (see freescale_comm._output_layouts)."""
+    ways = Ways(bundle)
+    leaves: list[Any] = []
+    _walk(output, bundle, None, "output", lambda x, feature, path: leaves.append(ways.fits(x, feature, path)))
+    chosen = iter(ways.chosen(leaves, agree=not bundle.sizes_differ_everywhere, priority=priority))
+
+    def home(x: Any, feature: Optional[str], path: str) -> Any:
+        way = next(chosen)
+        handle = ways.handles[way]
+        if isinstance(x, torch.Tensor):
+            return combine(x, handle, priority=priority)
+        weights = x.weights_or_none()
+        return _jagged(x, combine(x.values(), handle, priority=priority), bundle.home_lengths[ways.names[way][0]],
+                       None if weights is None else combine(weights, handle, priority=priority))
+
+    return _walk(output, bundle, None, "output", home, rebuild=True)
 
 
-def _feature_for_rows(rows: int, bundle: BalancedBundle, what: str) -> str:
-    names = [n for n, h in bundle.handles.items() if h.rows_received == rows]
-    distinct = {id(bundle.handles[n]) for n in names}
-    if len(distinct) == 1:
-        return names[0]
-    if not names:
-        raise ValueError(f"{what} has {rows} rows: neither one per sample ({bundle.num_samples}) nor the rows of a "
-                         f"feature ({ {n: h.rows_received for n, h in bundle.handles.items()} }); return per-sample "
-                         "rows or a JaggedTensor")
-    raise ValueError(f"{what} has {rows} rows, as features {names} of different lengths do; return a JaggedTensor "
-                     "or a dict keyed by feature so freescale knows which it follows")
-
-
-def _combine(output: Any, bundle: BalancedBundle, priority: int, feature: Optional[str]) -> Any:
-    if isinstance(output, torch.Tensor):
-        if feature is None and has_rows_per_sample(output, bundle.num_samples):
-            return combine(output, bundle.sample_handle, priority=priority)
-        name = feature if feature is not None else _feature_for_rows(output.shape[0] if output.dim() else -1,
-                                                                      bundle, "an output tensor")
-        return combine(output, bundle.handles[name], priority=priority)
-    if is_jagged(output):
-        lengths = output.lengths().long()
-        names = [feature] if feature is not None else list(bundle.handles)
-        for name in names:
-            handle = bundle.handles[name]
-            if torch.equal(handle.recv_lengths, lengths):
-                weights = output.weights_or_none()
-                return _jagged(output, combine(output.values(), handle, priority=priority), bundle.home_lengths[name],
-                               None if weights is None else combine(weights, handle, priority=priority))
-        raise ValueError("an output JaggedTensor has lengths unlike every balanced feature's; freescale can send "
-                         "home only outputs laid out as an input feature or one row per sample")
-    if is_keyed_jagged(output):
-        return type(output).from_jt_dict(_combine(output.to_dict(), bundle, priority, None))
-    if isinstance(output, dict):
-        return {k: _combine(v, bundle, priority,
-                            k if k in bundle.handles and not has_rows_per_sample(v, bundle.num_samples) else None)
-                for k, v in output.items()}
-    if isinstance(output, (list, tuple)):
-        return type(output)(_combine(v, bundle, priority, None) for v in output)
-    return output
+def _walk(x: Any, bundle: BalancedBundle, feature: Optional[str], path: str, visit: Any, rebuild: bool = False) -> Any:
+    """Calls visit(leaf, feature, path) on every tensor and JaggedTensor inside `x`, in one order on
+    every rank (dict entries in their order: the module returns the same dict everywhere);
+    `feature`: the dict key naming the feature a leaf follows, if any. With `rebuild`, returns `x`
+    rebuilt around what visit returned."""
+    if isinstance(x, torch.Tensor) or is_jagged(x):
+        out = visit(x, feature, path)
+        return out if rebuild else None
+    if is_keyed_jagged(x):
+        parts = _walk(x.to_dict(), bundle, None, path, visit, rebuild)
+        return type(x).from_jt_dict(parts) if rebuild else None
+    if isinstance(x, dict):
+        parts = {k: _walk(v, bundle, k if k in bundle.handles else None, f"{path}[{k!r}]", visit, rebuild)
+                 for k, v in x.items()}
+        return parts if rebuild else None
+    if isinstance(x, (list, tuple)):
+        parts = [_walk(v, bundle, None, f"{path}[{i}]", visit, rebuild) for i, v in enumerate(x)]
+        return type(x)(parts) if rebuild else None
+    return x if rebuild else None
