@@ -344,18 +344,22 @@ SAMPLES_ONLY = CostModel(quadratic=0.0, linear=0.0, constant=1.0)
 # samples and its own, where
 # - "samples": "items" has 1 + 2 + 0 rows for 3 samples: as many rows as samples, there only;
 # - "features": "a" has 1 + 2 + 2 rows and "b" 2 + 3 + 0, equal there only (other lengths).
+# - "everywhere" (rank 0's last sample moves): every rank computes as many "items" rows as samples
+#   (2 + 0 + 1 + 1 on rank 0; 0 + 2 + 1 + 1 on rank 1).
 COINCIDING = {
     "samples": [{"items": [1, 2, 5, 6, 7]}, {"items": [0]}],
+    "everywhere": [{"items": [2, 0, 1, 1, 0]}, {"items": [2, 1, 1]}],
     "features": [{"a": [1, 2, 5, 6, 7], "b": [2, 3, 0, 0, 0]}, {"a": [2], "b": [0]}],
 }
 
 
 class RowsModule(nn.Module):
     """Returns per-sample sums of `feature` and its rows scaled (a per-position output, as HSTU's),
-    as a tuple, or keyed by the feature's name in a dict (`keyed`); `short_on` returns one row
-    fewer on that rank (a layout that fits nothing there)."""
+    as a tuple, or keyed by the feature's name in a dict (`keyed`; rank 1 builds the dict in the
+    other order, as a dict made from a set may be); "jagged" returns the rows as a JaggedTensor;
+    `short_on` returns one row fewer on that rank (a layout that fits nothing there)."""
 
-    def __init__(self, feature: str, keyed: bool = False, short_on: int = -1) -> None:
+    def __init__(self, feature: str, keyed: bool | str = False, short_on: int = -1) -> None:
         super().__init__()
         self.feature, self.keyed, self.short_on = feature, keyed, short_on
         self.seen: dict = {}
@@ -368,10 +372,14 @@ class RowsModule(nn.Module):
         rows = jt.values() * 3
         if dist.get_rank() == self.short_on:
             rows = rows[:-1]
-        return {"user": user, self.feature: rows} if self.keyed else (user, rows)
+        if self.keyed == "jagged":
+            return user, JaggedTensor(values=rows, lengths=jt.lengths())
+        if self.keyed:
+            return {self.feature: rows, "user": user} if dist.get_rank() == 1 else {"user": user, self.feature: rows}
+        return user, rows
 
 
-def per_row_output_where_layout_sizes_coincide(info, case: str, feature: str, keyed: bool) -> dict:
+def per_row_output_where_layout_sizes_coincide(info, case: str, feature: str, keyed: bool | str) -> dict:
     """fc.balance on RowsModule over COINCIDING[case]: outputs and the inputs' gradients equal the
     unbalanced module's bit for bit. Returns what the balanced forward saw here (samples, rows per
     feature). Before, each rank picked an output's way home from its own sizes: a rank where the
@@ -387,7 +395,11 @@ def per_row_output_where_layout_sizes_coincide(info, case: str, feature: str, ke
 
     def run() -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         out = module(sequences)
-        outs = list(out.values()) if keyed else list(out)
+        if keyed == "jagged":
+            assert torch.equal(out[1].lengths(), sequences[feature].lengths())
+            outs = [out[0], out[1].values()]
+        else:
+            outs = [out["user"], out[feature]] if keyed else list(out)
         loss = sum((o * torch.arange(o.numel(), dtype=o.dtype).view_as(o)).sum() for o in outs)
         grads = torch.autograd.grad(loss, [jt.values() for jt in sequences.values()], allow_unused=True)
         return [o.detach() for o in outs], [g if g is not None else torch.zeros(0) for g in grads]
@@ -433,5 +445,5 @@ def outputs_of_different_structures(info, kinds: str) -> str:
     try:
         module(sequences)
     except fc.CommError as e:
-        return str(e)
+        return f"{e.code} (culprit {e.culprit}): {e}"
     return "no error"

@@ -48,6 +48,7 @@ class _Leaf:
     rows: int  # dim-0 entries (a JaggedTensor's values' rows); -1 for a 0-dim tensor
     jagged: bool
     fits: int  # bit w set: way w fits it here
+    keyed: Optional[int] = None  # the way of the feature its dict key names, if any
 
 
 class Ways:
@@ -70,19 +71,20 @@ class Ways:
     def fits(self, x: Any, feature: Optional[str], path: str) -> _Leaf:
         """Where `x` (a tensor or a JaggedTensor; `feature`: the dict key naming the feature it
         follows, if any) fits here."""
-        candidates = [self.of_feature[feature]] if feature is not None else range(1, len(self.handles))
+        keyed = self.of_feature[feature] if feature is not None else None
+        candidates = [keyed] if keyed is not None else range(1, len(self.handles))
         if isinstance(x, torch.Tensor):
             rows = x.shape[0] if x.dim() else -1
             fits = int(rows == self.bundle.num_samples)
             for w in candidates:
                 fits |= int(self.handles[w].rows_received == rows) << w
-            return _Leaf(path, rows, False, fits)
+            return _Leaf(path, rows, False, fits, keyed)
         lengths = x.lengths().long()
         fits = 0
         for w in candidates:
             received = self.handles[w].recv_lengths
             fits |= int(received.numel() == lengths.numel() and torch.equal(received, lengths)) << w
-        return _Leaf(path, x.values().shape[0], True, fits)
+        return _Leaf(path, x.values().shape[0], True, fits, keyed)
 
     def chosen(self, leaves: list[_Leaf], agree: bool, priority: int) -> list[int]:
         """Per leaf, the way it goes home: picked here alone, or agreed with every rank (`agree`)."""
@@ -97,8 +99,12 @@ class Ways:
         return [h.rows_received for h in self.handles[1:]]
 
     def _pick(self, leaf: _Leaf, fits: int, views: list["_View"], i: int, everywhere: bool) -> int:
-        """The first way in `fits` (one row per sample first); ValueError if none, or if several
-        features of different lengths fit a tensor (it may follow either)."""
+        """The way in `fits` that its dict key names, else one row per sample, else the first;
+        ValueError if none, or if several features of different lengths fit a tensor (it may follow
+        either). (Both a named feature and per-sample rows fit only where every rank computes as
+        many of its rows as samples: the key decides; with all lengths 1 the two ways move alike.)"""
+        if leaf.keyed is not None and fits >> leaf.keyed & 1:
+            return leaf.keyed
         if fits >> SAMPLE & 1:
             return SAMPLE
         ways = [w for w in range(len(self.handles)) if fits >> w & 1]
@@ -133,10 +139,12 @@ class Ways:
         try:
             comm.all_to_all_single(out, vector.repeat(world), priority=priority)
         except Exception as e:
-            if "SIZE_MISMATCH" not in str(e):
+            code = getattr(e, "code", None)  # the peer whose sizes differ aborts: PEER_ABORTED (SIZE_MISMATCH, ...)
+            if code != "SIZE_MISMATCH" and not (code == "PEER_ABORTED" and "SIZE_MISMATCH" in str(e)):
                 raise
             raise comm_error(f"ranks returned different numbers of outputs from a balanced module ({len(leaves)} "
-                             f"here): every rank's module must return the same structure ({e})") from e
+                             f"here): every rank's module must return the same structure ({e})", code,
+                             getattr(e, "culprit", None)) from e
         rows = out.view(world, -1).tolist()
         if len({(v[0], v[1]) for v in rows}) > 1:
             by: dict[tuple, list[int]] = {}

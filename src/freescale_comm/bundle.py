@@ -211,7 +211,7 @@ def combine_bundle(output: Any, bundle: BalancedBundle, priority: int = 0) -> An
 
 def _walk(x: Any, bundle: BalancedBundle, feature: Optional[str], path: str, visit: Any, rebuild: bool = False) -> Any:
     """Calls visit(leaf, feature, path) on every tensor and JaggedTensor inside `x`, in one order on
-    every rank (dict entries in their order: the module returns the same dict everywhere);
+    every rank (dict entries by their keys' repr; the rebuilt dict keeps its own order);
     `feature`: the dict key naming the feature a leaf follows, if any. With `rebuild`, returns `x`
     rebuilt around what visit returned."""
     if isinstance(x, torch.Tensor) or is_jagged(x):
@@ -220,10 +220,10 @@ def _walk(x: Any, bundle: BalancedBundle, feature: Optional[str], path: str, vis
     if is_keyed_jagged(x):
         parts = _walk(x.to_dict(), bundle, None, path, visit, rebuild)
         return type(x).from_jt_dict(parts) if rebuild else None
-    if isinstance(x, dict):
-        parts = {k: _walk(v, bundle, k if k in bundle.handles else None, f"{path}[{k!r}]", visit, rebuild)
-                 for k, v in x.items()}
-        return parts if rebuild else None
+    if isinstance(x, dict):  # entries in one order on every rank (a dict built from a set may differ)
+        parts = {k: _walk(x[k], bundle, k if k in bundle.handles else None, f"{path}[{k!r}]", visit, rebuild)
+                 for k in sorted(x, key=repr)}
+        return {k: parts[k] for k in x} if rebuild else None
     if isinstance(x, (list, tuple)):
         parts = [_walk(v, bundle, None, f"{path}[{i}]", visit, rebuild) for i, v in enumerate(x)]
         return type(x)(parts) if rebuild else None
