@@ -209,3 +209,15 @@ def test_the_torchrec_balancing_example_runs_and_both_runs_agree():
     found = re.search(r"largest loss difference over ranks and steps: (\S+)", done.stdout)
     assert found and float(found.group(1)) < 1e-5, done.stdout
     assert "imbalance max/mean per step" in done.stdout and "planner's imbalance" in done.stdout, done.stdout
+
+
+@pytest.mark.timeout(300)
+def test_the_torchrec_pec_example_runs_and_both_runs_agree():
+    """examples/torchrec_pec_pipeline.py (the README's one-line change) trains both pipelines and
+    prints equal losses on every rank."""
+    _need("torchrec")
+    done = subprocess.run([sys.executable, str(HERE.parent / "examples" / "torchrec_pec_pipeline.py"), "--ranks", "2",
+                           "--steps", "3"], capture_output=True, text=True, timeout=280)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.count("losses equal: TrainPipelineSparseDist") == 2, done.stdout
+    assert "DIFFERENT" not in done.stdout and done.stdout.count("PEC's main thread waited") == 2, done.stdout
