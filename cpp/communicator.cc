@@ -261,14 +261,18 @@ void Communicator::check_health(Clock::time_point now) {
     if (op->is_completed() || now < op->deadline) continue;
     // Ranks whose bytes are not through yet; when there are none, only other ranks' receipts are missing.
     std::ostringstream waiting;
+    int behind = 0, culprit = -1;  // the root cause, when exactly one other rank is still behind
     for (int p = 0; p < world_; ++p) {
-      if (!op->recv_finished[p] || !op->send_finished[p]) waiting << (waiting.tellp() > 0 ? ", " : "") << p;
+      if (!op->recv_finished[p] || !op->send_finished[p]) {
+        waiting << (waiting.tellp() > 0 ? ", " : "") << p;
+        if (p != rank_) culprit = ++behind == 1 ? p : -1;
+      }
     }
     std::string what = waiting.tellp() > 0 ? "still waiting on rank(s) [" + waiting.str() + "]"
                                            : "every byte moved, but some rank has not confirmed receiving its share";
     throw CommError(ErrorCode::kTimeout, "all_to_all op #" + std::to_string(op->seq) + " on rank " + std::to_string(rank_) +
                                              " Timed out after " + std::to_string(config_.timeout_ms / 1000.0) + " s, " +
-                                             what + " (set the group timeout or FREESCALE_TIMEOUT_S)");
+                                             what + " (set the group timeout or FREESCALE_TIMEOUT_S)", culprit);
   }
   transport_->check_peers();
 }

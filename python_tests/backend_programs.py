@@ -275,3 +275,21 @@ def native_ops_are_profiler_ranges(info) -> list[str]:
     events = sorted((e for e in prof.events() if e.name.startswith("freescale:")), key=lambda e: e.time_range.start)
     return [e.name for e in events]
 
+
+
+def communicator_peer_never_posts(info, timeout_s: float, group_backend: str) -> str:
+    """fc.Communicator on a `group_backend` group with a `timeout_s` timeout; rank 1 never posts
+    (it stays alive, silent, past it). Rank 0 returns "<seconds waited>|<code>|<culprit>|<message>"."""
+    import freescale_comm as fc
+
+    group = dist.new_group(backend=group_backend, timeout=datetime.timedelta(seconds=timeout_s))
+    comm = fc.Communicator(group)
+    if info.rank == 1:
+        time.sleep(timeout_s + 5)
+        return "silent"
+    start = time.monotonic()
+    try:
+        comm.all_to_all_single(torch.zeros(4), torch.ones(4))
+    except fc.CommError as e:
+        return f"{time.monotonic() - start:.2f}|{e.code}|{e.culprit}|{e}"
+    return "no error"

@@ -15,6 +15,7 @@ from backend_programs import (
     all_to_all_shapes_as_gloo,
     async_ops_and_priorities_interleave,
     barrier_peer_never_joins,
+    communicator_peer_never_posts,
     every_collective_matches_gloo,
     native_ops_are_profiler_ranges,
     pair_bytes_disagree_across_row_shapes,
@@ -57,6 +58,18 @@ def test_barrier_that_a_peer_never_joins_times_out_after_the_group_timeout():
     assert " Timed out " in message and "CommError" in message, message
     assert "waiting on rank(s) [1]" in message, message  # the silent peer, and only it
     assert float(waited) >= 3.0, f"raised after {waited} s, before the 3 s group timeout"
+
+
+@pytest.mark.parametrize("group_backend", ["freescale", "gloo"])
+def test_a_communicator_on_a_group_times_out_after_the_group_timeout(group_backend):
+    """fc.Communicator(group), as TrainPipelinePEC builds one on the model's group: a freescale
+    group's timeout was not found (torch has no per-device backend for it), so its ops waited
+    torch's default 30 minutes."""
+    results = run_ranks(communicator_peer_never_posts, 2, 3.0, group_backend, timeout_s=60)
+    assert all(r.ok for r in results), [r.error for r in results]
+    waited, code, culprit, message = results[0].value.split("|", 3)
+    assert code == "TIMEOUT" and "waiting on rank(s) [1]" in message and culprit == "1", (culprit, message)
+    assert 3.0 <= float(waited) < 30, f"raised after {waited} s; the group's timeout is 3 s"
 
 
 def test_torchrun_script_with_only_dist_calls():

@@ -1,6 +1,7 @@
 """fc.LoadBalancer and fc.balance across ranks: balancing changes where samples are computed,
 never the result (outputs and gradients), and all ranks plan alike."""
 
+import numpy as np
 import pytest
 import torch
 
@@ -26,6 +27,10 @@ def test_bad_arguments():
         fc.LoadBalancer("quadratic")
     with pytest.raises(ValueError, match="bytes_per_item"):
         fc.LoadBalancer(fc.planner.CostModel(), bytes_per_item=-2)
+    with pytest.raises(ValueError, match="bytes_per_item"):
+        fc.LoadBalancer(fc.planner.CostModel(), bytes_per_item=True)
+    # a NumPy int, as plan_rebalance takes (it was refused)
+    assert fc.LoadBalancer(fc.planner.CostModel(), bytes_per_item=np.int64(4)).bytes_per_item == 4
     lb = fc.LoadBalancer(fc.planner.CostModel())
     with pytest.raises(TypeError, match="int64"):
         lb.dispatch(torch.zeros(3, 2), torch.tensor([1, 2], dtype=torch.int32))

@@ -90,13 +90,14 @@ class LoadBalancer:
                  bytes_per_item: Optional[int] = None, *, tolerance: float = 1e-4) -> None:
         if not isinstance(cost_model, CostModel):
             raise TypeError(f"cost_model must be a freescale_comm.planner.CostModel, got {type(cost_model).__name__}")
-        if bytes_per_item is not None and (not isinstance(bytes_per_item, int) or bytes_per_item < 0):
+        if bytes_per_item is not None and (isinstance(bytes_per_item, bool) or
+                                           not isinstance(bytes_per_item, (int, np.integer)) or bytes_per_item < 0):
             raise ValueError(f"bytes_per_item must be None or an int >= 0, got {bytes_per_item!r}")
         if not 0 <= tolerance < 1:
             raise ValueError(f"tolerance must be in [0, 1), got {tolerance!r}")
         self.cost_model = cost_model
         self.group = group
-        self.bytes_per_item = bytes_per_item
+        self.bytes_per_item = None if bytes_per_item is None else int(bytes_per_item)  # (a NumPy int: as the planner)
         self.tolerance = tolerance
 
     def plan(self, lengths: torch.Tensor, bytes_per_item: int = 1) -> RebalancePlan:

@@ -53,6 +53,10 @@ def _close_all() -> None:
 
 def _group_timeout(group: dist.ProcessGroup) -> datetime.timedelta:
     """The group's own timeout (torch's default when the backend does not expose one)."""
+    from freescale_comm.backend import ProcessGroupFreescale  # (imports this module)
+
+    if isinstance(group, ProcessGroupFreescale):  # torch keeps no per-device backend for it
+        return group._timeout
     for device in (torch.device("cpu"), torch.device("cuda")):
         try:
             return group._get_backend(device).options._timeout
