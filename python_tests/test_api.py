@@ -58,3 +58,10 @@ def test_communicator_needs_torch_distributed():
     assert not torch.distributed.is_initialized()
     with pytest.raises(RuntimeError, match="init_process_group"):
         fc.Communicator()
+
+
+def test_the_lazily_loaded_pipeline_is_listed_by_dir():
+    """TrainPipelinePEC loads on first use (it imports torchrec); dir() lists it all the same (it
+    did not), and `import *` (__all__) does not need torchrec."""
+    assert "TrainPipelinePEC" in dir(fc) and "Communicator" in dir(fc)
+    assert "TrainPipelinePEC" not in fc.__all__

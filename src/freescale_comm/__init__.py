@@ -30,6 +30,11 @@ def __getattr__(name: str) -> object:
         return TrainPipelinePEC
     raise AttributeError(f"module 'freescale_comm' has no attribute {name!r}")
 
+
+def __dir__() -> list[str]:
+    """With TrainPipelinePEC (loaded on first use; left out of __all__, so `import *` needs no torchrec)."""
+    return sorted([*globals(), "TrainPipelinePEC"])
+
 register_backend()
 
 __all__ = [
