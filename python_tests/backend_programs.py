@@ -293,3 +293,27 @@ def communicator_peer_never_posts(info, timeout_s: float, group_backend: str) ->
     except fc.CommError as e:
         return f"{time.monotonic() - start:.2f}|{e.code}|{e.culprit}|{e}"
     return "no error"
+
+
+def coalesced_gathers_and_reduce_scatters(info) -> dict:
+    """What functional collectives, DTensor and FSDP2 reach: the coalesced all_gather_into_tensor
+    and reduce_scatter_tensor (the inner gloo group's are not callable from Python: every rank
+    raised AttributeError). Returns each result as a list."""
+    import torch.distributed._functional_collectives as fcol
+
+    rank, world = info.rank, info.world_size
+    group = dist.group.WORLD
+    out = {
+        "all_gather_tensor": fcol.all_gather_tensor(torch.ones(2) * rank, 0, group),
+        "reduce_scatter_tensor": fcol.reduce_scatter_tensor(torch.arange(2.0 * world) + rank, "sum", 0, group),
+        "all_gather_coalesced": torch.cat(fcol.all_gather_into_tensor_coalesced(
+            [torch.ones(2) * rank, torch.full((1,), 10.0 + rank)], group)),
+        "reduce_scatter_coalesced": torch.cat(fcol.reduce_scatter_tensor_coalesced(
+            [torch.arange(2.0 * world) + rank, torch.ones(world) * (rank + 1)], "sum", [0, 0], group)),
+    }
+    outs = [torch.zeros(2 * world), torch.zeros(world)]
+    with dist._coalescing_manager():
+        dist.all_gather_into_tensor(outs[0], torch.ones(2) * rank)
+        dist.all_gather_into_tensor(outs[1], torch.ones(1) * rank)
+    out["coalescing_manager"] = torch.cat(outs)
+    return {k: v.tolist() for k, v in out.items()}

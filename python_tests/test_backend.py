@@ -15,6 +15,7 @@ from backend_programs import (
     all_to_all_shapes_as_gloo,
     async_ops_and_priorities_interleave,
     barrier_peer_never_joins,
+    coalesced_gathers_and_reduce_scatters,
     communicator_peer_never_posts,
     every_collective_matches_gloo,
     native_ops_are_profiler_ranges,
@@ -58,6 +59,15 @@ def test_barrier_that_a_peer_never_joins_times_out_after_the_group_timeout():
     assert " Timed out " in message and "CommError" in message, message
     assert "waiting on rank(s) [1]" in message, message  # the silent peer, and only it
     assert float(waited) >= 3.0, f"raised after {waited} s, before the 3 s group timeout"
+
+
+def test_coalesced_gathers_and_reduce_scatters_match_gloo():
+    """Functional collectives, DTensor's redistribute and FSDP2's full_tensor() reach the coalesced
+    forms; the freescale group handed them to its inner gloo group, where Python cannot call them
+    (AttributeError on every rank)."""
+    ours = spawn(coalesced_gathers_and_reduce_scatters, 2, backend="freescale", timeout_s=60)
+    assert ours == spawn(coalesced_gathers_and_reduce_scatters, 2, backend="gloo", timeout_s=60)
+    assert ours[1]["all_gather_tensor"] == [0.0, 0.0, 1.0, 1.0] and ours[1]["reduce_scatter_tensor"] == [5.0, 7.0]
 
 
 @pytest.mark.parametrize("group_backend", ["freescale", "gloo"])

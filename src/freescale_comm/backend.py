@@ -266,7 +266,10 @@ class ProcessGroupFreescale(dist.ProcessGroup):
         return self._inner(input_list).allgather_coalesced(output_lists, input_list, opts)
 
     def allgather_into_tensor_coalesced(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any) -> dist.Work:
-        return self._inner(inputs).allgather_into_tensor_coalesced(outputs, inputs, opts)
+        # (the inner groups' coalesced form is not callable from Python: functional collectives,
+        # DTensor and FSDP2 reach it) one all_gather_into_tensor per pair, in order, one Work
+        inner = self._inner(inputs)
+        return _all_of([inner._allgather_base(o, i, opts) for o, i in zip(outputs, inputs)], outputs)
 
     def gather(self, output_tensors: list[list[torch.Tensor]], input_tensors: list[torch.Tensor], opts: Any) -> dist.Work:
         return self._inner(input_tensors).gather(output_tensors, input_tensors, opts)
@@ -284,7 +287,8 @@ class ProcessGroupFreescale(dist.ProcessGroup):
         return self.reduce_scatter_single(output, input, opts)
 
     def reduce_scatter_tensor_coalesced(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any) -> dist.Work:
-        return self._inner(inputs).reduce_scatter_tensor_coalesced(outputs, inputs, opts)
+        inner = self._inner(inputs)  # as allgather_into_tensor_coalesced
+        return _all_of([inner._reduce_scatter_base(o, i, opts) for o, i in zip(outputs, inputs)], outputs)
 
     def send(self, tensors: list[torch.Tensor], dst: int, tag: int) -> dist.Work:
         return self._inner(tensors).send(tensors, dst, tag)
@@ -351,6 +355,26 @@ class _UnpackWork(_NativeWork):
             return self._result
 
         return self._work.get_future().then(then)
+
+
+def _all_of(works: list[dist.Work], outputs: list[torch.Tensor]) -> dist.Work:
+    """One Work for `works` (posted in order on one group): done when all are, its value
+    `outputs`; the first failure re-raised. Gloo's gather and reduce-scatter Works have no future:
+    those are waited for here (the call returns once they are done, as a synchronous one)."""
+    try:
+        futures = [w.get_future() for w in works]
+    except RuntimeError:  # "Work::getFuture not implemented"
+        for w in works:
+            w.wait()
+        futures = []
+
+    def finished(fut: torch.futures.Future) -> list[torch.Tensor]:
+        for part in fut.value():
+            part.wait()  # re-raises its error
+        return outputs
+
+    everything = torch.futures.collect_all(futures).then(finished)
+    return torch._C._distributed_c10d._create_work_from_future(everything)
 
 
 def _create(backend_options: Any, pg_options: Any = None) -> ProcessGroupFreescale:
