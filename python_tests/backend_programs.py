@@ -317,3 +317,26 @@ def coalesced_gathers_and_reduce_scatters(info) -> dict:
         dist.all_gather_into_tensor(outs[1], torch.ones(1) * rank)
     out["coalescing_manager"] = torch.cat(outs)
     return {k: v.tolist() for k, v in out.items()}
+
+
+def local_refusals_are_runtime_errors(info) -> list[str]:
+    """Calls gloo refuses locally with RuntimeError: per call, which of (RuntimeError, ValueError,
+    TypeError) the raised exception is, and whether the group still works after."""
+    world = info.world_size
+    calls = {
+        "too_few_tensors": lambda: dist.all_to_all([torch.zeros(1)], [torch.zeros(1)] * world),
+        "split_list_too_short": lambda: dist.all_to_all_single(torch.zeros(2), torch.zeros(2), [2], [1, 1]),
+        "negative_split": lambda: dist.all_to_all_single(torch.zeros(2), torch.zeros(2), [3, -1], [1, 1]),
+    }
+    out = []
+    for name, call in calls.items():
+        try:
+            call()
+            out.append(f"{name}: accepted")
+        except Exception as e:  # noqa: BLE001 - the kinds are the result
+            out.append(f"{name}: " + ",".join(k.__name__ for k in (RuntimeError, ValueError, TypeError)
+                                              if isinstance(e, k)))
+    t = torch.full((world,), float(info.rank))
+    dist.all_to_all_single(t, t.clone())
+    out.append(f"after: {t.tolist()}")
+    return out

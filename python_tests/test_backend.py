@@ -18,6 +18,7 @@ from backend_programs import (
     coalesced_gathers_and_reduce_scatters,
     communicator_peer_never_posts,
     every_collective_matches_gloo,
+    local_refusals_are_runtime_errors,
     native_ops_are_profiler_ranges,
     pair_bytes_disagree_across_row_shapes,
     subgroup_of_some_ranks,
@@ -68,6 +69,18 @@ def test_coalesced_gathers_and_reduce_scatters_match_gloo():
     ours = spawn(coalesced_gathers_and_reduce_scatters, 2, backend="freescale", timeout_s=60)
     assert ours == spawn(coalesced_gathers_and_reduce_scatters, 2, backend="gloo", timeout_s=60)
     assert ours[1]["all_gather_tensor"] == [0.0, 0.0, 1.0, 1.0] and ours[1]["reduce_scatter_tensor"] == [5.0, 7.0]
+
+
+def test_local_refusals_are_runtime_errors_as_gloo_raises_them():
+    """gloo refuses these with RuntimeError; freescale raised ValueError alone, which a client's
+    `except RuntimeError` missed. Now both (and still before any communication)."""
+    gloo = spawn(local_refusals_are_runtime_errors, 2, backend="gloo", timeout_s=60)[0]
+    ours = spawn(local_refusals_are_runtime_errors, 2, backend="freescale", timeout_s=60)[0]
+    for line in gloo[:-1]:
+        assert line.endswith(": RuntimeError"), gloo
+    for line in ours[:-1]:
+        assert line.endswith(": RuntimeError,ValueError"), ours
+    assert ours[-1] == gloo[-1] == "after: [0.0, 1.0]", (ours, gloo)
 
 
 @pytest.mark.parametrize("group_backend", ["freescale", "gloo"])

@@ -188,6 +188,11 @@ class ProcessGroupFreescale(dist.ProcessGroup):
 
     def all_to_all_single(self, output: torch.Tensor, input: torch.Tensor, output_split_sizes: Sequence[int],
                           input_split_sizes: Sequence[int], opts: Any = None) -> dist.Work:
+        with _refused_as_gloo_refuses():
+            return self._all_to_all_single(output, input, output_split_sizes, input_split_sizes, opts)
+
+    def _all_to_all_single(self, output: torch.Tensor, input: torch.Tensor, output_split_sizes: Sequence[int],
+                           input_split_sizes: Sequence[int], opts: Any = None) -> dist.Work:
         if not self._native([output, input]):
             opts = opts if opts is not None else dist.AllToAllOptions()
             return self._inner([input]).alltoall_base(output, input, list(output_split_sizes), list(input_split_sizes), opts)
@@ -199,7 +204,7 @@ class ProcessGroupFreescale(dist.ProcessGroup):
             if input.device.type != "cuda":
                 raise
             self._native_cuda_failed(e)
-            return self.all_to_all_single(output, input, output_split_sizes, input_split_sizes, opts)
+            return self._all_to_all_single(output, input, output_split_sizes, input_split_sizes, opts)
         return _NativeWork(work, [output])
 
     def alltoall_base(self, output: torch.Tensor, input: torch.Tensor, output_split_sizes: Sequence[int],
@@ -207,6 +212,10 @@ class ProcessGroupFreescale(dist.ProcessGroup):
         return self.all_to_all_single(output, input, output_split_sizes, input_split_sizes, opts)
 
     def alltoall(self, output_tensors: list[torch.Tensor], input_tensors: list[torch.Tensor], opts: Any = None) -> dist.Work:
+        with _refused_as_gloo_refuses():
+            return self._alltoall(output_tensors, input_tensors, opts)
+
+    def _alltoall(self, output_tensors: list[torch.Tensor], input_tensors: list[torch.Tensor], opts: Any = None) -> dist.Work:
         tensors = [*output_tensors, *input_tensors]
         if not self._native(tensors):
             return self._inner(tensors).alltoall(output_tensors, input_tensors, opts if opts is not None else dist.AllToAllOptions())
@@ -355,6 +364,28 @@ class _UnpackWork(_NativeWork):
             return self._result
 
         return self._work.get_future().then(then)
+
+
+class ArgumentValueError(ValueError, RuntimeError):
+    """A bad argument to a collective of a freescale group, found before any communication: a
+    ValueError, and a RuntimeError as gloo raises for the same calls (clients catch either)."""
+
+
+class ArgumentTypeError(TypeError, RuntimeError):
+    """As ArgumentValueError, for a TypeError."""
+
+
+@contextlib.contextmanager
+def _refused_as_gloo_refuses() -> Iterator[None]:
+    """Local refusals (ValueError / TypeError) re-raised as also RuntimeError, gloo's type for them."""
+    try:
+        yield
+    except (ArgumentValueError, ArgumentTypeError):
+        raise
+    except ValueError as e:
+        raise ArgumentValueError(str(e)) from e
+    except TypeError as e:
+        raise ArgumentTypeError(str(e)) from e
 
 
 def _all_of(works: list[dist.Work], outputs: list[torch.Tensor]) -> dist.Work:
