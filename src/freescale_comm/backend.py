@@ -99,6 +99,17 @@ class _NativeWork(dist._Work):
         return self._work.get_future()
 
 
+class _BarrierWork(_NativeWork):
+    """A barrier's Work: its future's value is [] (gloo's), not the empty message it sent."""
+
+    def get_future(self) -> torch.futures.Future:
+        def nothing(fut: torch.futures.Future) -> list[torch.Tensor]:
+            fut.wait()  # re-raises the op's error
+            return []
+
+        return self._work.get_future().then(nothing)
+
+
 class ProcessGroupFreescale(dist.ProcessGroup):
     """Created by torch for ``init_process_group("freescale")`` / ``new_group(backend="freescale")``."""
 
@@ -247,7 +258,7 @@ class ProcessGroupFreescale(dist.ProcessGroup):
         empty = torch.empty(0, dtype=torch.uint8)
         work = self._comm._all_to_all(empty, empty, [0] * self.size(), [0] * self.size(), self._op_priority(), True,
                                       "barrier")
-        return _NativeWork(work, [])
+        return _BarrierWork(work, [])
 
     # --- delegated (same results as the inner group) ------------------------------------------
     def broadcast(self, tensors: list[torch.Tensor], opts: Any) -> dist.Work:
