@@ -288,7 +288,7 @@ def communicator_peer_never_posts(info, timeout_s: float, group_backend: str) ->
     group = dist.new_group(backend=group_backend, timeout=datetime.timedelta(seconds=timeout_s))
     comm = fc.Communicator(group)
     if info.rank == 1:
-        time.sleep(timeout_s + 5)
+        time.sleep(timeout_s + 2)
         return "silent"
     start = time.monotonic()
     try:
