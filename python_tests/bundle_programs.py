@@ -353,6 +353,14 @@ COINCIDING = {
 }
 
 
+def coinciding_sequences(case: str, rank: int, requires_grad: bool = False) -> dict[str, JaggedTensor]:
+    """COINCIDING[case]'s features on `rank`, values random ([rows, DIM], seeded by rank)."""
+    gen = torch.Generator().manual_seed(7 + rank)
+    return {name: JaggedTensor(values=torch.randn(sum(lengths), DIM, generator=gen).requires_grad_(requires_grad),
+                               lengths=torch.tensor(lengths))
+            for name, lengths in COINCIDING[case][rank].items()}
+
+
 class RowsModule(nn.Module):
     """Returns per-sample sums of `feature` and its rows scaled (a per-position output, as HSTU's),
     as a tuple, or keyed by the feature's name in a dict (`keyed`; rank 1 builds the dict in the
@@ -385,12 +393,7 @@ def per_row_output_where_layout_sizes_coincide(info, case: str, feature: str, ke
     feature). Before, each rank picked an output's way home from its own sizes: a rank where the
     rows equalled its samples sent them home as per-sample rows (SIZE_MISMATCH on every rank), one
     where two features' rows were equal raised ValueError alone (its peers waited)."""
-    gen = torch.Generator().manual_seed(7 + info.rank)
-    sequences = {}
-    for name, lengths in COINCIDING[case][info.rank].items():
-        lengths = torch.tensor(lengths)
-        sequences[name] = JaggedTensor(values=torch.randn(int(lengths.sum()), DIM, generator=gen).requires_grad_(),
-                                       lengths=lengths)
+    sequences = coinciding_sequences(case, info.rank, requires_grad=True)
     module = RowsModule(feature, keyed)
 
     def run() -> tuple[list[torch.Tensor], list[torch.Tensor]]:
@@ -415,9 +418,7 @@ def per_row_output_where_layout_sizes_coincide(info, case: str, feature: str, ke
 def output_fitting_no_layout_on_one_rank(info) -> str:
     """COINCIDING["features"], "b"'s rows one short on rank 1: ValueError on every rank alike (one
     rank alone raised before, the other waited in the AllToAll)."""
-    gen = torch.Generator().manual_seed(7 + info.rank)
-    sequences = {name: JaggedTensor(values=torch.randn(sum(lengths), DIM, generator=gen), lengths=torch.tensor(lengths))
-                 for name, lengths in COINCIDING["features"][info.rank].items()}
+    sequences = coinciding_sequences("features", info.rank)
     module = fc.balance(RowsModule("b", short_on=1), SAMPLES_ONLY)
     try:
         module(sequences)
@@ -430,9 +431,7 @@ def outputs_of_different_structures(info, kinds: str) -> str:
     """COINCIDING["features"] (the ranks agree on the ways home), rank 1's module returning another
     structure: `kinds` "count" (one output more) or "kind" (a JaggedTensor where rank 0 returns a
     tensor). CommError on every rank, naming it."""
-    gen = torch.Generator().manual_seed(7 + info.rank)
-    sequences = {name: JaggedTensor(values=torch.randn(sum(lengths), DIM, generator=gen), lengths=torch.tensor(lengths))
-                 for name, lengths in COINCIDING["features"][info.rank].items()}
+    sequences = coinciding_sequences("features", info.rank)
 
     class Differs(RowsModule):
         def forward(self, sequences):

@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Hashable, Optional, Sequence
 
 from freescale_comm._core import CommError
 
@@ -12,3 +12,12 @@ def comm_error(message: str, code: str = "COMM_ERROR", culprit: Optional[int] = 
     err = CommError(message)
     err.code, err.culprit = code, culprit
     return err
+
+
+def ranks_by(values: Sequence[Hashable]) -> dict[Hashable, list[int]]:
+    """Each rank's value -> the ranks that hold it (in order of first appearance), for messages
+    naming who disagreed."""
+    by: dict[Hashable, list[int]] = {}
+    for rank, value in enumerate(values):
+        by.setdefault(value, []).append(rank)
+    return by

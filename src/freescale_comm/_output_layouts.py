@@ -19,7 +19,7 @@ from typing import Any, Optional, Sequence
 import numpy as np
 import torch
 
-from freescale_comm._errors import comm_error
+from freescale_comm._errors import comm_error, ranks_by
 
 SAMPLE = 0  # way 0: one row per sample; way 1 + i: the i-th feature handle of its own
 _BITS = 62  # fit bits per int64 word of the exchange
@@ -146,10 +146,8 @@ class Ways:
                              f"here): every rank's module must return the same structure ({e})", code,
                              getattr(e, "culprit", None)) from e
         rows = out.view(world, -1).tolist()
-        if len({(v[0], v[1]) for v in rows}) > 1:
-            by: dict[tuple, list[int]] = {}
-            for r, v in enumerate(rows):
-                by.setdefault((v[0], v[1]), []).append(r)
+        by = ranks_by([(v[0], v[1]) for v in rows])
+        if len(by) > 1:
             raise comm_error("ranks returned outputs of different structures from a balanced module (" +
                              ", ".join(f"ranks {ranks}: {n} outputs, layout {h:#010x}" for (h, n), ranks in by.items())
                              + "): every rank's module must return the same structure")

@@ -391,8 +391,6 @@ def _refused_as_gloo_refuses() -> Iterator[None]:
     """Local refusals (ValueError / TypeError) re-raised as also RuntimeError, gloo's type for them."""
     try:
         yield
-    except (ArgumentValueError, ArgumentTypeError):
-        raise
     except ValueError as e:
         raise ArgumentValueError(str(e)) from e
     except TypeError as e:

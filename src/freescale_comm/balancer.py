@@ -21,7 +21,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from freescale_comm._errors import comm_error
+from freescale_comm._errors import comm_error, ranks_by
 from freescale_comm._device_copy import to_device
 from freescale_comm._output_layouts import sizes_differ_everywhere
 from freescale_comm.bundle import (
@@ -264,10 +264,8 @@ def _argument_codes(leaves: dict[str, Any], samples: int, device: torch.device) 
 def _agreed_moves(leaves: dict[str, Any], all_codes: list[list[int]]) -> dict[str, torch.Tensor]:
     """The leaves every rank moves (one row per sample on every rank), or CommError on every rank
     where ranks passed arguments of different shapes."""
-    if len({(c[0], len(c)) for c in all_codes}) > 1:
-        by: dict[tuple, list[int]] = {}
-        for r, c in enumerate(all_codes):
-            by.setdefault((c[0], len(c) - 1), []).append(r)
+    by = ranks_by([(c[0], len(c) - 1) for c in all_codes])
+    if len(by) > 1:
         raise comm_error("the ranks passed a balanced module's other arguments in different structures (" +
                          ", ".join(f"ranks {ranks}: {n} tensors, layout {h:#010x}" for (h, n), ranks in by.items()) +
                          "): every rank must pass the same arguments, tensors at the same places")
