@@ -73,13 +73,16 @@ def _loss(out: dict) -> torch.Tensor:
     return (out["user"] * weights).sum() + out["cats"].values().sum() * 3 + out["extra"].float().sum()
 
 
-def hooks_balance_a_sequence_module(info, seed: int, alike_on: int = -1) -> dict:
+def hooks_balance_a_sequence_module(info, seed: int, alike_on: int = -1, reversed_on: int = -1) -> dict:
     """fc.balance on a module taking (sequences, labels, num_targets=...): outputs, input
     gradients equal to the unbalanced module's bit for bit; the weight's gradient summed over
-    ranks to float rounding. Returns samples computed here before/after and the imbalances."""
+    ranks to float rounding. Returns samples computed here before/after and the imbalances.
+    reversed_on: that rank's dict holds the features in the other order (a dict built from a set)."""
     rank = info.rank
     module = SequenceModule()
     sequences, labels, num_targets = make_inputs(rank, seed, alike_on)
+    if rank == reversed_on:
+        sequences = dict(reversed(sequences.items()))
     ref = module(sequences, labels, num_targets=num_targets)
     _loss(ref).backward()
     ref_grads = {k: jt.values().grad.clone() for k, jt in sequences.items()}
@@ -186,12 +189,15 @@ def messages_of_a_balanced_forward(info, seed: int, alike: bool) -> int:
     return count[0]
 
 
-def ranks_balance_different_features(info, seed: int) -> str:
+def ranks_balance_different_features(info, seed: int, renamed: bool = False) -> str:
     """Rank 0 balances "items" and "cats", the others also "extra": every rank raises, naming who
-    balanced what (before, the shared-counts all-gather of different sizes broke, or hung)."""
+    balanced what (before, the shared-counts all-gather of different sizes broke, or hung).
+    renamed: rank 0 calls its "extra" "extra2" (as many features, other names)."""
     sequences, _, _ = make_inputs(info.rank, seed)
     if info.rank == 0:
-        sequences.pop("extra")
+        extra = sequences.pop("extra")
+        if renamed:
+            sequences["extra2"] = extra
     try:
         fc.LoadBalancer(COST).dispatch_bundle(sequences)
     except Exception as e:  # noqa: BLE001 - the message is the result

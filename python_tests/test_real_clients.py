@@ -141,6 +141,17 @@ def test_balancing_when_features_are_alike_on_one_rank_only():
     assert any(r["samples_computed"] != r["samples_home"] for r in results), results
 
 
+def test_features_move_by_name_whatever_order_each_ranks_dict_holds_them_in():
+    """Rank 1's dict holds the same features in the other order (a dict built from a set of names:
+    string hashes differ between processes). They moved by their place in the dict: rank 0's
+    samples computed on rank 1 read "extra" as "items" and so on, a silently wrong output."""
+    _need("torchrec")
+    from bundle_programs import hooks_balance_a_sequence_module
+
+    results = spawn(hooks_balance_a_sequence_module, 2, 11, -1, 1, backend="freescale")
+    assert any(r["samples_computed"] != r["samples_home"] for r in results), results  # samples did move
+
+
 def test_balancing_needs_no_collective_from_a_group_that_refuses_host_tensors():
     """An NCCL group refuses collectives on host tensors; fc.balance all-gathered its plan's
     lengths (and agreed on shared counts) through the group with host tensors, so it failed there
@@ -180,6 +191,10 @@ def test_ranks_balancing_different_features_all_raise_naming_them():
 
     for message in spawn(ranks_balance_different_features, 3, 11, timeout_s=120):
         assert message.startswith("CommError: ranks balanced batches of different features (ranks [0]: 2, ranks [1, 2]: 3)"), message
+    for rank, message in enumerate(spawn(ranks_balance_different_features, 3, 11, True, timeout_s=120)):
+        assert message.startswith("CommError: ranks balanced features of different names (ranks [0]: names "), message
+        assert message.endswith("every rank's batch needs the same features, by name"), message
+        assert f"here: {['cats', 'extra2', 'items'] if rank == 0 else ['cats', 'extra', 'items']}" in message, message
 
 
 def test_a_keyed_jagged_bundle_with_per_sample_tensors_goes_and_comes_home():

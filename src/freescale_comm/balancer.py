@@ -30,6 +30,7 @@ from freescale_comm.bundle import (
     argument_leaves,
     combine_bundle,
     dispatch_bundle,
+    feature_order,
     has_rows_per_sample,
     is_keyed_jagged,
     is_sequence_batch,
@@ -127,7 +128,7 @@ class LoadBalancer:
         """Collective on `comm` (every rank in the same program order, e.g. a pipeline's worker while
         the batch before computes): the plans of len(batches) dispatch_bundle calls to come, one
         all-gather for all. batches: per call, this rank's lengths (int64 [samples]) of each feature
-        of the sequences it will pass, in their order, the cost being their longest (lengths=None);
+        of the sequences it will pass, in bundle.feature_order (by name), the cost being their longest (lengths=None);
         item_bytes: what one row of all features weighs (unless bytes_per_item says)."""
         mine = [len(batches)]
         for features in batches:
@@ -215,12 +216,13 @@ class LoadBalancer:
         # Every rank's view of its features rides on the plan's exchange (all ranks must agree): which
         # can reuse an earlier one's dispatch (equal lengths), which have the cost lengths (then what
         # each rank receives of them is known from the plan)
-        feature_lengths = [jt.lengths().long() for jt in jts.values()]
+        names = feature_order(jts)  # the order every rank moves them in, whatever its dict's
+        feature_lengths = [jts[name].lengths().long() for name in names]
         ahead = sequences.plan_for(self) if lengths is None and isinstance(sequences, PlannedSequences) else None
         # fc.balance's hooks: the module's other arguments' leaves, each moved where it has one row per
         # sample on every rank (a rank-local look moved a fixed tensor on the ranks whose batch size
         # its rows happened to equal: SIZE_MISMATCH). Their codes ride on the plan's exchange.
-        codes = [] if _arguments is None else _argument_codes(_arguments, batch, cost.device)
+        codes = [_names_code(names)] + ([] if _arguments is None else _argument_codes(_arguments, batch, cost.device))
         if ahead is not None:  # every rank made it from these lengths: no all-gather, no host read
             plan, per_rank, all_costs = ahead.plan, ahead.extras, ahead.costs
             # (a module given only the sequences needs none: its hooks' argument leaves are empty)
@@ -231,6 +233,8 @@ class LoadBalancer:
             mine = _feature_views(feature_lengths, cost)
             plan, per_rank, all_costs, all_codes = self._plan(
                 cost.cpu(), self.bytes_per_item if self.bytes_per_item is not None else item_bytes, mine, codes)
+        _check_names([c[0] for c in all_codes], names)
+        all_codes = [c[1:] for c in all_codes]
         if _arguments is not None:
             per_sample.update(_agreed_moves(_arguments, all_codes))
         n = len(feature_lengths)
@@ -284,6 +288,21 @@ def _feature_views(lengths: list[torch.Tensor], cost: torch.Tensor) -> list[int]
     """A rank's view of its features, for the plan's exchange: per feature the earlier one with equal
     lengths here (or -1), then per feature 1 if its lengths are the cost lengths."""
     return local_shares(lengths) + [int(torch.equal(f, cost.to(f.device, non_blocking=True))) for f in lengths]
+
+
+def _names_code(names: list[Any]) -> int:
+    """A hash of a batch's feature names (in feature_order), for the plan's exchange."""
+    return zlib.crc32("\0".join(map(repr, names)).encode())
+
+
+def _check_names(codes: list[int], names: list[Any]) -> None:
+    """CommError unless every rank balanced features of the same names (`codes`: every rank's
+    _names_code; `names`: this rank's). Features move by name, not by their place in a dict."""
+    by = ranks_by(codes)
+    if len(by) > 1:
+        raise comm_error("ranks balanced features of different names (" +
+                         ", ".join(f"ranks {ranks}: names {code:#010x}" for code, ranks in by.items()) +
+                         f"; here: {names}): every rank's batch needs the same features, by name")
 
 
 def _check_widths(widths: list[int]) -> None:

@@ -105,6 +105,12 @@ def is_sequence_batch(x: object) -> bool:
     return is_keyed_jagged(x) or (isinstance(x, dict) and len(x) > 0 and all(is_jagged(v) for v in x.values()))
 
 
+def feature_order(features: Any) -> list[Any]:
+    """A batch's feature names in the order every rank moves them: sorted by repr. (A dict's or a
+    KeyedJaggedTensor's own order may differ between ranks: a dict built from a set of names.)"""
+    return sorted(features, key=repr)
+
+
 def _jagged(like: Any, values: torch.Tensor, lengths: torch.Tensor, weights: Optional[torch.Tensor]) -> Any:
     """A jagged tensor of `like`'s type."""
     return type(like)(values=values, lengths=lengths, weights=weights)
@@ -150,7 +156,8 @@ def dispatch_bundle(sequences: Any, per_sample: dict[str, torch.Tensor], cost_le
                     shares: list[int], cost_received: Received, follows_cost: list[bool],
                     sizes_differ_everywhere: bool = False) -> BalancedBundle:
     """Moves every feature of `sequences` and every per-sample tensor to `dest` (int64 [samples]).
-    Features with equal lengths on every rank (`shares`, see agreed_shares) share one dispatch's
+    Features move in feature_order (`shares` and `follows_cost` index it); the result keeps this
+    rank's own order. Features with equal lengths on every rank (`shares`, see agreed_shares) share one dispatch's
     counts; weights and per-sample tensors ride on handles already made (one AllToAll each).
     cost_received: the samples this rank receives (their cost lengths, their source ranks), known
     from the plan: the per-sample handle and every feature whose lengths are the cost lengths on
@@ -164,7 +171,8 @@ def dispatch_bundle(sequences: Any, per_sample: dict[str, torch.Tensor], cost_le
     handles: dict[str, DispatchHandle] = {}
     balanced: dict[str, Any] = {}
     made: list[tuple[torch.Tensor, DispatchHandle, torch.Tensor]] = []  # per feature: (lengths, handle, received)
-    for i, (name, jt) in enumerate(jts.items()):
+    for i, name in enumerate(feature_order(jts)):
+        jt = jts[name]
         lengths = jt.lengths().long()
         if shares[i] < 0:
             res = dispatch_received(jt.values(), lengths, dest, cost_received if follows_cost[i] else None,
@@ -181,6 +189,7 @@ def dispatch_bundle(sequences: Any, per_sample: dict[str, torch.Tensor], cost_le
         handles[name] = found[1]
         balanced[name] = _jagged(jt, values, found[2], weights)
     moved = {name: dispatch_like(t, first.handle, priority=priority) for name, t in per_sample.items()}
+    balanced = {name: balanced[name] for name in jts}  # this rank's own order
     out = type(sequences).from_jt_dict(balanced) if is_keyed_jagged(sequences) else balanced
     home = {name: jt.lengths().long() for name, jt in jts.items()}
     return BalancedBundle(out, moved, first.source_ranks, first.handle, handles, home, plan, sizes_differ_everywhere)

@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from freescale_comm.balancer import LoadBalancer, PlanAhead
+from freescale_comm.bundle import feature_order
 from freescale_comm.pipelines._catalog import ModuleInfo
 from freescale_comm.pipelines._embeddings import sequence_features
 from freescale_comm.pipelines._micro_batches import HostLengths
@@ -32,7 +33,7 @@ def plan_ahead(comm: Any, balancers: list[LoadBalancer], modules: list[ModuleInf
     host_lengths = host_lengths if host_lengths is not None else HostLengths()
     out: list[Plans] = [{} for _ in inputs]
     for info in modules:
-        features = sequence_features(info)
+        features = feature_order(sequence_features(info))  # the order dispatch_bundle moves them in
         lengths = [_feature_lengths(batch[info.fqn], features, host_lengths) for batch in inputs]
         item_bytes = sum(info.table_of(f).dim for f in features) * torch.float32.itemsize  # values are float32
         for balancer in balancers:
