@@ -255,3 +255,32 @@ def layout_work_per_call(info) -> dict:
         state["counting"] = False
         report[call] = {"launches": dict(launches), "ops": dict(ops), "reads": state["reads"]}
     return report
+
+
+def second_order_gradients_match_single_process(info, seed: int) -> float:
+    """A gradient penalty through dispatch and combine: g = d<combine(dispatch(x).values³ ·
+    (dest + 1)), w>/dx with create_graph=True, then d Σ g² / dx. Both orders equal one process's
+    autograd over the same rows (the backward of each movement was a plain movement, so g did not
+    require grad and the second order silently lost the path through the ranks). Returns the
+    largest absolute difference."""
+    rank, world = info.rank, info.world_size
+    all_inputs = [_inputs("random", seed, p, world, (3,), torch.float64) for p in range(world)]
+    home_weights = [torch.randn(all_inputs[p][0].shape, dtype=torch.float64,
+                                generator=torch.Generator().manual_seed(seed + 11 * p)) for p in range(world)]
+
+    values, lengths, dest = all_inputs[rank]
+    x = values.clone().requires_grad_(True)
+    res = fc.dispatch(x, lengths, dest)
+    z = fc.combine(res.values ** 3 * (rank + 1), res.handle)
+    (g,) = torch.autograd.grad((z * home_weights[rank]).sum(), x, create_graph=True)
+    assert g.requires_grad
+    (h,) = torch.autograd.grad((g ** 2).sum(), x)
+
+    xs = [v.clone().requires_grad_(True) for v, _, _ in all_inputs]
+    row_dest = torch.repeat_interleave(dest, lengths).to(torch.float64).unsqueeze(1)
+    ref = ((xs[rank] ** 3 * (row_dest + 1)) * home_weights[rank]).sum()
+    (g_ref,) = torch.autograd.grad(ref, xs[rank], create_graph=True)
+    (h_ref,) = torch.autograd.grad((g_ref ** 2).sum(), xs[rank])
+    if not x.numel():
+        return 0.0
+    return max(float((g - g_ref).abs().max()), float((h - h_ref).abs().max() / h_ref.abs().max()))

@@ -4,7 +4,8 @@ import pytest
 
 from freescale_comm.testing import spawn
 from dispatch_programs import (PATTERNS, ROW_CASES, bad_inputs_raise_before_communicating, gradients_match_single_process,
-                               roundtrip_is_identity, side_communicator_lets_the_group_go)
+                               roundtrip_is_identity, second_order_gradients_match_single_process,
+                               side_communicator_lets_the_group_go)
 
 
 @pytest.mark.parametrize("world", [1, 2, 3, 4])
@@ -15,6 +16,11 @@ def test_dispatch_then_combine_is_the_identity(world):
 @pytest.mark.parametrize("backend", ["gloo", "freescale"])
 def test_gradients_equal_a_single_process_reference(backend):
     diffs = spawn(gradients_match_single_process, 3, 5, backend=backend)
+    assert max(diffs) < 1e-12, diffs
+
+
+def test_second_order_gradients_flow_through_the_movements():
+    diffs = spawn(second_order_gradients_match_single_process, 3, 9, backend="freescale")
     assert max(diffs) < 1e-12, diffs
 
 

@@ -144,6 +144,8 @@ def _move_rows_cuda(values: torch.Tensor, handle: DispatchHandle, priority: int,
     return _device_dispatch.scatter(packed, handle.plan)
 
 
+# Each movement's backward is the other movement, applied as a Function: with create_graph=True
+# (a gradient penalty) the gradient is itself differentiable, through the movement back.
 class _Dispatch(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, values: torch.Tensor, handle: DispatchHandle, priority: int) -> torch.Tensor:
@@ -152,7 +154,7 @@ class _Dispatch(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Optional[torch.Tensor], None, None]:
-        return _move_rows(grad, ctx.handle, ctx.priority, forward=False), None, None
+        return _Combine.apply(grad, ctx.handle, ctx.priority), None, None
 
 
 class _Combine(torch.autograd.Function):
@@ -163,7 +165,7 @@ class _Combine(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Optional[torch.Tensor], None, None]:
-        return _move_rows(grad, ctx.handle, ctx.priority, forward=True), None, None
+        return _Dispatch.apply(grad, ctx.handle, ctx.priority), None, None
 
 
 # What a rank receives, when every rank knows it beforehand (a LoadBalancer's plan): int64 host
