@@ -452,3 +452,32 @@ def outputs_of_different_structures(info, kinds: str) -> str:
     except fc.CommError as e:
         return f"{e.code} (culprit {e.culprit}): {e}"
     return "no error"
+
+
+_Out = collections.namedtuple("_Out", ["user", "rows", "extras"])
+
+
+class _TypedOutputs(nn.Module):
+    """Returns a namedtuple holding a tensor, a JaggedTensor and an OrderedDict, and a defaultdict."""
+
+    def forward(self, sequences: dict[str, JaggedTensor]) -> tuple:
+        items = sequences["items"]
+        n = items.lengths().numel()
+        user = torch.zeros(n, DIM).index_add_(0, _segments(items.lengths()), items.values())
+        extras = collections.defaultdict(list, {"twice": user * 2})
+        return _Out(user, JaggedTensor(values=items.values() * 3, lengths=items.lengths()),
+                    collections.OrderedDict(neg=-user)), extras
+
+
+def outputs_come_home_as_the_types_the_module_returned(info, seed: int) -> list[str]:
+    """A namedtuple came back as a TypeError (rebuilt from one list), an OrderedDict or defaultdict
+    as a plain dict; returns the types that came home, after checking every value."""
+    module = _TypedOutputs()
+    sequences, _, _ = make_inputs(info.rank, seed)
+    ref = module(sequences)
+    fc.balance(module, COST)
+    (out, extras) = module(sequences)
+    assert torch.equal(out.user, ref[0].user) and torch.equal(out.rows.values(), ref[0].rows.values())
+    assert torch.equal(out.extras["neg"], ref[0].extras["neg"]) and torch.equal(extras["twice"], ref[1]["twice"])
+    assert extras["missing"] == []  # the defaultdict's factory came along
+    return [type(out).__name__, type(out.extras).__name__, type(extras).__name__]

@@ -152,6 +152,14 @@ def test_features_move_by_name_whatever_order_each_ranks_dict_holds_them_in():
     assert any(r["samples_computed"] != r["samples_home"] for r in results), results  # samples did move
 
 
+def test_a_balanced_modules_namedtuples_and_dict_subclasses_come_home_as_themselves():
+    _need("torchrec")
+    from bundle_programs import outputs_come_home_as_the_types_the_module_returned
+
+    for types in spawn(outputs_come_home_as_the_types_the_module_returned, 2, 11, backend="freescale"):
+        assert types == ["_Out", "OrderedDict", "defaultdict"], types
+
+
 def test_balancing_needs_no_collective_from_a_group_that_refuses_host_tensors():
     """An NCCL group refuses collectives on host tensors; fc.balance all-gathered its plan's
     lengths (and agreed on shared counts) through the group with host tensors, so it failed there

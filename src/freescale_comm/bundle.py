@@ -232,8 +232,14 @@ def _walk(x: Any, bundle: BalancedBundle, feature: Optional[str], path: str, vis
     if isinstance(x, dict):  # entries in one order on every rank (a dict built from a set may differ)
         parts = {k: _walk(x[k], bundle, k if k in bundle.handles else None, f"{path}[{k!r}]", visit, rebuild)
                  for k in sorted(x, key=repr)}
-        return {k: parts[k] for k in x} if rebuild else None
+        if not rebuild:
+            return None
+        out = copy.copy(x)  # its type and what it carries (an OrderedDict, a defaultdict's factory)
+        out.update({k: parts[k] for k in x})
+        return out
     if isinstance(x, (list, tuple)):
         parts = [_walk(v, bundle, None, f"{path}[{i}]", visit, rebuild) for i, v in enumerate(x)]
-        return type(x)(parts) if rebuild else None
+        if not rebuild:
+            return None
+        return type(x)(*parts) if hasattr(x, "_fields") else type(x)(parts)  # a namedtuple takes its fields
     return x if rebuild else None
