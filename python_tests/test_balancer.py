@@ -38,6 +38,17 @@ def test_bad_arguments():
         lb.dispatch(torch.zeros(3, 2), torch.tensor([1, 3]))
     with pytest.raises(TypeError, match="nn.Module"):
         fc.balance(lambda x: x, fc.planner.CostModel())
+    # Refused here, before the plan's exchange (they were found by fc.dispatch after it: one rank
+    # raised while its peers waited, then it was two collectives ahead of them): a bad priority,
+    # and lengths whose int64 sum wraps around to the row count.
+    with pytest.raises(TypeError, match="priority must be an int"):
+        lb.dispatch(torch.zeros(3, 2), torch.tensor([1, 2]), priority="high")
+    with pytest.raises(ValueError, match=r"lengths\[0\] = 9223372036854775807 exceeds the 2 rows"):
+        lb.dispatch(torch.zeros(2, 2), torch.tensor([2 ** 63 - 1, 2 ** 63 - 1, 4]))
+    torchrec = pytest.importorskip("torchrec")
+    jt = torchrec.JaggedTensor(values=torch.zeros(3, 2), lengths=torch.tensor([1, 2]))
+    with pytest.raises(TypeError, match="priority must be an int"):
+        lb.dispatch_bundle({"items": jt}, priority=1.5)
 
 
 def test_plans_made_ahead_equal_the_plans_made_at_dispatch():

@@ -40,7 +40,9 @@ from freescale_comm.bundle import (
     resolved,
     with_moved,
 )
-from freescale_comm.dispatch import DispatchHandle, check_jagged_batch, combine, communicator_for, dispatch
+from freescale_comm.communicator import check_priority
+from freescale_comm.dispatch import (DispatchHandle, check_jagged_batch, check_lengths_fit, combine, communicator_for,
+                                     dispatch)
 from freescale_comm.planner import CostModel, RebalancePlan, plan_rebalance
 
 __all__ = ["BalancedBatch", "BalancedBundle", "LoadBalancer", "PlanAhead", "PlannedSequences", "balance"]
@@ -157,12 +159,14 @@ class LoadBalancer:
     def dispatch(self, values: torch.Tensor, lengths: torch.Tensor, *, priority: int = 0) -> BalancedBatch:
         """Stage 1. Collective. `values`: rows of this rank's samples back to back; `lengths`:
         int64 rows per sample. Returns the balanced samples this rank now computes on."""
-        # Local checks before the all-gather: fc.dispatch's own, plus negative lengths, which it
-        # would only find after this collective.
+        # Local checks before the all-gather: fc.dispatch's own, plus negative or too long lengths
+        # and the priority, which it would only find after this collective.
+        priority = check_priority(priority)
         values, lengths = check_jagged_batch(values, lengths)
         host_lengths = lengths.cpu()  # the planner runs on the host (for CUDA tensors: one copy)
         if host_lengths.numel() and int(host_lengths.min()) < 0:
             raise ValueError(f"lengths has a negative entry ({int(host_lengths.min())}); lengths count rows")
+        check_lengths_fit(host_lengths, values.shape[0])
         total = int(host_lengths.sum()) if host_lengths.numel() else 0
         if total != values.shape[0]:
             raise ValueError(f"lengths sum to {total}, but values has {values.shape[0]} rows; they must be equal")
@@ -188,6 +192,7 @@ class LoadBalancer:
         (labels, timestamps, num_targets) that move with their samples. A sample's cost is
         `lengths` (int64 [B]) if given, else its longest feature. Returns the bundle this rank
         computes on; combine_bundle sends outputs home."""
+        priority = check_priority(priority)  # (local checks before the plan's exchange)
         sequences = resolved(sequences)
         if not is_sequence_batch(sequences):
             raise TypeError("sequences must be a KeyedJaggedTensor or a non-empty dict of JaggedTensors (an "

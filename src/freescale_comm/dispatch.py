@@ -91,6 +91,15 @@ def _check_values(values: object, name: str = "values") -> torch.Tensor:
     return values
 
 
+def check_lengths_fit(lengths: torch.Tensor, rows: int) -> None:
+    """ValueError naming the first length above `rows` (host lengths): with one, a sum of lengths
+    can wrap around int64 to the row count and pass for a batch."""
+    if lengths.numel() and int(lengths.max()) > rows:
+        first = int(torch.nonzero(lengths > rows)[0, 0])
+        raise ValueError(f"lengths[{first}] = {int(lengths[first])} exceeds the {rows} rows of values; lengths must "
+                         "sum to values.shape[0]")
+
+
 def check_jagged_batch(values: object, lengths: object) -> tuple[torch.Tensor, torch.Tensor]:
     """Local checks of a batch of jagged samples (rows of `values`, `lengths` rows per sample):
     TypeError/ValueError naming the argument. Returns them (lengths contiguous)."""
@@ -98,6 +107,7 @@ def check_jagged_batch(values: object, lengths: object) -> tuple[torch.Tensor, t
     lengths = _check_index_tensor(lengths, "lengths", None, values.device)
     if values.device.type == "cuda" or _device_dispatch.forced_on_cpu():
         return values, lengths  # the plan kernel checks the sum with the counts it reads back
+    check_lengths_fit(lengths, values.shape[0])
     total = int(lengths.sum()) if lengths.numel() else 0
     if total != values.shape[0]:
         raise ValueError(f"lengths sum to {total}, but values has {values.shape[0]} rows; they must be equal")
