@@ -343,3 +343,28 @@ def local_refusals_are_runtime_errors(info) -> list[str]:
     dist.all_to_all_single(t, t.clone())
     out.append(f"after: {t.tolist()}")
     return out
+
+
+def list_all_to_all_outputs_once_complete(info) -> dict:
+    """dist.all_to_all (list form, async) on the default group: what its outputs and result()
+    hold once is_completed() says True, before wait(), and what the outputs of a Work dropped
+    unwaited come to hold (within 30 s; a later op does not order it: ops of another priority
+    complete in any order). gloo's hold the data; freescale's stayed zeros until wait() (the
+    unpack from the packed buffer ran only there)."""
+    rank, world = info.rank, info.world_size
+    inputs = [torch.full((2,), float(10 * rank + p)) for p in range(world)]
+    outputs = [torch.zeros(2) for _ in range(world)]
+    work = dist.all_to_all(outputs, inputs, async_op=True)
+    deadline = time.monotonic() + 30
+    while not work.is_completed() and time.monotonic() < deadline:
+        time.sleep(0.005)
+    seen = [t.tolist() for t in outputs]
+    result = [t.tolist() for t in work.result()]
+    work.wait()
+    dropped = [torch.zeros(2) for _ in range(world)]
+    dist.all_to_all(dropped, inputs, async_op=True)  # its Work dropped at once
+    dist.barrier()
+    deadline = time.monotonic() + 30
+    while not all(bool((t != 0).any()) for t in dropped[1:]) and time.monotonic() < deadline:
+        time.sleep(0.005)
+    return {"seen": seen, "result": result, "dropped": [t.tolist() for t in dropped]}

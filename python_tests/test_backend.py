@@ -18,6 +18,7 @@ from backend_programs import (
     coalesced_gathers_and_reduce_scatters,
     communicator_peer_never_posts,
     every_collective_matches_gloo,
+    list_all_to_all_outputs_once_complete,
     local_refusals_are_runtime_errors,
     native_ops_are_profiler_ranges,
     pair_bytes_disagree_across_row_shapes,
@@ -69,6 +70,12 @@ def test_coalesced_gathers_and_reduce_scatters_match_gloo():
     ours = spawn(coalesced_gathers_and_reduce_scatters, 2, backend="freescale", timeout_s=60)
     assert ours == spawn(coalesced_gathers_and_reduce_scatters, 2, backend="gloo", timeout_s=60)
     assert ours[1]["all_gather_tensor"] == [0.0, 0.0, 1.0, 1.0] and ours[1]["reduce_scatter_tensor"] == [5.0, 7.0]
+
+
+def test_a_list_all_to_alls_outputs_hold_the_data_once_it_completes_waited_for_or_not():
+    ours = spawn(list_all_to_all_outputs_once_complete, 2, backend="freescale", timeout_s=60)
+    assert ours == spawn(list_all_to_all_outputs_once_complete, 2, backend="gloo", timeout_s=60)
+    assert ours[0]["seen"] == ours[0]["result"] == ours[0]["dropped"] == [[0.0, 0.0], [10.0, 10.0]], ours
 
 
 def test_local_refusals_are_runtime_errors_as_gloo_raises_them():

@@ -342,7 +342,9 @@ class _UnpackWork(_NativeWork):
     once it completes: in wait() (CUDA: on the caller's current stream, after it waited for the
     op), or in the future's callback (CUDA: on the callback's stream, which waited for the op; the
     child future's events follow the copies). Unpacks once; a CUDA unpack records an event that
-    the later path's stream waits on."""
+    the later path's stream waits on. CPU outputs, as gloo's, hold the result once the op
+    completes, waited for or not: the thread completing it unpacks, and is_completed() and
+    result() do before they answer (the callback may not have run yet)."""
 
     def __init__(self, work: Work, outputs: list[torch.Tensor], unpack: Any) -> None:
         super().__init__(work, outputs)
@@ -350,6 +352,24 @@ class _UnpackWork(_NativeWork):
         self._unpacked = False
         self._unpacked_event: Optional[torch.cuda.Event] = None  # CUDA: after the unpack copies
         self._lock = threading.Lock()
+        self._on_host = not any(t.is_cuda for t in outputs)
+        if self._on_host:
+            work.get_future().add_done_callback(lambda _: self._finish_if_succeeded())
+
+    def _finish_if_succeeded(self) -> None:
+        if self._work.is_success():
+            self._finish()
+
+    def is_completed(self) -> bool:
+        done = super().is_completed()
+        if done and self._on_host:
+            self._finish_if_succeeded()
+        return done
+
+    def result(self) -> list[torch.Tensor]:
+        if self._on_host and self._work.is_completed():
+            self._finish_if_succeeded()
+        return self._result
 
     def _finish(self) -> None:
         device = self._result[0].device if self._result else torch.device("cpu")
