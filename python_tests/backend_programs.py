@@ -236,6 +236,19 @@ def all_to_all_shapes_as_gloo(info) -> list[str]:
     dist.all_to_all_single(ours, x)
     dist.all_to_all_single(theirs, x, group=gl)
     assert torch.equal(ours, theirs)
+    # Split sizes from a generator (freescale: "object of type 'generator' has no len()").
+    for group in (None, gl):
+        out = ours if group is None else theirs
+        dist.all_to_all_single(out, x, (2 for _ in range(2)), (2 for _ in range(2)), group=group)
+    assert torch.equal(ours, theirs) and ours.tolist() == [2.0 * rank, 2.0 * rank + 1, 10.0 + 2 * rank, 11.0 + 2 * rank], ours
+    checked.append("generator_splits")
+    # A 0-dim tensor on a group of one rank: gloo copies it (freescale refused every 0-dim tensor).
+    alone = [[dist.new_group([r]) for r in range(2)][rank], [dist.new_group([r], backend="gloo") for r in range(2)][rank]]
+    scalars = [torch.zeros(()), torch.zeros(())]
+    for group, out in zip(alone, scalars):
+        dist.all_to_all_single(out, torch.tensor(5.0 + rank), group=group)
+    assert scalars[0].item() == scalars[1].item() == 5.0 + rank, scalars
+    checked.append("scalar_on_one_rank")
     return checked
 
 

@@ -96,6 +96,11 @@ def _split_sizes(splits: SplitSizes, dim0: int, world: int, name: str, tensor_na
     """Validated per-rank row counts; None or [] splits dim 0 equally (as dist does)."""
     if isinstance(splits, torch.Tensor):
         splits = splits.tolist()
+    elif splits is not None and not isinstance(splits, (list, tuple)):
+        try:
+            splits = list(splits)  # any iterable of ints (a generator, a range), as dist takes
+        except TypeError:
+            raise TypeError(f"{name} must be a sequence of ints, got {type(splits).__name__}") from None
     if splits is None or len(splits) == 0:
         if dim0 % world != 0:
             raise ValueError(
