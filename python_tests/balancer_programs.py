@@ -147,3 +147,48 @@ def plans_ahead_equal_plans_at_dispatch(info, batches: int) -> list[dict]:
                     "same_costs": all(np.array_equal(a, b) for a, b in zip(costs, made.costs)),
                     "samples": [len(c) for c in costs]})
     return out
+
+
+class _ShortCircuit(torch.nn.Module):
+    """Per-row work; an empty batch returns fresh zeros (no grad), as modules often do."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale = torch.nn.Parameter(torch.tensor([1.5, -0.5]))
+
+    def forward(self, values: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+        if lengths.numel() == 0:
+            return torch.zeros(0, 2)
+        return values ** 2 * self.scale
+
+
+def ranks_whose_batches_differ_in_requires_grad(info, case: str) -> dict:
+    """Every rank's gradient equals the unbalanced module's. "empty_input": rank 1 holds no samples
+    and passes an empty tensor built by hand (no grad) while rank 0's values require grad: rank 1
+    computes some of rank 0's samples, which got no gradient (rank 1's copy did not require grad, so
+    it never ran the dispatch's backward: rank 0 waited there, then CommError). "short_circuit": rank 1
+    has nothing to compute and its module returns fresh zeros: its combine's result did not require
+    grad (loss.backward() raised there) and the dispatch's backward never ran on it."""
+    rank = info.rank
+    emb = torch.nn.Linear(2, 2)
+    torch.manual_seed(3)
+    emb.reset_parameters()
+    if case == "empty_input":
+        lengths = torch.tensor([8, 1, 1, 1] if rank == 0 else [], dtype=torch.int64)
+    else:
+        lengths = torch.tensor([5] if rank == 0 else [], dtype=torch.int64)
+    raw = torch.randn(int(lengths.sum()), 2, generator=torch.Generator().manual_seed(rank))
+    module = _ShortCircuit()
+    values = emb(raw) if rank == 0 or case != "empty_input" else torch.empty(0, 2)
+    reference = module(values, lengths).sum()
+    if reference.requires_grad:  # (not on rank 1: nothing to compute, nothing to differentiate)
+        reference.backward()
+    ref = emb.weight.grad.clone() if emb.weight.grad is not None else torch.zeros(2, 2)
+    emb.weight.grad = None
+
+    fc.balance(module, CostModel(quadratic=1.0))
+    values = emb(raw) if rank == 0 or case != "empty_input" else torch.empty(0, 2)
+    out = module(values, lengths)
+    out.sum().backward()
+    got = emb.weight.grad if emb.weight.grad is not None else torch.zeros(2, 2)
+    return {"equal": torch.allclose(got, ref, rtol=1e-6, atol=1e-7), "computed": module.freescale_balance.last_plan.moved_samples}

@@ -481,3 +481,49 @@ def outputs_come_home_as_the_types_the_module_returned(info, seed: int) -> list[
     assert torch.equal(out.extras["neg"], ref[0].extras["neg"]) and torch.equal(extras["twice"], ref[1]["twice"])
     assert extras["missing"] == []  # the defaultdict's factory came along
     return [type(out).__name__, type(out.extras).__name__, type(extras).__name__]
+
+
+class _PerSampleSum(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.arange(DIM, dtype=torch.float32) / DIM + 0.5)
+
+    def forward(self, sequences: dict[str, JaggedTensor], labels: torch.Tensor) -> torch.Tensor:
+        items, cats = sequences["items"], sequences["cats"]
+        n = items.lengths().numel()
+        rows = (items.values() * self.w + cats.values() ** 2) * (1 + items.weights().unsqueeze(1))
+        return torch.zeros(n, DIM).index_add_(0, _segments(items.lengths()), rows) * labels.unsqueeze(1)
+
+
+def an_empty_rank_built_without_grad(info, seed: int) -> dict:
+    """Rank 1 holds no samples and builds its features, weights and labels by hand (no grad);
+    rank 0's values, weights and labels require grad and some of its samples are computed on
+    rank 1: their gradients came home only if rank 1 ran the dispatch's backward, which it did
+    not (its copies did not require grad; rank 0 waited there). Every gradient equals the
+    unbalanced module's."""
+    rank = info.rank
+    gen = torch.Generator().manual_seed(seed)
+    lengths = torch.tensor([30, 2, 2, 3, 1] if rank == 0 else [], dtype=torch.int64)
+    rows = int(lengths.sum())
+    leaves = [torch.randn(rows, DIM, generator=gen), torch.randn(rows, DIM, generator=gen), torch.rand(rows, generator=gen),
+              torch.rand(lengths.numel(), generator=gen)]
+    if rank == 0:
+        leaves = [t.requires_grad_() for t in leaves]
+
+    def run(module: nn.Module) -> list:
+        sequences = {"items": JaggedTensor(values=leaves[0], lengths=lengths, weights=leaves[2]),
+                     "cats": JaggedTensor(values=leaves[1], lengths=lengths)}
+        loss = module(sequences, leaves[3]).sum()
+        if loss.requires_grad:
+            loss.backward()
+        grads = [None if t.grad is None else t.grad.clone() for t in leaves]
+        for t in leaves:
+            t.grad = None
+        return grads
+
+    module = _PerSampleSum()
+    ref = run(module)
+    fc.balance(module, COST)
+    got = run(module)
+    equal = all((a is None and b is None) or (a is not None and b is not None and torch.allclose(a, b)) for a, b in zip(got, ref))
+    return {"equal": equal, "moved": module.freescale_balance.last_plan.moved_samples}

@@ -73,3 +73,14 @@ def test_a_plan_made_ahead_serves_only_the_sequences_it_was_made_with():
     assert not isinstance(dict(planned), fc.balancer.PlannedSequences)
     planned["items"] = JaggedTensor(values=torch.zeros(3, 2), lengths=torch.tensor([1, 2]))
     assert planned.plan_for(first) is None
+
+
+@pytest.mark.parametrize("case", ["empty_input", "short_circuit"])
+def test_ranks_whose_batches_differ_in_requires_grad_still_get_every_gradient(case):
+    from balancer_programs import ranks_whose_batches_differ_in_requires_grad
+
+    results = spawn(ranks_whose_batches_differ_in_requires_grad, 2, case, backend="freescale", timeout_s=60,
+                    env={"FREESCALE_TIMEOUT_S": "10"})
+    assert all(r["equal"] for r in results), results
+    if case == "empty_input":
+        assert results[0]["computed"] > 0, results  # rank 1 computed some of rank 0's samples

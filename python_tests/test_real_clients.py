@@ -160,6 +160,15 @@ def test_a_balanced_modules_namedtuples_and_dict_subclasses_come_home_as_themsel
         assert types == ["_Out", "OrderedDict", "defaultdict"], types
 
 
+def test_a_rank_whose_empty_batch_requires_no_grad_still_sends_every_gradient_home():
+    _need("torchrec")
+    from bundle_programs import an_empty_rank_built_without_grad
+
+    results = spawn(an_empty_rank_built_without_grad, 2, 11, backend="freescale", timeout_s=60,
+                    env={"FREESCALE_TIMEOUT_S": "10"})
+    assert all(r["equal"] for r in results) and results[0]["moved"] > 0, results
+
+
 def test_balancing_needs_no_collective_from_a_group_that_refuses_host_tensors():
     """An NCCL group refuses collectives on host tensors; fc.balance all-gathered its plan's
     lengths (and agreed on shared counts) through the group with host tensors, so it failed there

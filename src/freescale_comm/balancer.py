@@ -10,6 +10,7 @@ through autograd, the backward of each being the other.
 
 from __future__ import annotations
 
+import copy
 import math
 import weakref
 import zlib
@@ -28,6 +29,7 @@ from freescale_comm.bundle import (
     BalancedBundle,
     agreed_shares,
     argument_leaves,
+    bundle_inputs,
     combine_bundle,
     dispatch_bundle,
     feature_order,
@@ -227,7 +229,13 @@ class LoadBalancer:
         # fc.balance's hooks: the module's other arguments' leaves, each moved where it has one row per
         # sample on every rank (a rank-local look moved a fixed tensor on the ranks whose batch size
         # its rows happened to equal: SIZE_MISMATCH). Their codes ride on the plan's exchange.
-        codes = [_names_code(names)] + ([] if _arguments is None else _argument_codes(_arguments, batch, cost.device))
+        # which tensors require grad here (features' values and weights, per_sample's): each moved
+        # tensor requires grad on every rank where it does on one (the backward is collective)
+        sample_names = sorted(per_sample, key=repr)
+        grads = [int(jts[n].values().requires_grad) | int(getattr(jts[n].weights_or_none(), "requires_grad", False)) << 1
+                 for n in names] + [int(per_sample[k].requires_grad) for k in sample_names]
+        codes = [_names_code(names), len(grads), *grads] + \
+            ([] if _arguments is None else _argument_codes(_arguments, batch, cost.device))
         if ahead is not None:  # every rank made it from these lengths: no all-gather, no host read
             plan, per_rank, all_costs = ahead.plan, ahead.extras, ahead.costs
             # (a module given only the sequences needs none: its hooks' argument leaves are empty)
@@ -239,9 +247,18 @@ class LoadBalancer:
             plan, per_rank, all_costs, all_codes = self._plan(
                 cost.cpu(), self.bytes_per_item if self.bytes_per_item is not None else item_bytes, mine, codes)
         _check_names([c[0] for c in all_codes], names)
-        all_codes = [c[1:] for c in all_codes]
+        if len({c[1] for c in all_codes}) > 1:
+            raise comm_error("ranks passed different numbers of per_sample tensors (" + ", ".join(
+                f"ranks {ranks}: {k - len(names)}" for k, ranks in ranks_by([c[1] for c in all_codes]).items()) + ")")
+        any_grad = [any(c[2 + i] for c in all_codes) for i in range(len(grads))]  # per entry: OR of bits over ranks
+        feature_grads = {n: (bool(any(c[2 + i] & 1 for c in all_codes)), bool(any(c[2 + i] & 2 for c in all_codes)))
+                         for i, n in enumerate(names)}
+        sample_grads = {k: any_grad[len(names) + i] for i, k in enumerate(sample_names)}
+        all_codes = [c[2 + len(grads):] for c in all_codes]
         if _arguments is not None:
-            per_sample.update(_agreed_moves(_arguments, all_codes))
+            moved, moved_grads = _agreed_moves(_arguments, all_codes)
+            per_sample.update(moved)
+            sample_grads.update(moved_grads)
         n = len(feature_lengths)
         follows_cost = [all(r[n + i] == 1 for r in per_rank) for i in range(n)]
         rank = dist.get_rank(self.group)
@@ -249,7 +266,8 @@ class LoadBalancer:
         shares = agreed_shares([r[:n] for r in per_rank])
         return dispatch_bundle(sequences, per_sample, cost, dest, plan, self.group, priority, shares,
                                _received(plan, rank, all_costs), follows_cost,
-                               sizes_differ_everywhere(plan.dest, all_costs, shares, follows_cost))
+                               sizes_differ_everywhere(plan.dest, all_costs, shares, follows_cost),
+                               feature_grads, sample_grads)
 
     def combine_bundle(self, output: Any, bundle: BalancedBundle, *, priority: int = 0) -> Any:
         """Stage 2 for dispatch_bundle: sends `output` home. Tensors with one row per sample,
@@ -260,19 +278,21 @@ class LoadBalancer:
 
 def _argument_codes(leaves: dict[str, Any], samples: int, device: torch.device) -> list[int]:
     """This rank's look at a balanced module's argument leaves (argument_leaves), for the plan's
-    exchange: a hash of their paths, kinds and devices, then per leaf 1 if it has one row per
-    sample here on the samples' device."""
+    exchange: a hash of their paths, kinds and devices, then per leaf bit 0: it has one row per
+    sample here on the samples' device; bit 1: its rows require grad."""
     shape = "\0".join(f"{p}:{leaf_kind(x)}" for p, x in leaves.items())
     flags = []
     for x in leaves.values():
         rows = leaf_rows(x)
-        flags.append(int(rows is not None and rows.device == device and has_rows_per_sample(rows, samples)))
+        fits = rows is not None and rows.device == device and has_rows_per_sample(rows, samples)
+        flags.append(int(fits) | int(fits and rows.requires_grad) << 1)
     return [zlib.crc32(shape.encode()), *flags]
 
 
-def _agreed_moves(leaves: dict[str, Any], all_codes: list[list[int]]) -> dict[str, torch.Tensor]:
-    """The leaves every rank moves (one row per sample on every rank), or CommError on every rank
-    where ranks passed arguments of different shapes."""
+def _agreed_moves(leaves: dict[str, Any], all_codes: list[list[int]]) -> tuple[dict[str, torch.Tensor], dict[str, bool]]:
+    """The leaves every rank moves (one row per sample on every rank) and, per moved leaf, whether
+    it requires grad on some rank; or CommError on every rank where ranks passed arguments of
+    different shapes."""
     by = ranks_by([(c[0], len(c) - 1) for c in all_codes])
     if len(by) > 1:
         raise comm_error("the ranks passed a balanced module's other arguments in different structures (" +
@@ -282,11 +302,12 @@ def _agreed_moves(leaves: dict[str, Any], all_codes: list[list[int]]) -> dict[st
     if jagged:  # on every rank alike (the structures agree)
         raise TypeError(f"{jagged[0]}: a jagged argument beside the sequences cannot be balanced with them (its own "
                         "lengths); make it a feature of the sequences (the first argument)")
-    moved = {}
+    moved, grads = {}, {}
     for i, (path, leaf) in enumerate(leaves.items(), start=1):
-        if all(c[i] == 1 for c in all_codes):
+        if all(c[i] & 1 for c in all_codes):
             moved[path] = leaf_rows(leaf)
-    return moved
+            grads[path] = any(c[i] & 2 for c in all_codes)
+    return moved, grads
 
 
 def _feature_views(lengths: list[torch.Tensor], cost: torch.Tensor) -> list[int]:
@@ -393,10 +414,10 @@ class _BalanceHooks:
             if args and ref() is args[0]:
                 del self._pending[i]
                 if isinstance(home, BalancedBundle):
-                    return self.balancer.combine_bundle(output, home)
+                    return self.balancer.combine_bundle(_joined(output, bundle_inputs(home)), home)
                 if not isinstance(output, torch.Tensor):
                     raise TypeError("a module balanced by fc.balance must return one tensor with a row-block per sample")
-                return self.balancer.combine(output, home)
+                return self.balancer.combine(_joined(output, [args[0]]), home)
         raise RuntimeError("fc.balance: forward hook without a matching dispatch (was the input replaced?)")
 
     def remove(self) -> None:
@@ -406,6 +427,45 @@ class _BalanceHooks:
         module = self._module()
         if module is not None and getattr(module, "freescale_balance", None) is self:
             module.freescale_balance = None
+
+
+class _Join(torch.autograd.Function):
+    """out = x, whose backward also gives `inputs` zero gradients: a module output that does not
+    depend on the balanced inputs (fresh zeros for an empty batch) still runs their dispatch's
+    backward, which is collective (its peers wait there for this rank)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, *inputs: torch.Tensor) -> torch.Tensor:
+        ctx.shapes = [(t.shape, t.dtype, t.device) for t in inputs]
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Optional[torch.Tensor], ...]:
+        return (grad, *(torch.zeros(shape, dtype=dtype, device=device) for shape, dtype, device in ctx.shapes))
+
+
+def _joined(output: Any, inputs: list[torch.Tensor]) -> Any:
+    """`output`, its first floating tensor that does not require grad joined to `inputs` that do
+    (under grad mode), where one such exists: see _Join."""
+    inputs = [t for t in inputs if isinstance(t, torch.Tensor) and t.requires_grad]
+    if not inputs or not torch.is_grad_enabled():
+        return output
+    if isinstance(output, torch.Tensor):
+        return _Join.apply(output, *inputs) if not output.requires_grad and output.is_floating_point() else output
+    if isinstance(output, dict):
+        for k, v in output.items():
+            joined = _joined(v, inputs)
+            if joined is not v:
+                out = copy.copy(output)
+                out[k] = joined
+                return out
+    elif isinstance(output, (list, tuple)):
+        for i, v in enumerate(output):
+            joined = _joined(v, inputs)
+            if joined is not v:
+                items = [*output[:i], joined, *output[i + 1:]]
+                return type(output)(*items) if hasattr(output, "_fields") else type(output)(items)
+    return output
 
 
 def balance(module: torch.nn.Module, cost_model: CostModel, *, group: Optional[dist.ProcessGroup] = None,

@@ -137,6 +137,14 @@ class BalancedBundle:
         return self.source_ranks.numel()
 
 
+def bundle_inputs(bundle: BalancedBundle) -> list[torch.Tensor]:
+    """The tensors a bundle's dispatch delivered here: each feature's values and weights, each
+    per-sample tensor."""
+    jts = bundle.sequences.to_dict() if is_keyed_jagged(bundle.sequences) else bundle.sequences
+    out = [t for jt in jts.values() for t in (jt.values(), jt.weights_or_none()) if t is not None]
+    return out + list(bundle.per_sample.values())
+
+
 def local_shares(lengths: list[torch.Tensor]) -> list[int]:
     """Per feature: the first earlier feature with equal lengths here, or -1."""
     return [next((j for j in range(i) if torch.equal(lengths[j], lengths[i])), -1) for i in range(len(lengths))]
@@ -154,14 +162,18 @@ def agreed_shares(per_rank: list[list[int]]) -> list[int]:
 def dispatch_bundle(sequences: Any, per_sample: dict[str, torch.Tensor], cost_lengths: torch.Tensor,
                     dest: torch.Tensor, plan: RebalancePlan, group: Any, priority: int,
                     shares: list[int], cost_received: Received, follows_cost: list[bool],
-                    sizes_differ_everywhere: bool = False) -> BalancedBundle:
+                    sizes_differ_everywhere: bool = False, feature_grads: Optional[dict[Any, tuple[bool, bool]]] = None,
+                    sample_grads: Optional[dict[str, bool]] = None) -> BalancedBundle:
     """Moves every feature of `sequences` and every per-sample tensor to `dest` (int64 [samples]).
     Features move in feature_order (`shares` and `follows_cost` index it); the result keeps this
     rank's own order. Features with equal lengths on every rank (`shares`, see agreed_shares) share one dispatch's
     counts; weights and per-sample tensors ride on handles already made (one AllToAll each).
     cost_received: the samples this rank receives (their cost lengths, their source ranks), known
     from the plan: the per-sample handle and every feature whose lengths are the cost lengths on
-    every rank (`follows_cost`) need no counts or lengths exchanged."""
+    every rank (`follows_cost`) need no counts or lengths exchanged. feature_grads (name -> values',
+    weights' requires_grad on some rank) and sample_grads (per_sample name -> the same): what every
+    rank's moved copy must require (default: each rank's own)."""
+    feature_grads, sample_grads = feature_grads or {}, sample_grads or {}
     jts = sequences.to_dict() if is_keyed_jagged(sequences) else sequences
     ones = torch.ones(cost_lengths.numel(), dtype=torch.int64, device=cost_lengths.device)
     # The per-sample handle: nothing per sample moves (a handle for per-sample tensors and outputs).
@@ -174,21 +186,23 @@ def dispatch_bundle(sequences: Any, per_sample: dict[str, torch.Tensor], cost_le
     for i, name in enumerate(feature_order(jts)):
         jt = jts[name]
         lengths = jt.lengths().long()
+        values_grad, weights_grad = feature_grads.get(name, (None, None))
         if shares[i] < 0:
             res = dispatch_received(jt.values(), lengths, dest, cost_received if follows_cost[i] else None,
-                                    group=group, priority=priority)
+                                    group=group, priority=priority, grad=values_grad)
             found = (lengths, res.handle, res.lengths)
             values = res.values
         else:
             found = made[shares[i]]
-            values = dispatch_like(jt.values(), found[1], priority=priority)
+            values = dispatch_like(jt.values(), found[1], priority=priority, grad=values_grad)
         made.append(found)
         weights = jt.weights_or_none()
         if weights is not None:
-            weights = dispatch_like(weights, found[1], priority=priority)
+            weights = dispatch_like(weights, found[1], priority=priority, grad=weights_grad)
         handles[name] = found[1]
         balanced[name] = _jagged(jt, values, found[2], weights)
-    moved = {name: dispatch_like(t, first.handle, priority=priority) for name, t in per_sample.items()}
+    moved = {name: dispatch_like(per_sample[name], first.handle, priority=priority, grad=sample_grads.get(name))
+             for name in sorted(per_sample, key=repr)}  # one order on every rank, whatever each dict's
     balanced = {name: balanced[name] for name in jts}  # this rank's own order
     out = type(sequences).from_jt_dict(balanced) if is_keyed_jagged(sequences) else balanced
     home = {name: jt.lengths().long() for name, jt in jts.items()}

@@ -194,10 +194,11 @@ def dispatch(values: torch.Tensor, lengths: torch.Tensor, dest_ranks: torch.Tens
 
 def dispatch_received(values: torch.Tensor, lengths: torch.Tensor, dest_ranks: torch.Tensor,
                       received: Optional[Received], *, group: Optional[dist.ProcessGroup] = None,
-                      priority: int = 0, move: bool = True) -> DispatchResult:
+                      priority: int = 0, move: bool = True, grad: Optional[bool] = None) -> DispatchResult:
     """fc.dispatch; with `received` (every rank's own, as a plan all ranks computed says), no
     counts or lengths cross: one AllToAll, the rows'. move=False (rows of zero bytes only): none
-    at all, a handle for dispatch_like and combine."""
+    at all, a handle for dispatch_like and combine. grad: whether values requires grad on some
+    rank, where the caller's exchange told (with `received`); without `received` the counts tell."""
     values, lengths = check_jagged_batch(values, lengths)
     dest_ranks = _check_index_tensor(dest_ranks, "dest_ranks", lengths.numel(), values.device)
     priority = check_priority(priority)
@@ -207,7 +208,7 @@ def dispatch_received(values: torch.Tensor, lengths: torch.Tensor, dest_ranks: t
         raise ValueError("move=False needs values of zero bytes per row")
     world = dist.get_world_size(group)
     if values.device.type == "cuda" or _device_dispatch.forced_on_cpu():
-        return _dispatch_cuda(values, lengths, dest_ranks, world, group, priority, received, move)
+        return _dispatch_cuda(values, lengths, dest_ranks, world, group, priority, received, move, grad)
     # Local checks (ValueError naming a bad length or rank) before anything collective.
     plan = _core.plan_jagged_dispatch(lengths.data_ptr(), dest_ranks.data_ptr(), lengths.numel(), world)
     comm = communicator_for(group)
@@ -215,8 +216,11 @@ def dispatch_received(values: torch.Tensor, lengths: torch.Tensor, dest_ranks: t
     # 1. Sample counts, 2. lengths of the samples, in send order (unless known); then the rows (in autograd).
     if received is None:
         send_counts = torch.from_numpy(plan.sample_counts)
-        recv_counts = torch.empty(world, dtype=torch.int64)
-        comm.all_to_all_single(recv_counts, send_counts, priority=priority)
+        # [world, (samples, values require grad here)]: every rank learns whether any rank's do
+        both = torch.empty(world, 2, dtype=torch.int64)
+        comm.all_to_all_single(both, torch.stack([send_counts, torch.full_like(send_counts, values.requires_grad)], 1),
+                               priority=priority)
+        recv_counts, grad = both[:, 0].contiguous(), bool(both[:, 1].any())
         recv_lengths = torch.empty(int(recv_counts.sum()), dtype=torch.int64)
         comm.all_to_all_single(recv_lengths, torch.from_numpy(plan.sent_lengths), recv_counts.tolist(),
                                send_counts.tolist(), priority=priority)
@@ -225,7 +229,7 @@ def dispatch_received(values: torch.Tensor, lengths: torch.Tensor, dest_ranks: t
         recv_lengths, source_ranks = received
     handle = DispatchHandle(comm, plan, plan.row_counts.tolist(), _rows_from(recv_lengths, source_ranks, world),
                             recv_lengths)
-    return _deliver(values, handle, source_ranks, priority, move)
+    return _deliver(values, handle, source_ranks, priority, move, grad)
 
 
 def _rows_from(lengths: torch.Tensor, sources: torch.Tensor, world: int) -> list[int]:
@@ -233,17 +237,28 @@ def _rows_from(lengths: torch.Tensor, sources: torch.Tensor, world: int) -> list
     return torch.zeros(world, dtype=torch.int64).index_add_(0, sources, lengths).tolist()
 
 
+def tracked(values: torch.Tensor, grad: Optional[bool]) -> torch.Tensor:
+    """`values`, as a leaf that requires grad where `grad` says some rank's copy does and this one's
+    does not (a rank with an empty batch built by hand), so that every rank's result requires grad
+    and every rank runs the movement's backward, which is collective (else its peers wait there,
+    or the samples it computed for them get no gradient)."""
+    if grad and not values.requires_grad and torch.is_grad_enabled() and (values.is_floating_point() or values.is_complex()):
+        return values.detach().requires_grad_()
+    return values
+
+
 def _deliver(values: torch.Tensor, handle: DispatchHandle, source_ranks: torch.Tensor, priority: int,
-             move: bool) -> DispatchResult:
+             move: bool, grad: Optional[bool] = None) -> DispatchResult:
     """The dispatch's result: its rows moved on `handle` (in autograd), or, not `move` (rows of
     zero bytes), an empty output of the received rows' count without any message."""
-    out = _Dispatch.apply(values, handle, priority) if move else values.new_empty((handle.rows_received, *values.shape[1:]))
+    out = _Dispatch.apply(tracked(values, grad), handle, priority) if move else \
+        values.new_empty((handle.rows_received, *values.shape[1:]))
     return DispatchResult(out, handle.recv_lengths, source_ranks, handle)
 
 
 def _dispatch_cuda(values: torch.Tensor, lengths: torch.Tensor, dest_ranks: torch.Tensor, world: int,
                    group: Optional[dist.ProcessGroup], priority: int, received: Optional[Received] = None,
-                   move: bool = True) -> DispatchResult:
+                   move: bool = True, grad: Optional[bool] = None) -> DispatchResult:
     """dispatch of CUDA tensors: the plan kernels, one host sync for its counts, the counts over
     the host transport, the lengths and rows over the copy engines. (CPU tensors too, through
     Triton's interpreter, when a test forces the kernels: _device_dispatch.forced_on_cpu.)"""
@@ -252,10 +267,12 @@ def _dispatch_cuda(values: torch.Tensor, lengths: torch.Tensor, dest_ranks: torc
     plan = _device_dispatch.plan(lengths, dest_ranks.contiguous(), world, dist.get_rank(group), values.shape[0])
     comm = communicator_for(group)  # after the plan's local checks, as for CPU tensors
     if received is None:
-        send_counts = torch.tensor(list(zip(plan.sample_counts, plan.row_counts)), dtype=torch.int64)  # host
-        recv_counts = torch.empty(world, 2, dtype=torch.int64)
-        comm.all_to_all_single(recv_counts, send_counts, priority=priority)  # [world, (samples, rows)]
-        recv_samples, recv_rows = recv_counts[:, 0].tolist(), recv_counts[:, 1].tolist()
+        send_counts = torch.tensor([(n, r, int(values.requires_grad)) for n, r in zip(plan.sample_counts, plan.row_counts)],
+                                   dtype=torch.int64).view(world, 3)  # host
+        recv_counts = torch.empty(world, 3, dtype=torch.int64)
+        comm.all_to_all_single(recv_counts, send_counts, priority=priority)  # [world, (samples, rows, grad)]
+        recv_samples, recv_rows, grads = (list(column) for column in zip(*recv_counts.tolist()))
+        grad = any(grads)
         # Each sample's length comes with its sender's rank: one device op makes both contiguous.
         both = torch.empty(sum(recv_samples), 2, dtype=torch.int64, device=values.device)
         comm.all_to_all_single(both, plan.sent, recv_samples, plan.sample_counts, priority=priority)
@@ -264,7 +281,7 @@ def _dispatch_cuda(values: torch.Tensor, lengths: torch.Tensor, dest_ranks: torc
         recv_rows = _rows_from(*received, world)
         recv_lengths, source_ranks = (to_device(t, values.device) for t in received)  # no stream sync
     handle = DispatchHandle(comm, plan, plan.row_counts, recv_rows, recv_lengths)
-    return _deliver(values, handle, source_ranks, priority, move)
+    return _deliver(values, handle, source_ranks, priority, move, grad)
 
 
 def _check_for_handle(values: object, handle: object, priority: object) -> tuple[torch.Tensor, int]:
@@ -295,17 +312,21 @@ def combine(values: torch.Tensor, handle: DispatchHandle, *, priority: int = 0) 
             f"rows ({handle.recv_lengths.numel()} samples) to this rank; pass one row-block per received sample "
             "(is the handle from another dispatch call?)"
         )
-    return _Combine.apply(values, handle, priority)
+    # Under grad mode every rank's result requires grad (floating rows): its backward is collective,
+    # and a rank whose module returned rows without grad (an empty batch's zeros) must still join it
+    return _Combine.apply(tracked(values, True), handle, priority)
 
 
-def dispatch_like(values: torch.Tensor, handle: DispatchHandle, *, priority: int = 0) -> torch.Tensor:
+def dispatch_like(values: torch.Tensor, handle: DispatchHandle, *, priority: int = 0,
+                  grad: Optional[bool] = None) -> torch.Tensor:
     """Sends more rows the way an earlier dispatch sent its samples: `values` holds, in this
     rank's original order, one row-block per sample with that dispatch's lengths (any dtype and
     trailing shape). Collective over its group; one AllToAll (the counts are known). Returns the
     rows received, as that dispatch's result orders them; autograd flows back through combine's
-    movement."""
+    movement. grad=True: some rank's `values` require grad (the caller knows), so this rank's
+    result does too; else values.requires_grad, which must then agree on every rank."""
     values, priority = _check_for_handle(values, handle, priority)
     if values.shape[0] != handle.rows_sent:
         raise ValueError(f"values has {values.shape[0]} rows, but the dispatch behind this handle sent {handle.rows_sent} "
                          "from this rank; pass rows laid out as that dispatch's values")
-    return _Dispatch.apply(values, handle, priority)
+    return _Dispatch.apply(tracked(values, grad), handle, priority)
