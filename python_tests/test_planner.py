@@ -43,6 +43,22 @@ def test_bad_cost_models_are_refused(bad):
         CostModel(**bad)
 
 
+@pytest.mark.parametrize("bad", [dict(quadratic="1"), dict(linear=None), dict(constant=True), dict(quadratic=1 + 2j)])
+def test_cost_models_of_other_types_are_refused_naming_the_coefficient(bad):
+    """They raised NumPy's isfinite TypeError, naming no coefficient (a bool passed as 1)."""
+    (name,) = bad
+    with pytest.raises(TypeError, match=f"CostModel.{name} must be a real number"):
+        CostModel(**bad)
+
+
+def test_costs_past_float64s_range_are_refused_naming_the_cost_model():
+    """A finite but huge coefficient: the loads overflowed (fsum's OverflowError, or a NaN imbalance)."""
+    with pytest.raises(ValueError, match=r"past float64's range \(longest: 2 items\); scale its coefficients down"):
+        plan_rebalance([np.array([2, 1, 1]), np.array([1])], cost_model=CostModel(quadratic=1e308))
+    with pytest.raises(ValueError, match="past float64's range"):
+        plan_rebalance([np.array([1]), np.array([1])], cost_model=CostModel(quadratic=1e308))
+
+
 def test_workloads_are_seeded_and_shaped_like_their_data():
     a = workloads.kuairand(200_000, seed=3)
     assert np.array_equal(a, workloads.kuairand(200_000, seed=3))

@@ -53,6 +53,8 @@ class CostModel:
     def __post_init__(self) -> None:
         for name in ("quadratic", "linear", "constant"):
             value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
+                raise TypeError(f"CostModel.{name} must be a real number, got {type(value).__name__} {value!r}")
             if not np.isfinite(value) or value < 0:
                 raise ValueError(f"CostModel.{name} must be a finite number >= 0, got {value!r}")
         if self.quadratic == self.linear == self.constant == 0:
@@ -61,7 +63,8 @@ class CostModel:
     def cost(self, lengths: np.ndarray | Sequence[int]) -> np.ndarray:
         """float64 cost of each sample of `lengths` (same shape)."""
         L = np.asarray(lengths, dtype=np.float64)
-        return (self.quadratic * L + self.linear) * L + self.constant
+        with np.errstate(over="ignore"):  # inf past float64's range: plan_rebalance refuses it
+            return (self.quadratic * L + self.linear) * L + self.constant
 
     @classmethod
     def hstu(cls, num_heads: int, attn_dim: int, hidden_dim: int, model_dim: int | None = None) -> "CostModel":
@@ -172,6 +175,11 @@ def plan_rebalance(lengths_per_rank: Sequence[np.ndarray | Sequence[int]], *, co
     lengths = _check_lengths(lengths_per_rank)
     world = len(lengths)
     items = _Items(lengths, cost_model)
+    with np.errstate(over="ignore"):
+        finite = bool(np.isfinite(items.cost).all()) and bool(np.isfinite(items.cost.sum()))
+    if not finite:
+        raise ValueError(f"{cost_model} puts these samples' costs past float64's range (longest: "
+                         f"{int(items.length.max(initial=0))} items); scale its coefficients down (any unit will do)")
     before = items.loads(items.home)
     bound = max(math.fsum(before.tolist()) / world, float(items.cost.max(initial=0.0)))
     holder = items.home
