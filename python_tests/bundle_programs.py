@@ -527,3 +527,26 @@ def an_empty_rank_built_without_grad(info, seed: int) -> dict:
     got = run(module)
     equal = all((a is None and b is None) or (a is not None and b is not None and torch.allclose(a, b)) for a, b in zip(got, ref))
     return {"equal": equal, "moved": module.freescale_balance.last_plan.moved_samples}
+
+
+class _Doubled(nn.Module):
+    def forward(self, sequences: dict) -> dict:
+        items = sequences["items"]
+        self.seen = items.lengths().dtype
+        return {"items": JaggedTensor(values=items.values() * 2, lengths=items.lengths())}
+
+
+def int32_lengths_stay_int32(info, keyed: bool) -> list[str]:
+    """TorchRec's KeyedJaggedTensors often carry int32 lengths: the balanced module saw int64
+    ones and its JaggedTensor output came home with int64 lengths. Returns the dtypes the module
+    saw and the output came home with, after checking the values."""
+    lengths = torch.tensor([9, 1, 1] if info.rank == 0 else [1], dtype=torch.int32)
+    sequences = {"items": JaggedTensor(values=torch.randn(int(lengths.sum()), 2), lengths=lengths)}
+    if keyed:
+        sequences = KeyedJaggedTensor.from_jt_dict(sequences)
+    module = _Doubled()
+    ref = module(sequences)["items"]
+    fc.balance(module, COST)
+    out = module(sequences)["items"]
+    assert torch.equal(out.values(), ref.values()) and torch.equal(out.lengths(), ref.lengths())
+    return [str(module.seen), str(out.lengths().dtype)]

@@ -169,6 +169,15 @@ def test_a_rank_whose_empty_batch_requires_no_grad_still_sends_every_gradient_ho
     assert all(r["equal"] for r in results) and results[0]["moved"] > 0, results
 
 
+@pytest.mark.parametrize("keyed", [False, True])
+def test_int32_lengths_stay_int32_through_balancing(keyed):
+    _need("torchrec")
+    from bundle_programs import int32_lengths_stay_int32
+
+    for dtypes in spawn(int32_lengths_stay_int32, 2, keyed, backend="freescale"):
+        assert dtypes == ["torch.int32", "torch.int32"], dtypes
+
+
 def test_balancing_needs_no_collective_from_a_group_that_refuses_host_tensors():
     """An NCCL group refuses collectives on host tensors; fc.balance all-gathered its plan's
     lengths (and agreed on shared counts) through the group with host tensors, so it failed there

@@ -200,7 +200,7 @@ def dispatch_bundle(sequences: Any, per_sample: dict[str, torch.Tensor], cost_le
         if weights is not None:
             weights = dispatch_like(weights, found[1], priority=priority, grad=weights_grad)
         handles[name] = found[1]
-        balanced[name] = _jagged(jt, values, found[2], weights)
+        balanced[name] = _jagged(jt, values, found[2].to(jt.lengths().dtype), weights)  # (int32 stays int32)
     moved = {name: dispatch_like(per_sample[name], first.handle, priority=priority, grad=sample_grads.get(name))
              for name in sorted(per_sample, key=repr)}  # one order on every rank, whatever each dict's
     balanced = {name: balanced[name] for name in jts}  # this rank's own order
@@ -226,7 +226,8 @@ def combine_bundle(output: Any, bundle: BalancedBundle, priority: int = 0) -> An
         if isinstance(x, torch.Tensor):
             return combine(x, handle, priority=priority)
         weights = x.weights_or_none()
-        return _jagged(x, combine(x.values(), handle, priority=priority), bundle.home_lengths[ways.names[way][0]],
+        home_lengths = bundle.home_lengths[ways.names[way][0]].to(x.lengths().dtype)  # the output's own dtype
+        return _jagged(x, combine(x.values(), handle, priority=priority), home_lengths,
                        None if weights is None else combine(weights, handle, priority=priority))
 
     return _walk(output, bundle, None, "output", home, rebuild=True)
