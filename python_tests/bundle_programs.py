@@ -550,3 +550,37 @@ def int32_lengths_stay_int32(info, keyed: bool) -> list[str]:
     out = module(sequences)["items"]
     assert torch.equal(out.values(), ref.values()) and torch.equal(out.lengths(), ref.lengths())
     return [str(module.seen), str(out.lengths().dtype)]
+
+
+class _RowsOrFreshZeros(nn.Module):
+    """Per-position rows as a JaggedTensor; an empty batch gets a fresh, gradient-free one."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.ones(DIM))
+
+    def forward(self, sequences: dict[str, JaggedTensor]) -> dict:
+        items = sequences["items"]
+        if items.lengths().numel() == 0:
+            return {"items": JaggedTensor(values=torch.zeros(0, DIM), lengths=torch.zeros(0, dtype=torch.int64))}
+        return {"items": JaggedTensor(values=items.values() * self.w, lengths=items.lengths())}
+
+
+def an_empty_rank_returning_fresh_jagged_rows(info) -> bool:
+    """Rank 1 has no samples (none move: one sample on rank 0) and its module returns a fresh
+    JaggedTensor: rank 1 must still run the backward's AllToAlls (rank 0 waited there). Returns
+    whether rank 0's gradient equals the unbalanced one."""
+    lengths = torch.tensor([5] if info.rank == 0 else [], dtype=torch.int64)
+    values = torch.randn(int(lengths.sum()), DIM, generator=torch.Generator().manual_seed(1)).requires_grad_()
+    module = _RowsOrFreshZeros()
+    grads = []
+    for balanced in (False, True):
+        if balanced:
+            fc.balance(module, COST)
+        out = module({"items": JaggedTensor(values=values, lengths=lengths)})["items"]
+        loss = (out.values() ** 2).sum()
+        if loss.requires_grad:
+            loss.backward()
+        grads.append(values.grad.clone() if values.grad is not None else torch.zeros_like(values))
+        values.grad = None
+    return torch.equal(grads[0], grads[1])

@@ -34,6 +34,7 @@ from freescale_comm.bundle import (
     dispatch_bundle,
     feature_order,
     has_rows_per_sample,
+    is_jagged,
     is_keyed_jagged,
     is_sequence_batch,
     leaf_kind,
@@ -452,6 +453,10 @@ def _joined(output: Any, inputs: list[torch.Tensor]) -> Any:
         return output
     if isinstance(output, torch.Tensor):
         return _Join.apply(output, *inputs) if not output.requires_grad and output.is_floating_point() else output
+    if is_jagged(output):
+        values = _joined(output.values(), inputs)
+        return output if values is output.values() else type(output)(
+            values=values, lengths=output.lengths(), weights=output.weights_or_none())
     if isinstance(output, dict):
         for k, v in output.items():
             joined = _joined(v, inputs)
