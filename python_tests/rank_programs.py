@@ -364,3 +364,9 @@ def fork_after_communicator(info) -> dict:
 def sleep_for_a_minute(info) -> None:
     """A rank that outlives its caller's patience (the harness's own tests)."""
     time.sleep(60)
+
+
+def fail_after(info, seconds: float) -> None:
+    """A rank whose check fails `seconds` in (the harness's own tests)."""
+    time.sleep(seconds)
+    raise AssertionError(f"rank {info.rank}: the check failed")

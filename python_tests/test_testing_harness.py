@@ -4,8 +4,8 @@ import signal
 
 import pytest
 
-from freescale_comm.testing import run_ranks
-from rank_programs import sleep_for_a_minute
+from freescale_comm.testing import RankFailure, run_ranks, spawn
+from rank_programs import fail_after, sleep_for_a_minute
 
 
 def test_ranks_do_not_outlive_a_call_interrupted_by_the_tests_own_timeout():
@@ -24,3 +24,10 @@ def test_ranks_do_not_outlive_a_call_interrupted_by_the_tests_own_timeout():
         signal.signal(signal.SIGALRM, previous)
     alive = [p.name for p in multiprocessing.active_children() if p.name.startswith("freescale-rank")]
     assert alive == [], alive
+
+
+def test_a_rank_failing_just_past_the_deadline_is_a_failure_not_a_pass():
+    """Past timeout_s the harness stopped reading results but waited a few seconds for the ranks:
+    one that raised in that window exited 0, its traceback unread, and came back as a pass."""
+    with pytest.raises(RankFailure, match="the check failed"):
+        spawn(fail_after, 2, 2.0, backend=None, timeout_s=1.0)

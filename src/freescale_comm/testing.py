@@ -166,6 +166,12 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, backend: Opti
             if results[rank].error is None:
                 results[rank].error = f"rank {rank} still running after {timeout_s} s: killed"
         results[rank].exitcode = p.exitcode
+    while pending and take_one(0.2):  # reported past the deadline, before it exited: read it
+        pass
+    for rank in pending:  # no result read: never a pass (it exited 0 past the deadline, unread)
+        if results[rank].error is None:
+            results[rank].error = (f"rank {rank} reported no result within {timeout_s} s "
+                                   f"(exit code {results[rank].exitcode})")
     return results
 
 
