@@ -728,3 +728,19 @@ def mean_pooling(info, steps: int) -> dict:
                 got = torchrec.split(DIM, dim=1)[f]
                 out["torchrec"][shardings[feature]] = float((got - want).abs().max())
     return out
+
+
+def micro_batches_with_gradient_clipping_are_refused(info) -> list[str]:
+    """A fused optimizer that clips gradients: micro-batches would clip each row's summed gradient
+    where TrainPipelineSparseDist clips each use (weights ~1 % apart after 6 steps, silently).
+    Returns what constructing with micro_batches raised, then that micro_batches=None builds."""
+    pg = dist.group.WORLD
+    fused = {"optimizer": OPTIMIZERS["sgd"], "learning_rate": 0.1, "gradient_clipping": True, "max_gradient": 0.05}
+    dmp, opt = build(pg, "sgd", fused_params=fused)
+    try:
+        fc.TrainPipelinePEC(dmp, opt, torch.device("cpu"), micro_batches=2)
+        refused = "no error"
+    except ValueError as e:
+        refused = str(e)
+    fc.TrainPipelinePEC(dmp, opt, torch.device("cpu")).close()
+    return [refused, "built"]

@@ -96,6 +96,17 @@ def test_micro_batches_match_sparse_dist_within_float_rounding():
         assert report["4 learned loss weight"]["outputs"] <= 1e-6, report["4 learned loss weight"]
 
 
+def test_micro_batches_with_gradient_clipping_are_refused_on_every_rank():
+    """FBGEMM clips the gradient it is given: micro-batches give it each row's sum over its uses,
+    TrainPipelineSparseDist each use (weights ~1 % apart after 6 steps, row-wise Adagrad's state
+    13-29 %, silently). Whole batches stay bit-identical with clipping (a helper checked)."""
+    from pec_pipeline_programs import micro_batches_with_gradient_clipping_are_refused
+
+    for refused, built in spawn(micro_batches_with_gradient_clipping_are_refused, 2, backend="freescale"):
+        assert refused.startswith("micro_batches=2 with gradient clipping (tables ['"), refused
+        assert "pass micro_batches=None" in refused and built == "built", refused
+
+
 def test_every_micro_batch_read_is_fresh_and_skipping_the_dual_buffer_refresh_is_caught():
     """The staleness oracle (every row a batch reads equals the number of its earlier reads) holds
     for 4 micro-batches with PEC, dual-buffer and ids-only prefetch, at every collision rate; keeping

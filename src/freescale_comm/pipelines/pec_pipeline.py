@@ -180,7 +180,7 @@ class TrainPipelinePEC(Generic[In, Out]):
         # every rank must drive the same rounds: the arguments that shape them must agree, and a rank
         # that cannot serve its own shards refuses with all the others
         try:
-            _agree(self._comm, self._catalog.refusal, {
+            _agree(self._comm, self._catalog.refusal or _micro_batch_refusal(self._catalog, micro_batches), {
                 "micro_batches": micro_batches, "prefetch": prefetch, "execute_all_batches": execute_all_batches,
                 "loss_reduction": loss_reduction, "balance": sorted((k, repr(v)) for k, v in balance.items()) if balance is not None else None,
                 "high_priority": high_priority, "low_priority": low_priority, "deferred_priority": deferred_priority,
@@ -633,6 +633,22 @@ class TrainPipelinePEC(Generic[In, Out]):
                 hooks.remove()
         if error is not None:
             raise error
+
+
+def _micro_batch_refusal(catalog: Any, micro_batches: Optional[int]) -> Optional[str]:
+    """Why this rank's shards cannot take micro-batches, or None. Gradient clipping: micro-batches
+    send each row's gradient summed over its uses, and FBGEMM clips what it is given, so the
+    update would clip the sum where TrainPipelineSparseDist clips each use (a silently different
+    training: weights ~1 % apart after 6 steps, row-wise Adagrad's state 13-29 %)."""
+    if micro_batches is None:
+        return None
+    clipped = sorted({key[0] for key, shard in catalog.local.items()
+                      if getattr(getattr(shard.tbe, "optimizer_args", None), "gradient_clipping", False)})
+    if not clipped:
+        return None
+    return (f"micro_batches={micro_batches} with gradient clipping (tables {clipped}): micro-batches send each row's "
+            "gradient summed over its uses and FBGEMM would clip that sum, where TrainPipelineSparseDist clips each "
+            "use; pass micro_batches=None, or train without the fused optimizer's gradient_clipping")
 
 
 def _agree(comm: Communicator, refusal: Optional[str], settings: dict[str, Any]) -> None:
