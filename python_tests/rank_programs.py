@@ -370,3 +370,46 @@ def fail_after(info, seconds: float) -> None:
     """A rank whose check fails `seconds` in (the harness's own tests)."""
     time.sleep(seconds)
     raise AssertionError(f"rank {info.rank}: the check failed")
+
+
+def a_peer_leaves_before_building_its_communicator(info) -> str:
+    """Rank 0 fails before building its fc.Communicator and exits; rank 1 waits in the setup
+    exchange over the (gloo) group. It got gloo's RuntimeError ("Connection closed by peer"), not
+    a CommError. Returns rank 1's error type and code."""
+    import freescale_comm as fc
+
+    if info.rank == 0:
+        time.sleep(1.0)
+        return "left"
+    try:
+        fc.Communicator(dist.group.WORLD)
+    except Exception as e:  # noqa: BLE001 - the type and code are the result
+        return f"{type(e).__name__} {getattr(e, 'code', None)}"
+    return "built"
+
+
+def a_rank_dies_while_a_freescale_group_is_set_up(info) -> Optional[tuple[str, str, Optional[int], float]]:
+    """Rank 1 dies between the setup rounds of dist.new_group(backend="freescale", timeout=2 s) on
+    a freescale world of 30 s. Its peers waited the world store's 30 s, then raised torch's
+    DistStoreError naming no rank. Returns (error type, code, culprit, seconds waited)."""
+    import datetime
+
+    import freescale_comm as fc
+    from freescale_comm import _bootstrap
+
+    if info.rank == 1:
+        original, calls = _bootstrap.StoreBootstrap.allgather, [0]
+
+        def dies_in_round_two(self, blob):
+            calls[0] += 1
+            if calls[0] == 2:
+                os._exit(1)
+            return original(self, blob)
+
+        _bootstrap.StoreBootstrap.allgather = dies_in_round_two
+    start = time.monotonic()
+    try:
+        dist.new_group(backend="freescale", timeout=datetime.timedelta(seconds=2))
+    except Exception as e:  # noqa: BLE001 - the error is the result
+        return (type(e).__name__, getattr(e, "code", None), getattr(e, "culprit", None), time.monotonic() - start)
+    return None

@@ -12,6 +12,8 @@ import pytest
 from freescale_comm.testing import run_ranks
 from failure_path_programs import close_with_ops_pending, exit_at_once_rounds, killed_mid_op, mismatch_by_bytes
 from rank_programs import (
+    a_peer_leaves_before_building_its_communicator,
+    a_rank_dies_while_a_freescale_group_is_set_up,
     disagreeing_splits,
     huge_timeouts_mean_no_timeout,
     peer_never_joins,
@@ -186,3 +188,18 @@ def test_a_forked_child_leaves_its_parents_communicator_alone():
     results = [r.value for r in run_ranks(fork_after_communicator, 2, timeout_s=90)]
     assert results[0] == {"child": "refused", "child_exit": 0, "next_op_ok": True}, results
     assert results[1] == {"next_op_ok": True}, results
+
+
+@pytest.mark.timeout(120)
+def test_a_rank_dying_while_a_freescale_group_is_set_up_is_named_within_the_groups_timeout():
+    results = run_ranks(a_rank_dies_while_a_freescale_group_is_set_up, 3, backend="freescale", timeout_s=60)
+    for rank in (0, 2):
+        kind, code, culprit, waited = results[rank].value
+        assert (kind, code, culprit) == ("CommError", "TIMEOUT", 1), results[rank]
+        assert waited < 15, f"waited {waited} s: the world store's 30 s, not the group's 2 s"
+
+
+@pytest.mark.timeout(120)
+def test_a_peer_leaving_before_its_communicator_is_a_commerror():
+    results = run_ranks(a_peer_leaves_before_building_its_communicator, 2, timeout_s=60)
+    assert results[1].value == "CommError PEER_DIED", results

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import datetime
 import weakref
+from typing import Optional
 
 import torch.distributed as dist
 
 from freescale_comm import _core
+from freescale_comm._errors import comm_error
 
 
 class GroupBootstrap(_core.Bootstrap):
@@ -37,7 +40,14 @@ class GroupBootstrap(_core.Bootstrap):
 
     def allgather(self, blob: bytes) -> list[bytes]:
         out: list[object] = [None] * self._size
-        dist.all_gather_object(out, bytes(blob), group=self.group())
+        group = self.group()
+        try:
+            dist.all_gather_object(out, bytes(blob), group=group)
+        except RuntimeError as e:  # the group's own error (gloo: "Connection closed by peer"): a CommError
+            raise comm_error("building a freescale communicator over the group failed in its setup exchange: a peer "
+                             "failed or left before or while building its own (so a CommError here follows another "
+                             f"rank's own error; the wait is the group's timeout). The group said: {e}",
+                             "PEER_DIED") from e
         return [bytes(b) for b in out]  # type: ignore[arg-type]
 
     def barrier(self) -> None:
@@ -49,12 +59,13 @@ class StoreBootstrap(_core.Bootstrap):
     of allgather writes ``<k>/<rank>`` and reads every rank's key (Store.get waits for it, up to
     the store's timeout). Used by the backend, which has a store but no group to lean on yet."""
 
-    def __init__(self, store: dist.Store, rank: int, size: int) -> None:
+    def __init__(self, store: dist.Store, rank: int, size: int, timeout: Optional[datetime.timedelta] = None) -> None:
         super().__init__()
         self._store = store
         self._rank = rank
         self._size = size
         self._round = 0
+        self._timeout = timeout  # how long a round waits for its peers (None: the store's own timeout)
 
     def rank(self) -> int:
         return self._rank
@@ -66,7 +77,24 @@ class StoreBootstrap(_core.Bootstrap):
         prefix = f"bootstrap/{self._round}/"
         self._round += 1
         self._store.set(prefix + str(self._rank), bytes(blob))
-        return [bytes(self._store.get(prefix + str(p))) for p in range(self._size)]
+        keys = [prefix + str(p) for p in range(self._size)]
+        if self._timeout is not None:
+            try:
+                self._store.wait(keys, self._timeout)
+            except RuntimeError as e:  # DistStoreError: a timeout, or the store itself gone
+                missing = [p for p, key in enumerate(keys) if not self._check(key)]
+                raise comm_error(
+                    f"setting up a freescale group: rank(s) {missing} did not reach setup round {self._round - 1} "
+                    f"within {self._timeout.total_seconds():g} s (they died or failed before building the group, or "
+                    f"are late; set the group timeout or FREESCALE_TIMEOUT_S). The store said: {e}",
+                    "TIMEOUT", missing[0] if missing else None) from e
+        return [bytes(self._store.get(key)) for key in keys]
+
+    def _check(self, key: str) -> bool:
+        try:
+            return bool(self._store.check([key]))
+        except RuntimeError:  # the store is gone too: count the key missing
+            return False
 
     def barrier(self) -> None:
         self.allgather(b"")

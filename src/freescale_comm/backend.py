@@ -24,6 +24,7 @@ import torch.distributed as dist
 
 from freescale_comm import _core
 from freescale_comm._bootstrap import StoreBootstrap
+from freescale_comm._errors import comm_error
 from freescale_comm.communicator import Communicator, check_priority
 from freescale_comm.work import Work
 
@@ -110,6 +111,13 @@ class _BarrierWork(_NativeWork):
         return self._work.get_future().then(nothing)
 
 
+def _setup_timeout(timeout: datetime.timedelta) -> datetime.timedelta:
+    """How long a group's setup round waits for its peers: FREESCALE_TIMEOUT_S where set (as every
+    op of the group), else the group's timeout."""
+    ms = _core.Config.from_env().timeout_ms
+    return datetime.timedelta(milliseconds=ms) if ms else timeout
+
+
 class ProcessGroupFreescale(dist.ProcessGroup):
     """Created by torch for ``init_process_group("freescale")`` / ``new_group(backend="freescale")``."""
 
@@ -120,13 +128,19 @@ class ProcessGroupFreescale(dist.ProcessGroup):
         self._store = store
         self._timeout = timeout
         self._group_name_ = group_name
-        self._cpu = dist.ProcessGroupGloo(dist.PrefixStore("gloo/", store), rank, size, timeout)
+        try:
+            self._cpu = dist.ProcessGroupGloo(dist.PrefixStore("gloo/", store), rank, size, timeout)
+        except RuntimeError as e:  # its rendezvous timed out (DistStoreError): a peer died or is late
+            raise comm_error(f"setting up a freescale group: its inner gloo group's rendezvous failed within "
+                             f"{timeout.total_seconds():g} s (a rank died or failed before building the group, or is "
+                             f"late). gloo said: {e}", "TIMEOUT") from e
         self._cuda: Optional[dist.ProcessGroup] = None  # NCCL, built on first use
         self._cuda_lock = threading.Lock()
         self._comm: Optional[Communicator] = None
         self._cuda_native = "ce" in _core.build_info()["transports"]  # CUDA tensors on copy engines
         try:
-            self._comm = Communicator._over(StoreBootstrap(dist.PrefixStore("freescale/", store), rank, size), timeout)
+            self._comm = Communicator._over(StoreBootstrap(dist.PrefixStore("freescale/", store), rank, size,
+                                                           _setup_timeout(timeout)), timeout)
         except _core.UnsupportedError as e:
             # Ranks on several hosts: the host transport cannot serve them; gloo moves CPU data.
             logger.warning("freescale group %r: native ops fall back to gloo (%s)", group_name, e)
