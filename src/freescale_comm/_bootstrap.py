@@ -86,7 +86,7 @@ class StoreBootstrap(_core.Bootstrap):
                 raise comm_error(
                     f"setting up a freescale group: rank(s) {missing} did not reach setup round {self._round - 1} "
                     f"within {self._timeout.total_seconds():g} s (they died or failed before building the group, or "
-                    f"are late; set the group timeout or FREESCALE_TIMEOUT_S). The store said: {e}",
+                    f"are late; the group's timeout bounds this wait). The store said: {e}",
                     "TIMEOUT", missing[0] if missing else None) from e
         return [bytes(self._store.get(key)) for key in keys]
 

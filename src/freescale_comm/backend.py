@@ -111,13 +111,6 @@ class _BarrierWork(_NativeWork):
         return self._work.get_future().then(nothing)
 
 
-def _setup_timeout(timeout: datetime.timedelta) -> datetime.timedelta:
-    """How long a group's setup round waits for its peers: FREESCALE_TIMEOUT_S where set (as every
-    op of the group), else the group's timeout."""
-    ms = _core.Config.from_env().timeout_ms
-    return datetime.timedelta(milliseconds=ms) if ms else timeout
-
-
 class ProcessGroupFreescale(dist.ProcessGroup):
     """Created by torch for ``init_process_group("freescale")`` / ``new_group(backend="freescale")``."""
 
@@ -139,8 +132,10 @@ class ProcessGroupFreescale(dist.ProcessGroup):
         self._comm: Optional[Communicator] = None
         self._cuda_native = "ce" in _core.build_info()["transports"]  # CUDA tensors on copy engines
         try:
-            self._comm = Communicator._over(StoreBootstrap(dist.PrefixStore("freescale/", store), rank, size,
-                                                           _setup_timeout(timeout)), timeout)
+            # setup rounds wait for peers up to the group's timeout, as its gloo rendezvous does (not
+            # FREESCALE_TIMEOUT_S, the ops' limit: ranks may start seconds apart)
+            self._comm = Communicator._over(StoreBootstrap(dist.PrefixStore("freescale/", store), rank, size, timeout),
+                                            timeout)
         except _core.UnsupportedError as e:
             # Ranks on several hosts: the host transport cannot serve them; gloo moves CPU data.
             logger.warning("freescale group %r: native ops fall back to gloo (%s)", group_name, e)
