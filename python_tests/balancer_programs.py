@@ -152,13 +152,14 @@ def plans_ahead_equal_plans_at_dispatch(info, batches: int) -> list[dict]:
 class _ShortCircuit(torch.nn.Module):
     """Per-row work; an empty batch returns fresh zeros (no grad), as modules often do."""
 
-    def __init__(self) -> None:
+    def __init__(self, through_parameters: bool = False) -> None:
         super().__init__()
         self.scale = torch.nn.Parameter(torch.tensor([1.5, -0.5]))
+        self.through_parameters = through_parameters  # the empty batch's zeros require grad (a parameter's)
 
     def forward(self, values: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
         if lengths.numel() == 0:
-            return torch.zeros(0, 2)
+            return torch.zeros(0, 2) * self.scale if self.through_parameters else torch.zeros(0, 2)
         return values ** 2 * self.scale
 
 
@@ -178,7 +179,7 @@ def ranks_whose_batches_differ_in_requires_grad(info, case: str) -> dict:
     else:
         lengths = torch.tensor([5] if rank == 0 else [], dtype=torch.int64)
     raw = torch.randn(int(lengths.sum()), 2, generator=torch.Generator().manual_seed(rank))
-    module = _ShortCircuit()
+    module = _ShortCircuit(through_parameters=case == "parameters_only")
     values = emb(raw) if rank == 0 or case != "empty_input" else torch.empty(0, 2)
     reference = module(values, lengths).sum()
     if reference.requires_grad:  # (not on rank 1: nothing to compute, nothing to differentiate)
@@ -192,3 +193,25 @@ def ranks_whose_batches_differ_in_requires_grad(info, case: str) -> dict:
     out.sum().backward()
     got = emb.weight.grad if emb.weight.grad is not None else torch.zeros(2, 2)
     return {"equal": torch.allclose(got, ref, rtol=1e-6, atol=1e-7), "computed": module.freescale_balance.last_plan.moved_samples}
+
+
+def a_gradient_penalty_beside_an_empty_rank(info) -> bool:
+    """create_graph=True through fc.balance while rank 1 has nothing to compute (its module returns
+    fresh zeros): its gradient did not require grad, or its graph stopped short of rank 0's, and
+    the second backward's movements ran on rank 0 only (CommError). Returns whether rank 0's
+    second-order gradient equals the unbalanced one."""
+    rank = info.rank
+    lengths = torch.tensor([5] if rank == 0 else [], dtype=torch.int64)
+    values = torch.randn(int(lengths.sum()), 2, generator=torch.Generator().manual_seed(rank)).requires_grad_()
+    module = _ShortCircuit()
+    grads = []
+    for balanced in (False, True):
+        if balanced:
+            fc.balance(module, CostModel(quadratic=1.0))
+        loss = module(values, lengths).sum()
+        if loss.requires_grad:
+            (g,) = torch.autograd.grad(loss, values, create_graph=True)
+            (loss + (g ** 2).sum()).backward()
+        grads.append(values.grad.clone() if values.grad is not None else torch.zeros_like(values))
+        values.grad = None
+    return torch.allclose(grads[0], grads[1])

@@ -284,3 +284,20 @@ def second_order_gradients_match_single_process(info, seed: int) -> float:
     if not x.numel():
         return 0.0
     return max(float((g - g_ref).abs().max()), float((h - h_ref).abs().max() / h_ref.abs().max()))
+
+
+def combine_requires_grad_only_where_a_dispatch_did(info) -> list[bool]:
+    """No rank's values require grad (grad mode on, as in an eval loop without no_grad): the combine's
+    result must not require grad (it did: .numpy() raised). Then rank 0's values do: every rank's
+    combine result does, so every rank joins its backward. Returns both results' requires_grad."""
+    rank = info.rank
+    lengths = torch.tensor([3, 1] if rank == 0 else [1], dtype=torch.int64)
+    seen = []
+    for grad_on_rank_0 in (False, True):
+        values = torch.randn(int(lengths.sum()), 2).requires_grad_(grad_on_rank_0 and rank == 0)
+        res = fc.dispatch(values, lengths, torch.tensor([1, 0] if rank == 0 else [0]))
+        back = fc.combine(res.values.detach() * 2, res.handle)  # rows without grad on every rank
+        seen.append(back.requires_grad)
+        if back.requires_grad:
+            back.sum().backward()
+    return seen

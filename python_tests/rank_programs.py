@@ -413,3 +413,10 @@ def a_rank_dies_while_a_freescale_group_is_set_up(info) -> Optional[tuple[str, s
     except Exception as e:  # noqa: BLE001 - the error is the result
         return (type(e).__name__, getattr(e, "code", None), getattr(e, "culprit", None), time.monotonic() - start)
     return None
+
+
+def exit_without_reporting(info) -> int:
+    """Rank 1 leaves with os._exit(0) before returning (the harness's own tests)."""
+    if info.rank == 1:
+        os._exit(0)
+    return 42

@@ -75,7 +75,7 @@ def test_a_plan_made_ahead_serves_only_the_sequences_it_was_made_with():
     assert planned.plan_for(first) is None
 
 
-@pytest.mark.parametrize("case", ["empty_input", "short_circuit"])
+@pytest.mark.parametrize("case", ["empty_input", "short_circuit", "parameters_only"])
 def test_ranks_whose_batches_differ_in_requires_grad_still_get_every_gradient(case):
     from balancer_programs import ranks_whose_batches_differ_in_requires_grad
 
@@ -84,3 +84,10 @@ def test_ranks_whose_batches_differ_in_requires_grad_still_get_every_gradient(ca
     assert all(r["equal"] for r in results), results
     if case == "empty_input":
         assert results[0]["computed"] > 0, results  # rank 1 computed some of rank 0's samples
+
+
+def test_a_gradient_penalty_beside_an_empty_rank_runs_the_same_movements_everywhere():
+    from balancer_programs import a_gradient_penalty_beside_an_empty_rank
+
+    assert spawn(a_gradient_penalty_beside_an_empty_rank, 2, backend="freescale", timeout_s=60,
+                 env={"FREESCALE_TIMEOUT_S": "10"}) == [True, True]

@@ -4,7 +4,8 @@ import pytest
 
 from freescale_comm.testing import spawn
 from dispatch_programs import (PATTERNS, ROW_CASES, bad_inputs_raise_before_communicating, gradients_match_single_process,
-                               roundtrip_is_identity, second_order_gradients_match_single_process,
+                               combine_requires_grad_only_where_a_dispatch_did, roundtrip_is_identity,
+                               second_order_gradients_match_single_process,
                                side_communicator_lets_the_group_go)
 
 
@@ -22,6 +23,10 @@ def test_gradients_equal_a_single_process_reference(backend):
 def test_second_order_gradients_flow_through_the_movements():
     diffs = spawn(second_order_gradients_match_single_process, 3, 9, backend="freescale")
     assert max(diffs) < 1e-12, diffs
+
+
+def test_a_combine_requires_grad_on_every_rank_exactly_where_its_dispatch_did_on_some():
+    assert spawn(combine_requires_grad_only_where_a_dispatch_did, 2, backend="freescale") == [[False, True]] * 2
 
 
 def test_bad_input_raises_before_communication():

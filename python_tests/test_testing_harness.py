@@ -5,7 +5,7 @@ import signal
 import pytest
 
 from freescale_comm.testing import RankFailure, run_ranks, spawn
-from rank_programs import fail_after, sleep_for_a_minute
+from rank_programs import exit_without_reporting, fail_after, sleep_for_a_minute
 
 
 def test_ranks_do_not_outlive_a_call_interrupted_by_the_tests_own_timeout():
@@ -31,3 +31,8 @@ def test_a_rank_failing_just_past_the_deadline_is_a_failure_not_a_pass():
     one that raised in that window exited 0, its traceback unread, and came back as a pass."""
     with pytest.raises(RankFailure, match="the check failed"):
         spawn(fail_after, 2, 2.0, backend=None, timeout_s=1.0)
+
+
+def test_a_rank_exiting_0_without_reporting_is_a_failure_not_a_pass():
+    with pytest.raises(RankFailure, match="exited \\(code 0\\) without reporting a result"):
+        spawn(exit_without_reporting, 2, backend=None, timeout_s=30)

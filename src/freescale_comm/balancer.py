@@ -415,10 +415,11 @@ class _BalanceHooks:
             if args and ref() is args[0]:
                 del self._pending[i]
                 if isinstance(home, BalancedBundle):
-                    return self.balancer.combine_bundle(_joined(output, bundle_inputs(home)), home)
+                    return self.balancer.combine_bundle(
+                        _joined(output, bundle_inputs(home), empty=home.num_samples == 0), home)
                 if not isinstance(output, torch.Tensor):
                     raise TypeError("a module balanced by fc.balance must return one tensor with a row-block per sample")
-                return self.balancer.combine(_joined(output, [args[0]]), home)
+                return self.balancer.combine(_joined(output, [args[0]], empty=args[0].shape[0] == 0), home)
         raise RuntimeError("fc.balance: forward hook without a matching dispatch (was the input replaced?)")
 
     def remove(self) -> None:
@@ -442,31 +443,38 @@ class _Join(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Optional[torch.Tensor], ...]:
-        return (grad, *(torch.zeros(shape, dtype=dtype, device=device) for shape, dtype, device in ctx.shapes))
+        zero = torch.zeros((), dtype=grad.dtype, device=grad.device)
+        if torch.is_grad_enabled():  # create_graph: the zeros depend on grad, so a second order reaches
+            zero = grad.sum() * 0    # what produced it on this rank as on its peers (0 rows here: exactly 0)
+        return (grad, *(zero.to(dtype).expand(shape) if zero.device == device else torch.zeros(shape, dtype=dtype, device=device)
+                        for shape, dtype, device in ctx.shapes))
 
 
-def _joined(output: Any, inputs: list[torch.Tensor]) -> Any:
+def _joined(output: Any, inputs: list[torch.Tensor], empty: bool = False) -> Any:
     """`output`, its first floating tensor that does not require grad joined to `inputs` that do
-    (under grad mode), where one such exists: see _Join."""
+    (under grad mode), where one such exists: see _Join. `empty` (no sample here): the first
+    floating tensor, grad or not (it may require grad through parameters alone, never through the
+    inputs; the join costs nothing on zero rows)."""
     inputs = [t for t in inputs if isinstance(t, torch.Tensor) and t.requires_grad]
     if not inputs or not torch.is_grad_enabled():
         return output
     if isinstance(output, torch.Tensor):
-        return _Join.apply(output, *inputs) if not output.requires_grad and output.is_floating_point() else output
+        joins = output.is_floating_point() and (empty or not output.requires_grad)
+        return _Join.apply(output, *inputs) if joins else output
     if is_jagged(output):
-        values = _joined(output.values(), inputs)
+        values = _joined(output.values(), inputs, empty)
         return output if values is output.values() else type(output)(
             values=values, lengths=output.lengths(), weights=output.weights_or_none())
     if isinstance(output, dict):
         for k, v in output.items():
-            joined = _joined(v, inputs)
+            joined = _joined(v, inputs, empty)
             if joined is not v:
                 out = copy.copy(output)
                 out[k] = joined
                 return out
     elif isinstance(output, (list, tuple)):
         for i, v in enumerate(output):
-            joined = _joined(v, inputs)
+            joined = _joined(v, inputs, empty)
             if joined is not v:
                 items = [*output[:i], joined, *output[i + 1:]]
                 return type(output)(*items) if hasattr(output, "_fields") else type(output)(items)

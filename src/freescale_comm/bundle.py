@@ -16,7 +16,8 @@ from typing import Any, Optional
 import torch
 
 from freescale_comm._output_layouts import Ways
-from freescale_comm.dispatch import DispatchHandle, Received, combine, dispatch_like, dispatch_received
+from freescale_comm.dispatch import (DispatchHandle, Received, combine, dispatch_like, dispatch_received,
+                                     grad_for_combine)
 from freescale_comm.planner import RebalancePlan
 
 
@@ -203,6 +204,12 @@ def dispatch_bundle(sequences: Any, per_sample: dict[str, torch.Tensor], cost_le
         balanced[name] = _jagged(jt, values, found[2].to(jt.lengths().dtype), weights)  # (int32 stays int32)
     moved = {name: dispatch_like(per_sample[name], first.handle, priority=priority, grad=sample_grads.get(name))
              for name in sorted(per_sample, key=repr)}  # one order on every rank, whatever each dict's
+    # every handle's combines require grad where anything of the bundle did on some rank: an output
+    # computed from one feature may go home laid out as another, or per sample
+    bundle_grad = any(any(flags) for flags in feature_grads.values()) or any(sample_grads.values()) or \
+        any(t.requires_grad for t in [*moved.values(), *(jt.values() for jt in balanced.values())])
+    for handle in [first.handle, *handles.values()]:
+        grad_for_combine(handle, bundle_grad)
     balanced = {name: balanced[name] for name in jts}  # this rank's own order
     out = type(sequences).from_jt_dict(balanced) if is_keyed_jagged(sequences) else balanced
     home = {name: jt.lengths().long() for name, jt in jts.items()}

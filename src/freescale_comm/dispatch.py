@@ -47,6 +47,9 @@ class DispatchHandle:
     send_rows: list[int]  # [world] rows this rank sent to each rank
     recv_rows: list[int]  # [world] rows this rank received from each rank
     recv_lengths: torch.Tensor  # int64 [received samples]
+    # the dispatched values required grad on some rank: then every rank's combine result does
+    # (under grad mode), so every rank joins the movement's backward, which is collective
+    grad: bool = False
 
     @property
     def rows_sent(self) -> int:
@@ -164,7 +167,8 @@ class _Dispatch(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Optional[torch.Tensor], None, None]:
-        return _Combine.apply(grad, ctx.handle, ctx.priority), None, None
+        # (create_graph: every rank records the movement, its grad requiring grad or not)
+        return _Combine.apply(tracked(grad, True), ctx.handle, ctx.priority), None, None
 
 
 class _Combine(torch.autograd.Function):
@@ -175,7 +179,7 @@ class _Combine(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Optional[torch.Tensor], None, None]:
-        return _Dispatch.apply(grad, ctx.handle, ctx.priority), None, None
+        return _Dispatch.apply(tracked(grad, True), ctx.handle, ctx.priority), None, None
 
 
 # What a rank receives, when every rank knows it beforehand (a LoadBalancer's plan): int64 host
@@ -202,6 +206,7 @@ def dispatch_received(values: torch.Tensor, lengths: torch.Tensor, dest_ranks: t
     values, lengths = check_jagged_batch(values, lengths)
     dest_ranks = _check_index_tensor(dest_ranks, "dest_ranks", lengths.numel(), values.device)
     priority = check_priority(priority)
+    grad = values.requires_grad if grad is None else grad  # (the counts' exchange, where it runs, tells better)
     if not dist.is_initialized():
         raise RuntimeError("fc.dispatch needs torch.distributed: call dist.init_process_group(...) first")
     if not move and _row_bytes(values) != 0:
@@ -228,13 +233,18 @@ def dispatch_received(values: torch.Tensor, lengths: torch.Tensor, dest_ranks: t
     else:
         recv_lengths, source_ranks = received
     handle = DispatchHandle(comm, plan, plan.row_counts.tolist(), _rows_from(recv_lengths, source_ranks, world),
-                            recv_lengths)
+                            recv_lengths, bool(grad))
     return _deliver(values, handle, source_ranks, priority, move, grad)
 
 
 def _rows_from(lengths: torch.Tensor, sources: torch.Tensor, world: int) -> list[int]:
     """[world] rows received from each rank, from the received samples' lengths and sources (host)."""
     return torch.zeros(world, dtype=torch.int64).index_add_(0, sources, lengths).tolist()
+
+
+def grad_for_combine(handle: DispatchHandle, grad: bool) -> None:
+    """Marks `handle` (and so every combine on it) as one whose rows require grad on some rank."""
+    object.__setattr__(handle, "grad", handle.grad or grad)  # (a frozen dataclass: set once, at dispatch)
 
 
 def tracked(values: torch.Tensor, grad: Optional[bool]) -> torch.Tensor:
@@ -280,7 +290,7 @@ def _dispatch_cuda(values: torch.Tensor, lengths: torch.Tensor, dest_ranks: torc
     else:
         recv_rows = _rows_from(*received, world)
         recv_lengths, source_ranks = (to_device(t, values.device) for t in received)  # no stream sync
-    handle = DispatchHandle(comm, plan, plan.row_counts, recv_rows, recv_lengths)
+    handle = DispatchHandle(comm, plan, plan.row_counts, recv_rows, recv_lengths, bool(grad))
     return _deliver(values, handle, source_ranks, priority, move, grad)
 
 
@@ -312,9 +322,10 @@ def combine(values: torch.Tensor, handle: DispatchHandle, *, priority: int = 0) 
             f"rows ({handle.recv_lengths.numel()} samples) to this rank; pass one row-block per received sample "
             "(is the handle from another dispatch call?)"
         )
-    # Under grad mode every rank's result requires grad (floating rows): its backward is collective,
-    # and a rank whose module returned rows without grad (an empty batch's zeros) must still join it
-    return _Combine.apply(tracked(values, True), handle, priority)
+    # Where the dispatch's values required grad on some rank, every rank's result does (under grad
+    # mode): its backward is collective, and a rank whose rows carry no grad (an empty batch's fresh
+    # zeros) must still join it
+    return _Combine.apply(tracked(values, handle.grad), handle, priority)
 
 
 def dispatch_like(values: torch.Tensor, handle: DispatchHandle, *, priority: int = 0,

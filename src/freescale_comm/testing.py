@@ -150,6 +150,8 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, backend: Opti
                 if not procs[rank].is_alive() and procs[rank].exitcode is not None:
                     while rank in pending and take_one(0.2):  # results still in flight
                         pass
+                    if rank in pending and procs[rank].exitcode == 0:  # os._exit(0) before reporting: not a pass
+                        results[rank].error = f"rank {rank} exited (code 0) without reporting a result"
                     pending.discard(rank)  # otherwise it died without reporting (killed)
     except BaseException:  # a test's own timeout, Ctrl-C: no rank outlives the call
         for p in procs:
