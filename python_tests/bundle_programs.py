@@ -584,3 +584,15 @@ def an_empty_rank_returning_fresh_jagged_rows(info) -> bool:
         grads.append(values.grad.clone() if values.grad is not None else torch.zeros_like(values))
         values.grad = None
     return torch.equal(grads[0], grads[1])
+
+
+def per_sample_tensors_of_different_names(info) -> str:
+    """Rank 1 calls its second per-sample tensor "time" where rank 0 says "ts": they moved paired by
+    sorted place, one rank's under the other's name. Returns the error every rank raises."""
+    sequences, labels, _ = make_inputs(info.rank, 11)
+    per_sample = {"label": labels, "ts" if info.rank == 0 else "time": labels * 2}
+    try:
+        fc.LoadBalancer(COST).dispatch_bundle(sequences, per_sample)
+    except Exception as e:  # noqa: BLE001 - the message is the result
+        return f"{type(e).__name__}: {e}"
+    return "no error"

@@ -182,6 +182,15 @@ def test_int32_lengths_stay_int32_through_balancing(keyed):
         assert dtypes == ["torch.int32", "torch.int32"], dtypes
 
 
+def test_per_sample_tensors_of_different_names_are_a_commerror_on_every_rank():
+    _need("torchrec")
+    from bundle_programs import per_sample_tensors_of_different_names
+
+    for rank, message in enumerate(spawn(per_sample_tensors_of_different_names, 2, backend="freescale", timeout_s=60)):
+        assert message.startswith("CommError: ranks balanced features of different names"), message
+        assert f"per_sample {['label', 'ts'] if rank == 0 else ['label', 'time']}" in message, message
+
+
 def test_balancing_needs_no_collective_from_a_group_that_refuses_host_tensors():
     """An NCCL group refuses collectives on host tensors; fc.balance all-gathered its plan's
     lengths (and agreed on shared counts) through the group with host tensors, so it failed there

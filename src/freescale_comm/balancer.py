@@ -235,7 +235,7 @@ class LoadBalancer:
         sample_names = sorted(per_sample, key=repr)
         grads = [int(jts[n].values().requires_grad) | int(getattr(jts[n].weights_or_none(), "requires_grad", False)) << 1
                  for n in names] + [int(per_sample[k].requires_grad) for k in sample_names]
-        codes = [_names_code(names), len(grads), *grads] + \
+        codes = [_names_code([*names, "per_sample:", *sample_names]), len(grads), *grads] + \
             ([] if _arguments is None else _argument_codes(_arguments, batch, cost.device))
         if ahead is not None:  # every rank made it from these lengths: no all-gather, no host read
             plan, per_rank, all_costs = ahead.plan, ahead.extras, ahead.costs
@@ -247,7 +247,7 @@ class LoadBalancer:
             mine = _feature_views(feature_lengths, cost)
             plan, per_rank, all_costs, all_codes = self._plan(
                 cost.cpu(), self.bytes_per_item if self.bytes_per_item is not None else item_bytes, mine, codes)
-        _check_names([c[0] for c in all_codes], names)
+        _check_names([c[0] for c in all_codes], names, sample_names)
         if len({c[1] for c in all_codes}) > 1:
             raise comm_error("ranks passed different numbers of per_sample tensors (" + ", ".join(
                 f"ranks {ranks}: {k - len(names)}" for k, ranks in ranks_by([c[1] for c in all_codes]).items()) + ")")
@@ -322,14 +322,16 @@ def _names_code(names: list[Any]) -> int:
     return zlib.crc32("\0".join(map(repr, names)).encode())
 
 
-def _check_names(codes: list[int], names: list[Any]) -> None:
-    """CommError unless every rank balanced features of the same names (`codes`: every rank's
-    _names_code; `names`: this rank's). Features move by name, not by their place in a dict."""
+def _check_names(codes: list[int], names: list[Any], sample_names: list[str]) -> None:
+    """CommError unless every rank balanced features and per_sample tensors of the same names
+    (`codes`: every rank's _names_code; `names`, `sample_names`: this rank's). They move by name,
+    not by their place in a dict."""
     by = ranks_by(codes)
     if len(by) > 1:
+        here = f"{names}" + (f", per_sample {sample_names}" if sample_names else "")
         raise comm_error("ranks balanced features of different names (" +
                          ", ".join(f"ranks {ranks}: names {code:#010x}" for code, ranks in by.items()) +
-                         f"; here: {names}): every rank's batch needs the same features, by name")
+                         f"; here: {here}): every rank's batch needs the same features, by name")
 
 
 def _check_widths(widths: list[int]) -> None:
