@@ -10,8 +10,9 @@ through autograd, the backward of each being the other.
 
 from __future__ import annotations
 
-import copy
+import functools
 import math
+import operator
 import weakref
 import zlib
 from collections.abc import Sequence
@@ -40,6 +41,7 @@ from freescale_comm.bundle import (
     leaf_kind,
     leaf_rows,
     local_shares,
+    rebuilt,
     resolved,
     with_moved,
 )
@@ -247,14 +249,10 @@ class LoadBalancer:
             mine = _feature_views(feature_lengths, cost)
             plan, per_rank, all_costs, all_codes = self._plan(
                 cost.cpu(), self.bytes_per_item if self.bytes_per_item is not None else item_bytes, mine, codes)
-        _check_names([c[0] for c in all_codes], names, sample_names)
-        if len({c[1] for c in all_codes}) > 1:
-            raise comm_error("ranks passed different numbers of per_sample tensors (" + ", ".join(
-                f"ranks {ranks}: {k - len(names)}" for k, ranks in ranks_by([c[1] for c in all_codes]).items()) + ")")
-        any_grad = [any(c[2 + i] for c in all_codes) for i in range(len(grads))]  # per entry: OR of bits over ranks
-        feature_grads = {n: (bool(any(c[2 + i] & 1 for c in all_codes)), bool(any(c[2 + i] & 2 for c in all_codes)))
-                         for i, n in enumerate(names)}
-        sample_grads = {k: any_grad[len(names) + i] for i, k in enumerate(sample_names)}
+        _check_names([c[0] for c in all_codes], names, sample_names)  # (equal names: as many grad flags)
+        ored = [functools.reduce(operator.or_, (c[2 + i] for c in all_codes)) for i in range(len(grads))]
+        feature_grads = {n: (bool(ored[i] & 1), bool(ored[i] & 2)) for i, n in enumerate(names)}
+        sample_grads = {k: bool(ored[len(names) + i]) for i, k in enumerate(sample_names)}
         all_codes = [c[2 + len(grads):] for c in all_codes]
         if _arguments is not None:
             moved, moved_grads = _agreed_moves(_arguments, all_codes)
@@ -448,8 +446,7 @@ class _Join(torch.autograd.Function):
         zero = torch.zeros((), dtype=grad.dtype, device=grad.device)
         if torch.is_grad_enabled():  # create_graph: the zeros depend on grad, so a second order reaches
             zero = grad.sum() * 0    # what produced it on this rank as on its peers (0 rows here: exactly 0)
-        return (grad, *(zero.to(dtype).expand(shape) if zero.device == device else torch.zeros(shape, dtype=dtype, device=device)
-                        for shape, dtype, device in ctx.shapes))
+        return (grad, *(zero.to(device=device, dtype=dtype).expand(shape) for shape, dtype, device in ctx.shapes))
 
 
 def _joined(output: Any, inputs: list[torch.Tensor], empty: bool = False) -> Any:
@@ -471,15 +468,12 @@ def _joined(output: Any, inputs: list[torch.Tensor], empty: bool = False) -> Any
         for k, v in output.items():
             joined = _joined(v, inputs, empty)
             if joined is not v:
-                out = copy.copy(output)
-                out[k] = joined
-                return out
+                return rebuilt(output, {k: joined})
     elif isinstance(output, (list, tuple)):
         for i, v in enumerate(output):
             joined = _joined(v, inputs, empty)
             if joined is not v:
-                items = [*output[:i], joined, *output[i + 1:]]
-                return type(output)(*items) if hasattr(output, "_fields") else type(output)(items)
+                return rebuilt(output, [*output[:i], joined, *output[i + 1:]])
     return output
 
 

@@ -85,6 +85,17 @@ def leaf_kind(leaf: Any) -> str:
     return kind if rows is None else f"{kind}@{rows.device.type}"
 
 
+def rebuilt(x: Any, parts: Any) -> Any:
+    """`x`, a dict, list or tuple, rebuilt of its own type around `parts`: a dict's entries
+    replaced by `parts`' (a copy: its type and what it carries, an OrderedDict's order, a
+    defaultdict's factory), a sequence's items all `parts` (a namedtuple takes its fields)."""
+    if isinstance(x, dict):
+        out = copy.copy(x)
+        out.update(parts)
+        return out
+    return type(x)(*parts) if hasattr(x, "_fields") else type(x)(parts)
+
+
 def with_moved(x: Any, moved: dict[str, torch.Tensor], path: str) -> Any:
     """The argument rebuilt around its moved leaves (argument_leaves' paths)."""
     if path in moved:
@@ -92,12 +103,9 @@ def with_moved(x: Any, moved: dict[str, torch.Tensor], path: str) -> Any:
             return moved[path]
         return type(x)(keys=x.keys(), length_per_key=x.length_per_key(), values=moved[path], key_dim=x.key_dim())
     if isinstance(x, dict) and any(p.startswith(path + "/") for p in moved):
-        out = copy.copy(x)  # its type and what it carries (a defaultdict's factory)
-        out.update({k: with_moved(v, moved, f"{path}/{k!r}") for k, v in x.items()})
-        return out
+        return rebuilt(x, {k: with_moved(v, moved, f"{path}/{k!r}") for k, v in x.items()})
     if isinstance(x, (list, tuple)) and any(p.startswith(path + "/") for p in moved):
-        items = [with_moved(v, moved, f"{path}/{i}") for i, v in enumerate(x)]
-        return type(x)(*items) if hasattr(x, "_fields") else type(x)(items)
+        return rebuilt(x, [with_moved(v, moved, f"{path}/{i}") for i, v in enumerate(x)])
     return x
 
 
@@ -254,14 +262,8 @@ def _walk(x: Any, bundle: BalancedBundle, feature: Optional[str], path: str, vis
     if isinstance(x, dict):  # entries in one order on every rank (a dict built from a set may differ)
         parts = {k: _walk(x[k], bundle, k if k in bundle.handles else None, f"{path}[{k!r}]", visit, rebuild)
                  for k in sorted(x, key=repr)}
-        if not rebuild:
-            return None
-        out = copy.copy(x)  # its type and what it carries (an OrderedDict, a defaultdict's factory)
-        out.update({k: parts[k] for k in x})
-        return out
+        return rebuilt(x, parts) if rebuild else None
     if isinstance(x, (list, tuple)):
         parts = [_walk(v, bundle, None, f"{path}[{i}]", visit, rebuild) for i, v in enumerate(x)]
-        if not rebuild:
-            return None
-        return type(x)(*parts) if hasattr(x, "_fields") else type(x)(parts)  # a namedtuple takes its fields
+        return rebuilt(x, parts) if rebuild else None
     return x if rebuild else None
