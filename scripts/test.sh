@@ -5,20 +5,16 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 phase() { echo "[test.sh +${SECONDS}s] $*"; }  # where CI's minutes go
-# Two GoogleTest processes at a time: most of their wall time is waiting (timeouts, peers, the
-# emulated device's DMA threads), and the tests are built to run side by side (segment names carry
-# their pids; ranks meet through inherited pipes, not fixed ports).
-CTEST_PARALLEL=2
 phase "Release build (CUDA compiled), ctest"
 cmake -S . -B build/ctest -DFREESCALE_BUILD_TESTS=ON -DCMAKE_BUILD_TYPE=Release > build-ctest.log 2>&1 || { cat build-ctest.log; exit 1; }
 cmake --build build/ctest -j2 >> build-ctest.log 2>&1 || { cat build-ctest.log; exit 1; }
 rm -f build-ctest.log
-ctest --test-dir build/ctest -j"$CTEST_PARALLEL" --output-on-failure
+ctest --test-dir build/ctest --output-on-failure
 # The CUDA transports (copy engines, NVSHMEM) and the emulator again with every stream on ONE
 # hardware queue (the default above is 8, a GPU's): a device-side wait that depends on work
 # enqueued after it hangs here (design.md §4). Once, in this build only.
 phase "one hardware queue rerun"
-FREESCALE_EMULATED_HW_QUEUES=1 ctest --test-dir build/ctest -j"$CTEST_PARALLEL" --output-on-failure -R '(^|/)(Ce|Nvshmem|EmulatedDevice|EmulatedShmem|SubmitGate)'
+FREESCALE_EMULATED_HW_QUEUES=1 ctest --test-dir build/ctest --output-on-failure -R '(^|/)(Ce|Nvshmem|EmulatedDevice|EmulatedShmem|SubmitGate)'
 # GoogleTest again under ASan + UBSan, any report failing the run (CUDA off: the emulated device
 # still runs the transports' logic, which needs no nvcc).
 phase "ASan + UBSan build and ctest"
@@ -27,7 +23,7 @@ cmake -S . -B build/asan -DFREESCALE_BUILD_TESTS=ON -DFREESCALE_BUILD_PYTHON=OFF
   > build-asan.log 2>&1 || { cat build-asan.log; exit 1; }
 cmake --build build/asan -j2 >> build-asan.log 2>&1 || { cat build-asan.log; exit 1; }
 rm -f build-asan.log
-ctest --test-dir build/asan -j"$CTEST_PARALLEL" --output-on-failure
+ctest --test-dir build/asan --output-on-failure
 # And under TSan: the CPU engine (scheduler, host transport, communicator, progress lock) and the
 # CUDA transports on the emulated device. Its DMA moves whole words atomically (as the hardware
 # does) and the host reads mapped mirrors with acquire loads, so TSan follows the protocols; what
@@ -43,7 +39,7 @@ rm -f build-tsan.log
 # near their op timeouts) for no path the smaller tests there (2-rank soaks, failures, ordering)
 # do not take. AStalledNetworkPeer... mostly waits out its bounded settles (seconds of wall time);
 # the code it reaches (drain, settle) runs under TSan in every nvshmem test.
-TSAN_OPTIONS=halt_on_error=1 ctest --test-dir build/tsan -j"$CTEST_PARALLEL" --output-on-failure \
+TSAN_OPTIONS=halt_on_error=1 ctest --test-dir build/tsan --output-on-failure \
   -E 'RandomSplitsFromZeroTo256MiB|Moves64MiBPerPeer|LaterUrgentOp|NvshmemEmulatedStreams.ManyChunks|Emulated.EveryOpHasAllItsBytesWhenItCompletes/[34]$|AStalledNetworkPeer'
 phase "plain pip install"
 bash scripts/check_plain_install.sh
