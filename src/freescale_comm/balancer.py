@@ -446,7 +446,9 @@ class _Join(torch.autograd.Function):
         zero = torch.zeros((), dtype=grad.dtype, device=grad.device)
         if torch.is_grad_enabled():  # create_graph: the zeros depend on grad, so a second order reaches
             zero = grad.sum() * 0    # what produced it on this rank as on its peers (0 rows here: exactly 0)
-        return (grad, *(zero.to(device=device, dtype=dtype).expand(shape) for shape, dtype, device in ctx.shapes))
+        # A device-to-device .to() would be a blocking copy on CUDA: inputs on another device get fresh zeros
+        return (grad, *(zero.to(dtype).expand(shape) if zero.device == device else torch.zeros(shape, dtype=dtype, device=device)
+                        for shape, dtype, device in ctx.shapes))
 
 
 def _joined(output: Any, inputs: list[torch.Tensor], empty: bool = False) -> Any:
