@@ -381,3 +381,44 @@ def list_all_to_all_outputs_once_complete(info) -> dict:
     while not all(bool((t != 0).any()) for t in dropped[1:]) and time.monotonic() < deadline:
         time.sleep(0.005)
     return {"seen": seen, "result": result, "dropped": [t.tolist() for t in dropped]}
+
+
+def future_callbacks_wait_on_other_ops(info, beyond_gloo: bool) -> dict:
+    """then() callbacks of an async all_to_all_single's future that block on another op of the
+    same group, as PowerSGD's hooks do (a nested future's wait() inside then()), or on a Work
+    posted before. beyond_gloo (gloo's worker threads hang at two deep and abort the process on a
+    synchronous op inside): nested two deep, and a synchronous op inside. Before, callbacks ran on
+    the thread driving progress: a nested future's wait() hung past every timeout, Work.wait()
+    inside raised INVALID_USAGE on the ranks whose op completed late and worked on the others."""
+    rank, world = info.rank, info.world_size
+    x = torch.arange(float(world)) + 10 * rank
+
+    def a2a(async_op: bool) -> tuple[torch.Tensor, dist.Work]:
+        out = torch.zeros(world)
+        return out, dist.all_to_all_single(out, x, async_op=async_op)
+
+    def nested_future(fut: torch.futures.Future) -> list:
+        out, work = a2a(True)
+        work.get_future().wait()
+        return out.tolist()
+
+    def nested_two_deep(fut: torch.futures.Future) -> list:
+        out, work = a2a(True)
+        inner = work.get_future().then(nested_future).wait()
+        return [out.tolist(), inner]
+
+    seen = {}
+    _, first = a2a(True)
+    seen["nested_future"] = first.get_future().then(nested_future).wait()
+    _, first = a2a(True)
+    prior_out, prior = a2a(True)
+    seen["work_posted_before"] = first.get_future().then(lambda f: (prior.wait(), prior_out.tolist())[1]).wait()
+    if beyond_gloo:
+        _, first = a2a(True)
+        seen["nested_two_deep"] = first.get_future().then(nested_two_deep).wait()
+        _, first = a2a(True)
+        seen["sync_op_inside"] = first.get_future().then(lambda f: a2a(False)[0].tolist()).wait()
+    out, work = a2a(True)
+    work.wait()  # once wait() returned, the future holds the value
+    seen["value_after_wait"] = [t.tolist() for t in work.get_future().value()]
+    return seen

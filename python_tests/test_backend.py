@@ -18,6 +18,7 @@ from backend_programs import (
     coalesced_gathers_and_reduce_scatters,
     communicator_peer_never_posts,
     every_collective_matches_gloo,
+    future_callbacks_wait_on_other_ops,
     list_all_to_all_outputs_once_complete,
     local_refusals_are_runtime_errors,
     native_ops_are_profiler_ranges,
@@ -76,6 +77,18 @@ def test_a_list_all_to_alls_outputs_hold_the_data_once_it_completes_waited_for_o
     ours = spawn(list_all_to_all_outputs_once_complete, 2, backend="freescale", timeout_s=60)
     assert ours == spawn(list_all_to_all_outputs_once_complete, 2, backend="gloo", timeout_s=60)
     assert ours[0]["seen"] == ours[0]["result"] == ours[0]["dropped"] == [[0.0, 0.0], [10.0, 10.0]], ours
+
+
+def test_future_callbacks_may_wait_on_other_ops_as_gloos_may():
+    gloo = spawn(future_callbacks_wait_on_other_ops, 2, False, backend="gloo", timeout_s=60)
+    ours = spawn(future_callbacks_wait_on_other_ops, 2, True, backend="freescale", timeout_s=60)
+    expected = [[float(10 * p + rank) for p in range(2)] for rank in range(2)]  # [rank][source]
+    for rank in range(2):
+        beyond = {"nested_two_deep", "sync_op_inside"}
+        assert gloo[rank] == {k: v for k, v in ours[rank].items() if k not in beyond}
+        assert ours[rank]["nested_future"] == ours[rank]["work_posted_before"] == expected[rank]
+        assert ours[rank]["nested_two_deep"] == [expected[rank], expected[rank]] == [ours[rank]["sync_op_inside"]] * 2
+        assert ours[rank]["value_after_wait"] == [expected[rank]]
 
 
 def test_local_refusals_are_runtime_errors_as_gloo_raises_them():

@@ -363,8 +363,8 @@ class PrioritizedEmbedding:
 
     def _serve_ol(self, update: _Update) -> None:
         """Once the OL gradients arrived: applies them, then sends the prefetched batch's OL rows
-        (high priority). Runs on the thread that completes the exchange (the progress thread, or
-        one blocked in a wait), so the round trip needs no call of the caller: never waits on an op."""
+        (high priority). Runs on a completion thread once the exchange is done (_completions), so
+        the round trip needs no call of the caller; the caller's next call waits for it."""
         try:
             update.apply(self._update)
             b = self._next

@@ -5,11 +5,12 @@ from __future__ import annotations
 import datetime
 import logging
 import threading
+import time
 from typing import Any, Optional, Union
 
 import torch
 
-from freescale_comm import _core
+from freescale_comm import _completions, _core
 from freescale_comm._capture import refuse_capture
 from freescale_comm._errors import comm_error
 
@@ -40,6 +41,7 @@ class Work:
         self._result = result
         self._keepalive: Optional[tuple[Any, ...]] = keepalive
         self._future: Optional[torch.futures.Future] = None
+        self._future_done: Optional[threading.Event] = None  # set once the future completed and its callbacks ran
         self._lock = threading.Lock()
         self.device_waited = False  # CUDA: a stream was made to wait for its bytes (Work.wait)
 
@@ -65,10 +67,24 @@ class Work:
             self.device_waited = True
             self._handle.rethrow_if_failed()
             return True
-        if not self._comm.wait(self._handle, _timeout_seconds(timeout)):
+        seconds = _timeout_seconds(timeout)
+        start = time.monotonic()
+        if not self._comm.wait(self._handle, seconds):
             raise self._timed_out(timeout, "the op is still pending")
+        if not self._future_ran(None if seconds is None else max(0.0, seconds - (time.monotonic() - start))):
+            raise self._timed_out(timeout, "the op completed; its future's callbacks are still running")
         self._keepalive = None
         return True
+
+    def _future_ran(self, seconds: Optional[float]) -> bool:
+        """Once the op is done: waits until its future (if one was asked for) completed and its
+        callbacks ran, as a wait() returned only after them when they ran on the completing thread
+        (callers rely on it: PEC's serving). Not from inside those callbacks (they would wait on
+        themselves): there the future is complete already."""
+        done = self._future_done
+        if done is None or done.is_set() or _completions.running_here(self):
+            return True
+        return done.wait(seconds)
 
     def _complete_if_device_waited(self, seconds: float) -> None:
         """Before its communicator closes: an op a CUDA stream was made to wait for (wait()) is
@@ -85,8 +101,12 @@ class Work:
         return comm_error(f"all_to_all op #{self.seq} did not complete within {timeout} ({why}; it goes on)", "TIMEOUT")
 
     def is_completed(self) -> bool:
-        """True once the op finished, successfully or not (like torch's Work)."""
-        return self._handle.is_completed()
+        """True once the op finished, successfully or not, and its future (if asked for) says so
+        too (like torch's Work)."""
+        if not self._handle.is_completed():
+            return False
+        done = self._future_done
+        return done is None or done.is_set() or _completions.running_here(self)
 
     def is_success(self) -> bool:
         return self._handle.is_completed() and not self._handle.failed()
@@ -107,39 +127,47 @@ class Work:
 
     def get_future(self) -> torch.futures.Future:
         """A torch Future completed with [output] (or the CommError) when the op finishes. Its
-        callbacks run on the thread that completes the op (the communicator's progress thread, or
-        one blocked in wait). CUDA tensors (as NCCL's): a CUDA-aware future, so its wait() and
+        callbacks run on a completion thread (_completions), never on the thread driving the
+        communicator's progress, so they may block on other ops, as gloo's may; on the calling
+        thread if the op was already done. wait() and is_completed() answer once it completed and
+        its callbacks ran. CUDA tensors (as NCCL's): a CUDA-aware future, so its wait() and
         value() make the current stream wait for the op's bytes, and then() callbacks run on a
         stream that does."""
         with self._lock:
             if self._future is None:
                 devices = [self._device] if self._device is not None else None
                 future: torch.futures.Future = torch.futures.Future(devices=devices)
-                self._future = future
+                done = threading.Event()
 
-                def on_done() -> None:
-                    error = self.exception()
-                    if error is not None:
-                        future.set_exception(error)
-                    elif self._device is None:
-                        future.set_result(self._result)
-                    else:
-                        self._set_cuda_result(future)
+                def complete() -> None:
+                    try:
+                        error = self.exception()
+                        if error is not None:
+                            future.set_exception(error)
+                        elif self._device is None:
+                            future.set_result(self._result)
+                        else:
+                            self._set_cuda_result(future)
+                    finally:
+                        done.set()
 
-                self._handle.add_done_callback(on_done)
+                self._future, self._future_done = future, done
+                if self._handle.is_completed():
+                    complete()
+                else:
+                    self._handle.add_done_callback(lambda: _completions.run_soon_for(self, complete))
             return self._future
 
     def _set_cuda_result(self, future: torch.futures.Future) -> None:
         """Completes `future` with the events it records on a side stream that waits for the op
-        (the op completed: stream_wait returns at once, safe on the progress thread). Not the completing thread's
-        current stream: on the default stream the events would also wait for unrelated work."""
+        (the op completed: stream_wait returns at once). Not the completing thread's current stream: on the default stream the events would also wait for unrelated work."""
         assert self._device is not None
         try:
             side = _side_stream(self._device)
             self._comm.stream_wait(self._handle, side.cuda_stream)
             with torch.cuda.device(self._device), torch.cuda.stream(side):
                 future.set_result(self._result)
-        except Exception as e:  # noqa: BLE001 - on the progress thread: the future must still complete
+        except Exception as e:  # noqa: BLE001 - on a completion thread: the future must still complete
             if not future.done():
                 future.set_exception(e)
 
