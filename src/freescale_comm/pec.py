@@ -376,7 +376,8 @@ class PrioritizedEmbedding:
     def _finish_serving(self) -> None:
         """Waits until _serve_ol ran (the OL update is applied, its sends posted); raises its error."""
         if self._serving is not None:
-            self._serving.wait()  # returns once the op's callbacks ran
+            self._serving.wait()  # raises its error
+            self._serving.wait_for_callbacks()  # CUDA: wait() returned once the copies were enqueued
             self._serving = None
         if self._serve_error is not None:
             error, self._serve_error = self._serve_error, None

@@ -76,6 +76,11 @@ class Work:
         self._keepalive = None
         return True
 
+    def wait_for_callbacks(self) -> None:
+        """Blocks the CPU until the op is done on this rank and its future's callbacks ran (on CUDA
+        too, where wait() returns once the copies are enqueued). No-op without a future."""
+        self._future_ran(None)
+
     def _future_ran(self, seconds: Optional[float]) -> bool:
         """Once the op is done: waits until its future (if one was asked for) completed and its
         callbacks ran, as a wait() returned only after them when they ran on the completing thread
