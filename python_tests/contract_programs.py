@@ -87,6 +87,30 @@ def train_eval_epochs(info, steps: int) -> dict:
 
 
 
+def fixed_count_epochs(info, epochs: int, steps: int) -> dict:
+    """A loop of len(data) progress() calls per epoch on a new iterator each (StopIteration never
+    reached), then an eval epoch to StopIteration. Before, the pipeline drained after each epoch's
+    last batch and its next call raised StopIteration whatever iterator it got: every second
+    epoch trained nothing and the eval epoch saw no batch."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    train = make_batches(steps, world, 0.5, seed=71)
+    val = make_batches(steps - 1, world, 0.5, seed=72)
+    runs = {}
+    for name in ("sparse_dist", "pec"):
+        dmp, opt = build(dist.group.WORLD, "rowwise_adagrad")
+        pipe = _pipe(name, dmp, opt)
+        outputs = []
+        for _ in range(epochs):
+            feed = iter([b[rank] for b in train])
+            outputs += [pipe.progress(feed).clone() for _ in range(len(train))]
+        dmp.eval()
+        outputs += _epoch(pipe, iter([b[rank] for b in val]))
+        dmp.train()
+        runs[name] = {"outputs": outputs, "state": _state(dmp, opt)}
+        _close(pipe)
+    return _diff(runs["sparse_dist"], runs["pec"])
+
+
 def short_loaders(info, lengths: list[int]) -> dict:
     """Per dataloader length (0, 1, 2...): two epochs, outputs and state compared."""
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -270,4 +294,4 @@ def training_loop_patterns(info) -> dict:
             "short_loaders": short_loaders(info, [0, 1, 2]),
             "data_error": data_error_then_checkpoint(info, 8, 3, 0.5),
             "optimizer_first": optimizer_state_mid_run(info, 8, 5), "load": load_state(info, 6, 2, 3),
-            "property_batches": property_batches(info, 3)}
+            "property_batches": property_batches(info, 3), "fixed_count": fixed_count_epochs(info, 3, 3)}

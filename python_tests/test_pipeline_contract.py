@@ -34,6 +34,10 @@ def test_the_pipeline_behaves_as_sparse_dist_in_a_training_loop():
         # kept as they were: a train / eval / train loop, dataloaders of 0, 1 and 2 batches over two epochs
         loop = out["train_eval_train"]
         assert loop["n_outputs"][0] == loop["n_outputs"][1] and loop["outputs"] == loop["state_max"] == 0.0, loop
+        # a fixed count of steps per epoch, then an eval epoch: every batch trains and evaluates;
+        # before, [9 + 2, 6 + 0]: every second epoch raised StopIteration at once, the eval saw none
+        fixed = out["fixed_count"]
+        assert fixed["n_outputs"] == (3 * 3 + 2, 3 * 3 + 2) and fixed["outputs"] == fixed["state_max"] == 0.0, fixed
         for n, diff in out["short_loaders"].items():
             assert diff["n_outputs"] == (2 * n, 2 * n) and diff["outputs"] == diff["state_max"] == 0.0, (n, diff)
 

@@ -215,7 +215,6 @@ class TrainPipelinePEC(Generic[In, Out]):
         self._asked_next: Optional[concurrent.futures.Future] = None  # the next batch's ids, in flight
         self._has_next = False  # batch N+1 exists (every rank agreed)
         self._routed: collections.deque = collections.deque()  # worker: (batch, inputs, asks) counted, not asked
-        self._drained = False  # the data ran out: the next progress() raises StopIteration
         self._failure: Optional[BaseException] = None  # what broke the pipeline: raised again
         self._closed = False
         self._progressing = threading.Lock()  # held by the thread in progress()
@@ -414,9 +413,6 @@ class TrainPipelinePEC(Generic[In, Out]):
         if self._failure is not None:
             raise RuntimeError(f"TrainPipelinePEC failed at step {self._step} ({self._failure!r}); its tables may hold "
                                "a partial update: restore a checkpoint and build a new pipeline") from self._failure
-        if self._drained:  # once per exhausted iterator; the next call fills from the one it gets
-            self._drained = False
-            raise StopIteration
         self._exposed = {"ids": 0.0, "embeddings": 0.0, "gradients": 0.0}
         try:
             if self._batch is None:  # fill: batch 0's counts, its ids (with batch 1's counts), its rows
@@ -440,7 +436,6 @@ class TrainPipelinePEC(Generic[In, Out]):
             fetched_rows = sum(sum(counts) for counts in self._asks.fresh_counts)
             if not has_next and not self._execute_all_batches:  # the data ran out: stop before training
                 self._drain()
-                self._drained = False  # raised here, now: the next call fills from the iterator it gets
                 raise StopIteration
             # after batch N+1's ids (one worker, FIFO)
             prepared = self._post(self._exchange.prepare) if has_next else None
@@ -563,13 +558,15 @@ class TrainPipelinePEC(Generic[In, Out]):
         return merge_outputs(outputs, split.samples, split.size), grads
 
     def _drain(self) -> None:
-        """The data ran out: every update applied, the exchange forgets the batches; progress()
-        raises StopIteration once, then fills again from the iterator it is given (a new epoch)."""
+        """The data ran out: every update applied, the exchange forgets the batches. As
+        TrainPipelineSparseDist's empty queue: the next progress() fills from the iterator it is
+        given and raises StopIteration where that one has no batch, so a loop of a fixed count per
+        epoch, on a new iterator each, trains every epoch."""
         self._join(self._post(self._exchange.reset), "gradients")
         self._batch, self._asks, self._inputs, self._asked_next = None, None, {}, None
         self._plans, self._plans_now = [], {}
         self._micro_rows = []
-        self._has_next, self._drained = False, True
+        self._has_next = False
         self._routed.clear()
 
     def _quiesce(self) -> None:
