@@ -38,6 +38,10 @@ def test_the_pipeline_behaves_as_sparse_dist_in_a_training_loop():
         # before, [9 + 2, 6 + 0]: every second epoch raised StopIteration at once, the eval saw none
         fixed = out["fixed_count"]
         assert fixed["n_outputs"] == (3 * 3 + 2, 3 * 3 + 2) and fixed["outputs"] == fixed["state_max"] == 0.0, fixed
+        # TorchRec's eval pipeline mid-epoch on the same model, then training on, then a new pipeline
+        evals = out["torchrec_eval"]
+        assert evals["n_outputs"] == (2 + 2 + 2 + 4,) * 2 and evals["outputs"] == evals["state_max"] == 0.0, evals
+        assert "training forward outside TrainPipelinePEC.progress" in (evals["refused"] or ""), evals["refused"]
         for n, diff in out["short_loaders"].items():
             assert diff["n_outputs"] == (2 * n, 2 * n) and diff["outputs"] == diff["state_max"] == 0.0, (n, diff)
 

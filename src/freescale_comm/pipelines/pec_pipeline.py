@@ -48,6 +48,9 @@ from freescale_comm.pipelines._plans_ahead import Plans, plan_ahead
 from freescale_comm.pipelines._sparse_inputs import find_sparse_inputs, reader
 from freescale_comm.planner import CostModel
 
+# the sharded modules a live TrainPipelinePEC drives (one pipeline per module at a time)
+_driven: "weakref.WeakKeyDictionary[nn.Module, Any]" = weakref.WeakKeyDictionary()
+
 logger = logging.getLogger("freescale_comm")
 
 In = TypeVar("In")
@@ -168,10 +171,13 @@ class TrainPipelinePEC(Generic[In, Out]):
             raise ValueError(f"group has {world} ranks but the model is sharded over {dist.get_world_size(model_group)}: "
                              "pass the model's sharding group (or leave group=None)")
         self._catalog = build_catalog(model.module, model.plan, rank)
-        for info in self._catalog.modules:
-            if "forward" in info.module.__dict__:
-                raise ValueError(f"sharded module {info.fqn!r} is already driven by another TrainPipelinePEC: close() "
-                                 "that one first")
+        for info in self._catalog.modules:  # a pipeline left idle (its data ran out, or it failed) is closed
+            other = _driven.get(info.module)  # here, as a TrainPipelineSparseDist made per epoch is dropped
+            if other is not None and (other._batch is not None and other._failure is None):
+                raise ValueError(f"sharded module {info.fqn!r} is already driven by another TrainPipelinePEC that "
+                                 "holds batches in flight: close() that one first")
+        for other in {id(p): p for p in (_driven.get(i.module) for i in self._catalog.modules) if p is not None}.values():
+            other.close()
         modules = dict(sharded_modules(model.module))
         self._read_inputs = sparse_inputs if sparse_inputs is not None else \
             reader(find_sparse_inputs(model.module, modules))
@@ -244,8 +250,16 @@ class TrainPipelinePEC(Generic[In, Out]):
         self._plans: list[Plans] = []  # per micro-batch (one: whole batches) of batch N
         self._plans_now: Plans = {}  # of what forward runs on now
         self._hooks = []
+        # the pipeline's forward of each sharded module, installed only while progress() runs the
+        # model (_driving): outside it the module is TorchRec's (or another pipeline's, e.g.
+        # EvalPipelineSparseDist's rewritten forward), and a forward there applies the deferred
+        # gradients first (_forward_elsewhere)
+        self._forwards = {info.fqn: self._forward_of(info) for info in self._catalog.modules}
+        self._driving_now = False
         for info in self._catalog.modules:
-            info.module.forward = self._forward_of(info)
+            _driven[info.module] = self
+            self._hooks.append(info.module.register_forward_pre_hook(
+                lambda module, args, fqn=info.fqn: self._forward_elsewhere(fqn)))
             # a checkpoint sees every update, as after TrainPipelineSparseDist's steps
             self._hooks.append(info.module.register_state_dict_pre_hook(lambda *_: self.flush()))
             loadable = info.module._register_load_state_dict_pre_hook(lambda *_: self._check_loadable())
@@ -276,6 +290,42 @@ class TrainPipelinePEC(Generic[In, Out]):
         method = types.MethodType(wrapped, holder)
         setattr(holder, name, method)
         self._wrapped.append((holder, name, method))
+
+    @contextlib.contextmanager
+    def _driving(self) -> Iterator[None]:
+        """The pipeline's forwards installed on the sharded modules while the model runs one batch;
+        what was there before (a TorchRec pipeline's rewritten forward, or nothing) comes back."""
+        before = [(info.module, info.module.__dict__.get("forward")) for info in self._catalog.modules]
+        for info in self._catalog.modules:
+            info.module.forward = self._forwards[info.fqn]
+        self._driving_now = True
+        try:
+            yield
+        finally:
+            self._driving_now = False
+            for module, forward in before:
+                if forward is None:
+                    module.__dict__.pop("forward", None)
+                else:
+                    module.forward = forward
+
+    def _forward_elsewhere(self, fqn: str) -> None:
+        """A sharded module's forward outside progress() (the user's own eval step, TorchRec's
+        EvalPipelineSparseDist): the deferred gradients apply first, so it reads the tables
+        TrainPipelineSparseDist would hold. A training step there (grad on, module training) while
+        batches are in flight is refused: its update would land after their rows were fetched."""
+        if self._driving_now or self._closed or self._failure is not None:
+            return
+        module = self._catalog_module(fqn)
+        if self._batch is not None and module.training and torch.is_grad_enabled():
+            raise RuntimeError(f"sharded module {fqn!r} ran a training forward outside TrainPipelinePEC.progress while "
+                               "the pipeline holds batches in flight (their rows were fetched before any update "
+                               "this step would make): train through progress(), evaluate under model.eval() or "
+                               "torch.no_grad(), or close() the pipeline first")
+        self.flush()
+
+    def _catalog_module(self, fqn: str) -> nn.Module:
+        return next(info.module for info in self._catalog.modules if info.fqn == fqn)
 
     def _check_loadable(self) -> None:
         """Loading state while batches are in flight would train them on rows fetched before the load,
@@ -447,7 +497,8 @@ class TrainPipelinePEC(Generic[In, Out]):
                     piece.requires_grad_(training)
                 self._reads = (self._asks.pieces, self._asks.positions)
                 self._plans_now = self._plans[0] if self._plans else {}
-                losses, output = self._model(self._batch)
+                with self._driving():
+                    losses, output = self._model(self._batch)
                 self._plans_now = {}
                 grads = None
                 if training:
@@ -535,7 +586,8 @@ class TrainPipelinePEC(Generic[In, Out]):
                 if training and m < last:  # dense gradients accumulate; DDP syncs on the last (see _ddp)
                     for ddp in self._ddp:
                         stack.enter_context(ddp.no_sync())
-                losses, out = self._model(batch)
+                with self._driving():
+                    losses, out = self._model(batch)
                 if training:
                     loss = torch.sum(losses, dim=0)
                     if split.samples[m].numel() == 0:  # trains nothing (a mean over no samples is NaN,
@@ -625,7 +677,8 @@ class TrainPipelinePEC(Generic[In, Out]):
                 if vars(holder).get(name) is method:
                     del vars(holder)[name]
             for info in self._catalog.modules:
-                info.module.__dict__.pop("forward", None)
+                if _driven.get(info.module) is self:
+                    del _driven[info.module]
             for hooks in self._balanced:
                 hooks.remove()
         if error is not None:
