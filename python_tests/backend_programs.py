@@ -422,3 +422,23 @@ def future_callbacks_wait_on_other_ops(info, beyond_gloo: bool) -> dict:
     work.wait()  # once wait() returned, the future holds the value
     seen["value_after_wait"] = [t.tolist() for t in work.get_future().value()]
     return seen
+
+
+def barrier_honours_its_timeout(info) -> str:
+    """dist.barrier(timeout=1 s) while the peer stays away until this rank has raised: a CommError
+    (TIMEOUT) here, and the group goes on (the barrier completes once the peer comes). Before, the
+    timeout was ignored: it waited for the peer (the group's timeout, 30 min by default)."""
+    store = dist.distributed_c10d._get_default_store()
+    if info.rank == 0:
+        try:
+            dist.barrier(timeout=datetime.timedelta(seconds=1))
+            outcome = "completed"
+        except fc.CommError as e:
+            outcome = f"{e.code}"
+        store.set("raised", "1")
+    else:
+        store.wait(["raised"], datetime.timedelta(seconds=60))
+        dist.barrier()
+        outcome = "peer"
+    dist.barrier()
+    return outcome

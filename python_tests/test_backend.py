@@ -14,6 +14,7 @@ from freescale_comm.testing import run_ranks, spawn
 from backend_programs import (
     all_to_all_shapes_as_gloo,
     async_ops_and_priorities_interleave,
+    barrier_honours_its_timeout,
     barrier_peer_never_joins,
     coalesced_gathers_and_reduce_scatters,
     communicator_peer_never_posts,
@@ -62,6 +63,10 @@ def test_barrier_that_a_peer_never_joins_times_out_after_the_group_timeout():
     assert " Timed out " in message and "CommError" in message, message
     assert "waiting on rank(s) [1]" in message, message  # the silent peer, and only it
     assert float(waited) >= 3.0, f"raised after {waited} s, before the 3 s group timeout"
+
+
+def test_a_barrier_honours_its_own_timeout_and_the_group_goes_on():
+    assert spawn(barrier_honours_its_timeout, 2, backend="freescale", timeout_s=60) == ["TIMEOUT", "peer"]
 
 
 def test_coalesced_gathers_and_reduce_scatters_match_gloo():

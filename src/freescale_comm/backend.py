@@ -101,7 +101,16 @@ class _NativeWork(dist._Work):
 
 
 class _BarrierWork(_NativeWork):
-    """A barrier's Work: its future's value is [] (gloo's), not the empty message it sent."""
+    """A barrier's Work: its future's value is [] (gloo's), not the empty message it sent; wait()
+    with no timeout of its own waits `timeout` (dist.barrier(timeout=...)), None: the group's."""
+
+    def __init__(self, work: Work, timeout: Optional[datetime.timedelta]) -> None:
+        super().__init__(work, [])
+        self._timeout = timeout
+
+    def wait(self, timeout: Optional[datetime.timedelta] = None) -> bool:
+        given = timeout is not None and timeout != datetime.timedelta(0)
+        return super().wait(timeout if given else self._timeout)
 
     def get_future(self) -> torch.futures.Future:
         def nothing(fut: torch.futures.Future) -> list[torch.Tensor]:
@@ -270,7 +279,8 @@ class ProcessGroupFreescale(dist.ProcessGroup):
         empty = torch.empty(0, dtype=torch.uint8)
         work = self._comm._all_to_all(empty, empty, [0] * self.size(), [0] * self.size(), self._op_priority(), True,
                                       "barrier")
-        return _BarrierWork(work, [])
+        timeout = getattr(opts, "timeout", None)  # BarrierOptions' default (unset) is negative
+        return _BarrierWork(work, timeout if timeout is not None and timeout >= datetime.timedelta(0) else None)
 
     # --- delegated (same results as the inner group) ------------------------------------------
     def broadcast(self, tensors: list[torch.Tensor], opts: Any) -> dist.Work:
