@@ -189,17 +189,24 @@ def messages_of_a_balanced_forward(info, seed: int, alike: bool) -> int:
     return count[0]
 
 
-def ranks_balance_different_features(info, seed: int, renamed: bool = False) -> str:
+def ranks_balance_different_features(info, seed: int, renamed: bool = False, retyped: bool = False) -> str:
     """Rank 0 balances "items" and "cats", the others also "extra": every rank raises, naming who
     balanced what (before, the shared-counts all-gather of different sizes broke, or hung).
-    renamed: rank 0 calls its "extra" "extra2" (as many features, other names)."""
+    renamed: rank 0 calls its "extra" "extra2" (as many features, other names). retyped: every
+    rank has the same features, and a per_sample "label" of 4 bytes a row, float32 on rank 0 and
+    int32 on the others (before: moved silently, each receiver reading the other's bytes as its
+    own dtype)."""
     sequences, _, _ = make_inputs(info.rank, seed)
-    if info.rank == 0:
+    per_sample = None
+    if retyped:
+        samples = sequences["items"].lengths().numel()
+        per_sample = {"label": torch.ones(samples, dtype=torch.float32 if info.rank == 0 else torch.int32)}
+    elif info.rank == 0:
         extra = sequences.pop("extra")
         if renamed:
             sequences["extra2"] = extra
     try:
-        fc.LoadBalancer(COST).dispatch_bundle(sequences)
+        fc.LoadBalancer(COST).dispatch_bundle(sequences, per_sample)
     except Exception as e:  # noqa: BLE001 - the message is the result
         return f"{type(e).__name__}: {e}"
     return "no error"

@@ -301,3 +301,24 @@ def combine_requires_grad_only_where_a_dispatch_did(info) -> list[bool]:
         if back.requires_grad:
             back.sum().backward()
     return seen
+
+
+def row_kinds_that_differ_fail_every_rank(info) -> list[str]:
+    """Rank 0 dispatches float32 rows of 2, the others float64 rows of 1 (bytes per row equal), then
+    rows of 2 vs 3 of one dtype, then (all agreeing) a round trip: each call's outcome. Before, the
+    first moved silently: each receiver read the other's bytes as its own dtype."""
+    rank, world = info.rank, info.world_size
+    lengths = torch.ones(4, dtype=torch.int64)
+    dest = torch.arange(4, dtype=torch.int64) % world
+    out = []
+    for values in (torch.full((4, 2), 1.5) if rank == 0 else torch.full((4, 1), 1.5, dtype=torch.float64),
+                   torch.ones(4, 2 if rank == 0 else 3)):
+        try:
+            fc.dispatch(values, lengths, dest)
+            out.append("moved")
+        except fc.CommError as e:
+            out.append(f"{e.code}: {e}")
+    values = torch.arange(8.0).view(4, 2) + rank
+    res = fc.dispatch(values, lengths, dest)
+    out.append(str(torch.equal(fc.combine(res.values, res.handle), values)))
+    return out

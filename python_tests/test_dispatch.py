@@ -5,6 +5,7 @@ import pytest
 from freescale_comm.testing import spawn
 from dispatch_programs import (PATTERNS, ROW_CASES, bad_inputs_raise_before_communicating, gradients_match_single_process,
                                combine_requires_grad_only_where_a_dispatch_did, roundtrip_is_identity,
+                               row_kinds_that_differ_fail_every_rank,
                                second_order_gradients_match_single_process,
                                side_communicator_lets_the_group_go)
 
@@ -27,6 +28,13 @@ def test_second_order_gradients_flow_through_the_movements():
 
 def test_a_combine_requires_grad_on_every_rank_exactly_where_its_dispatch_did_on_some():
     assert spawn(combine_requires_grad_only_where_a_dispatch_did, 2, backend="freescale") == [[False, True]] * 2
+
+
+def test_values_of_other_dtypes_or_row_shapes_on_some_rank_fail_every_rank():
+    for outcomes in spawn(row_kinds_that_differ_fail_every_rank, 3):
+        for outcome in outcomes[:2]:
+            assert outcome.startswith("SIZE_MISMATCH") and "ranks [0]: one kind; ranks [1, 2]" in outcome, outcome
+        assert outcomes[2] == "True"  # the communicator goes on: the refusal came before any row moved
 
 
 def test_bad_input_raises_before_communication():

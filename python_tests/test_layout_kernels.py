@@ -17,7 +17,8 @@ if os.environ.get("TRITON_INTERPRET") != "1":  # conftest.py sets it where there
 
 from freescale_comm import _device_dispatch  # noqa: E402
 from freescale_comm.testing import spawn  # noqa: E402
-from dispatch_programs import PATTERNS, ROW_CASES, layout_work_per_call, roundtrip_through_the_layout_kernels  # noqa: E402
+from dispatch_programs import (PATTERNS, ROW_CASES, layout_work_per_call, roundtrip_through_the_layout_kernels,  # noqa: E402
+                               row_kinds_that_differ_fail_every_rank)
 from kernel_launches import intercept  # noqa: E402
 from program_order import ORDERS, permute_programs  # noqa: E402
 
@@ -158,6 +159,15 @@ def test_dispatch_and_combine_through_the_kernels_match_the_cpu_path(world, prog
         pytest.skip("the ranks run their programs in a random order: one run is enough")
     assert spawn(roundtrip_through_the_layout_kernels, world, 70 + world, "random", env=KERNELS_ON_CPU,
                  timeout_s=300) == [len(ROW_CASES) * len(PATTERNS)] * world
+
+
+def test_values_of_other_row_kinds_fail_every_rank_on_the_kernels_path_too(program_order):
+    if program_order != "identity":
+        pytest.skip("no kernel order matters to a refusal: one run is enough")
+    for outcomes in spawn(row_kinds_that_differ_fail_every_rank, 2, env=KERNELS_ON_CPU, timeout_s=300):
+        for outcome in outcomes[:2]:
+            assert outcome.startswith("SIZE_MISMATCH") and "ranks [0]: one kind; ranks [1]" in outcome, outcome
+        assert outcomes[2] == "True"
 
 
 def test_a_balanced_bundle_through_the_kernels_equals_the_unbalanced_module(program_order):

@@ -234,6 +234,10 @@ def test_ranks_balancing_different_features_all_raise_naming_them():
         assert message.startswith("CommError: ranks balanced features of different names (ranks [0]: names "), message
         assert message.endswith("every rank's batch needs the same features, by name"), message
         assert f"here: {['cats', 'extra2', 'items'] if rank == 0 else ['cats', 'extra', 'items']}" in message, message
+    for rank, message in enumerate(spawn(ranks_balance_different_features, 3, 11, False, True, timeout_s=120)):
+        assert message.startswith("CommError: ranks balanced features or per_sample tensors of "
+                                  "different dtypes or row shapes (ranks [0]: one kind; ranks [1, 2]: one kind"), message
+        assert f"'label': (torch.{'float32' if rank == 0 else 'int32'}, ())" in message, message
 
 
 def test_a_keyed_jagged_bundle_with_per_sample_tensors_goes_and_comes_home():

@@ -237,7 +237,11 @@ class LoadBalancer:
         sample_names = sorted(per_sample, key=repr)
         grads = [int(jts[n].values().requires_grad) | int(getattr(jts[n].weights_or_none(), "requires_grad", False)) << 1
                  for n in names] + [int(per_sample[k].requires_grad) for k in sample_names]
-        codes = [_names_code([*names, "per_sample:", *sample_names]), len(grads), *grads] + \
+        # and the kinds (dtype, row shape) of what moves: bytes alone can agree where they differ
+        kinds = [(jts[n].values().dtype, tuple(jts[n].values().shape[1:]),
+                  getattr(jts[n].weights_or_none(), "dtype", None)) for n in names] + \
+            [(per_sample[k].dtype, tuple(per_sample[k].shape[1:])) for k in sample_names]
+        codes = [_names_code([*names, "per_sample:", *sample_names]), _names_code(kinds), len(grads), *grads] + \
             ([] if _arguments is None else _argument_codes(_arguments, batch, cost.device))
         if ahead is not None:  # every rank made it from these lengths: no all-gather, no host read
             plan, per_rank, all_costs = ahead.plan, ahead.extras, ahead.costs
@@ -250,10 +254,11 @@ class LoadBalancer:
             plan, per_rank, all_costs, all_codes = self._plan(
                 cost.cpu(), self.bytes_per_item if self.bytes_per_item is not None else item_bytes, mine, codes)
         _check_names([c[0] for c in all_codes], names, sample_names)  # (equal names: as many grad flags)
-        ored = [functools.reduce(operator.or_, (c[2 + i] for c in all_codes)) for i in range(len(grads))]
+        _check_kinds([c[1] for c in all_codes], names, sample_names, kinds)
+        ored = [functools.reduce(operator.or_, (c[3 + i] for c in all_codes)) for i in range(len(grads))]
         feature_grads = {n: (bool(ored[i] & 1), bool(ored[i] & 2)) for i, n in enumerate(names)}
         sample_grads = {k: bool(ored[len(names) + i]) for i, k in enumerate(sample_names)}
-        all_codes = [c[2 + len(grads):] for c in all_codes]
+        all_codes = [c[3 + len(grads):] for c in all_codes]
         if _arguments is not None:
             moved, moved_grads = _agreed_moves(_arguments, all_codes)
             per_sample.update(moved)
@@ -330,6 +335,18 @@ def _check_names(codes: list[int], names: list[Any], sample_names: list[str]) ->
         raise comm_error("ranks balanced features of different names (" +
                          ", ".join(f"ranks {ranks}: names {code:#010x}" for code, ranks in by.items()) +
                          f"; here: {here}): every rank's batch needs the same features, by name")
+
+
+def _check_kinds(codes: list[int], names: list[Any], sample_names: list[str], kinds: list[tuple]) -> None:
+    """CommError unless every rank's features and per_sample tensors of each name have the same
+    dtype and row shape (`codes`: every rank's hash of them; `kinds`: this rank's, in names' order)."""
+    by = ranks_by(codes)
+    if len(by) > 1:
+        here = ", ".join(f"{n!r}: {k}" for n, k in zip([*names, *sample_names], kinds))
+        raise comm_error("ranks balanced features or per_sample tensors of different dtypes or row shapes (" +
+                         "; ".join(f"ranks {ranks}: one kind" for ranks in by.values()) +
+                         f"; here (dtype, row shape, weights' dtype): {here}): each must be of one kind on every rank",
+                         "SIZE_MISMATCH")
 
 
 def _check_widths(widths: list[int]) -> None:

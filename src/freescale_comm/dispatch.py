@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 import threading
+import zlib
 import weakref
 from dataclasses import dataclass
 from typing import Any, Optional
@@ -17,6 +18,7 @@ import torch.distributed as dist
 from freescale_comm import _core, _device_dispatch
 from freescale_comm._capture import refuse_capture
 from freescale_comm._device_copy import to_device
+from freescale_comm._errors import comm_error, ranks_by
 from freescale_comm._output_cache import output_cache
 from freescale_comm.communicator import Communicator, check_priority
 
@@ -115,6 +117,23 @@ def check_jagged_batch(values: object, lengths: object) -> tuple[torch.Tensor, t
     if total != values.shape[0]:
         raise ValueError(f"lengths sum to {total}, but values has {values.shape[0]} rows; they must be equal")
     return values, lengths
+
+
+def row_kind(values: torch.Tensor) -> int:
+    """A hash of values' dtype and row shape (shape[1:]), which every rank's must equal: the bytes
+    alone can (float32 rows of 2 and float64 rows of 1) and the receiver reads them as its own kind."""
+    return zlib.crc32(f"{values.dtype}|{tuple(values.shape[1:])}".encode()) & 0x7FFF_FFFF
+
+
+def check_row_kinds(kinds: list[int], values: torch.Tensor, what: str) -> None:
+    """CommError on every rank (each compares every rank's kind) where ranks' values differ in
+    dtype or row shape."""
+    by = ranks_by(kinds)
+    if len(by) > 1:
+        raise comm_error(f"{what}: ranks passed values of different dtypes or row shapes (" +
+                         "; ".join(f"ranks {ranks}: one kind" for ranks in by.values()) +
+                         f"); this rank's are {values.dtype} rows of shape {tuple(values.shape[1:])}. Every rank's "
+                         "values must have the same dtype and shape after dim 0 (empty ones too)", "SIZE_MISMATCH")
 
 
 def _row_bytes(t: torch.Tensor) -> int:
@@ -221,10 +240,13 @@ def dispatch_received(values: torch.Tensor, lengths: torch.Tensor, dest_ranks: t
     # 1. Sample counts, 2. lengths of the samples, in send order (unless known); then the rows (in autograd).
     if received is None:
         send_counts = torch.from_numpy(plan.sample_counts)
-        # [world, (samples, values require grad here)]: every rank learns whether any rank's do
-        both = torch.empty(world, 2, dtype=torch.int64)
-        comm.all_to_all_single(both, torch.stack([send_counts, torch.full_like(send_counts, values.requires_grad)], 1),
+        # [world, (samples, values require grad here, row kind)]: every rank learns whether any
+        # rank's values require grad, and whether all are of one kind
+        both = torch.empty(world, 3, dtype=torch.int64)
+        comm.all_to_all_single(both, torch.stack([send_counts, torch.full_like(send_counts, values.requires_grad),
+                                                  torch.full_like(send_counts, row_kind(values))], 1),
                                priority=priority)
+        check_row_kinds(both[:, 2].tolist(), values, "fc.dispatch")
         recv_counts, grad = both[:, 0].contiguous(), bool(both[:, 1].any())
         recv_lengths = torch.empty(int(recv_counts.sum()), dtype=torch.int64)
         comm.all_to_all_single(recv_lengths, torch.from_numpy(plan.sent_lengths), recv_counts.tolist(),
@@ -277,11 +299,14 @@ def _dispatch_cuda(values: torch.Tensor, lengths: torch.Tensor, dest_ranks: torc
     plan = _device_dispatch.plan(lengths, dest_ranks.contiguous(), world, dist.get_rank(group), values.shape[0])
     comm = communicator_for(group)  # after the plan's local checks, as for CPU tensors
     if received is None:
-        send_counts = torch.tensor([(n, r, int(values.requires_grad)) for n, r in zip(plan.sample_counts, plan.row_counts)],
-                                   dtype=torch.int64).view(world, 3)  # host
-        recv_counts = torch.empty(world, 3, dtype=torch.int64)
-        comm.all_to_all_single(recv_counts, send_counts, priority=priority)  # [world, (samples, rows, grad)]
-        recv_samples, recv_rows, grads = (list(column) for column in zip(*recv_counts.tolist()))
+        kind = row_kind(values)
+        send_counts = torch.tensor([(n, r, int(values.requires_grad), kind)
+                                    for n, r in zip(plan.sample_counts, plan.row_counts)],
+                                   dtype=torch.int64).view(world, 4)  # host
+        recv_counts = torch.empty(world, 4, dtype=torch.int64)
+        comm.all_to_all_single(recv_counts, send_counts, priority=priority)  # [world, (samples, rows, grad, kind)]
+        recv_samples, recv_rows, grads, kinds = (list(column) for column in zip(*recv_counts.tolist()))
+        check_row_kinds(kinds, values, "fc.dispatch")
         grad = any(grads)
         # Each sample's length comes with its sender's rank: one device op makes both contiguous.
         both = torch.empty(sum(recv_samples), 2, dtype=torch.int64, device=values.device)
