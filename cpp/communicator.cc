@@ -257,6 +257,10 @@ bool Communicator::send_round() {
 }
 
 void Communicator::check_health(Clock::time_point now) {
+  // Peers first: a notice already in view (a peer that died, or aborted naming its root cause) is
+  // the cause, not this rank's own deadline (a rank frozen past it, then resumed, blamed the
+  // healthy peers it had kept waiting).
+  transport_->check_peers();
   for (const auto& op : active_) {
     if (op->is_completed() || now < op->deadline) continue;
     // Ranks whose bytes are not through yet; when there are none, only other ranks' receipts are missing.
@@ -274,7 +278,6 @@ void Communicator::check_health(Clock::time_point now) {
                                              " Timed out after " + std::to_string(config_.timeout_ms / 1000.0) + " s, " +
                                              what + " (set the group timeout or FREESCALE_TIMEOUT_S)", culprit);
   }
-  transport_->check_peers();
 }
 
 void Communicator::fail_all(ErrorCode code, const std::string& message, int culprit) {

@@ -293,3 +293,30 @@ def exit_at_once_rounds(info, scenario: str, rounds: int) -> list[dict]:
             if dist.is_initialized():
                 dist.destroy_process_group()
     return reports
+
+
+def frozen_then_resumed(info) -> str:
+    """Rank 1 posts an op and stops itself (SIGSTOP); rank 0 then posts its own, times out
+    (FREESCALE_TIMEOUT_S), names rank 1, and resumes it. Each rank's error: code and culprit.
+    Before, the resumed rank saw its own deadline first and blamed rank 0 (TIMEOUT, culprit 0),
+    though rank 0's notice naming rank 1 was in view."""
+    comm = fc.Communicator()
+    pids = [None] * info.world_size
+    dist.all_gather_object(pids, os.getpid())
+    comm.all_to_all_single(torch.empty(2), torch.ones(2))  # both built and connected
+    big = torch.ones(2 * (4 << 20))  # 16 MiB a peer: more than the 4 MiB staging, so rank 1's bytes wait for rank 0
+    if info.rank == 1:
+        work = comm.all_to_all_single(torch.empty_like(big), big, async_op=True)
+        os.kill(os.getpid(), signal.SIGSTOP)
+    else:
+        while open(f"/proc/{pids[1]}/stat").read().rsplit(")", 1)[1].split()[0] != "T":
+            time.sleep(0.01)  # until rank 1 is stopped, its op posted
+        work = comm.all_to_all_single(torch.empty_like(big), big, async_op=True)
+    try:
+        work.wait()
+        outcome = "no error"
+    except fc.CommError as e:
+        outcome = f"{e.code} culprit={e.culprit}"
+    if info.rank == 0:
+        os.kill(pids[1], signal.SIGCONT)
+    return outcome

@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 
 from freescale_comm.testing import run_ranks
-from failure_path_programs import close_with_ops_pending, exit_at_once_rounds, killed_mid_op, mismatch_by_bytes
+from failure_path_programs import (close_with_ops_pending, exit_at_once_rounds, frozen_then_resumed, killed_mid_op,
+                                   mismatch_by_bytes)
 from rank_programs import (
     a_peer_leaves_before_building_its_communicator,
     a_rank_dies_while_a_freescale_group_is_set_up,
@@ -203,3 +204,8 @@ def test_a_rank_dying_while_a_freescale_group_is_set_up_is_named_within_the_grou
 def test_a_peer_leaving_before_its_communicator_is_a_commerror():
     results = run_ranks(a_peer_leaves_before_building_its_communicator, 2, timeout_s=60)
     assert results[1].value == "CommError PEER_DIED", results
+
+
+def test_a_rank_frozen_past_the_timeout_then_resumed_follows_the_notice_naming_it():
+    results = run_ranks(frozen_then_resumed, 2, env={"FREESCALE_TIMEOUT_S": "3"}, timeout_s=90)
+    assert [r.value for r in results] == ["TIMEOUT culprit=1", "PEER_ABORTED culprit=1"], results
