@@ -442,3 +442,22 @@ def barrier_honours_its_timeout(info) -> str:
         outcome = "peer"
     dist.barrier()
     return outcome
+
+
+def dict_split_sizes_are_refused(info) -> list[str]:
+    """Split sizes as a dict, as output and as input splits: the exception's kind per call (before:
+    the dict's keys were taken as splits, communicated, and the group died of SIZE_MISMATCH), then
+    an op that shows the group works."""
+    world = info.world_size
+    out = []
+    splits = {r: 1 for r in range(world)}
+    for output_splits, input_splits in ((splits, [1] * world), ([1] * world, splits)):
+        try:
+            dist.all_to_all_single(torch.zeros(world), torch.zeros(world), output_splits, input_splits)
+            out.append("accepted")
+        except Exception as e:  # noqa: BLE001 - the kind is the result
+            out.append(",".join(k.__name__ for k in (RuntimeError, TypeError) if isinstance(e, k)))
+    t = torch.full((world,), float(info.rank))
+    dist.all_to_all_single(t, t.clone())
+    out.append(f"after: {t.tolist()}")
+    return out

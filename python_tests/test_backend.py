@@ -25,6 +25,7 @@ from backend_programs import (
     native_ops_are_profiler_ranges,
     pair_bytes_disagree_across_row_shapes,
     subgroup_of_some_ranks,
+    dict_split_sizes_are_refused,
 )
 
 REPO = Path(__file__).resolve().parents[1]
@@ -105,6 +106,13 @@ def test_local_refusals_are_runtime_errors_as_gloo_raises_them():
         assert line.endswith(": RuntimeError"), gloo
     for line in ours[:-1]:
         assert line.endswith(": RuntimeError,ValueError"), ours
+    assert ours[-1] == gloo[-1] == "after: [0.0, 1.0]", (ours, gloo)
+
+
+def test_split_sizes_given_as_a_dict_are_refused_as_gloo_refuses_them():
+    gloo = spawn(dict_split_sizes_are_refused, 2, backend="gloo", timeout_s=60)[0]
+    ours = spawn(dict_split_sizes_are_refused, 2, backend="freescale", timeout_s=60)[0]
+    assert gloo[:2] == ["TypeError", "TypeError"] and ours[:2] == ["RuntimeError,TypeError"] * 2, (gloo, ours)
     assert ours[-1] == gloo[-1] == "after: [0.0, 1.0]", (ours, gloo)
 
 

@@ -4,6 +4,7 @@ to the compiled core, which moves them on its own transports (never through the 
 from __future__ import annotations
 
 import atexit
+import collections.abc
 import datetime
 import logging
 import math
@@ -96,6 +97,9 @@ def _split_sizes(splits: SplitSizes, dim0: int, world: int, name: str, tensor_na
     """Validated per-rank row counts; None or [] splits dim 0 equally (as dist does)."""
     if isinstance(splits, torch.Tensor):
         splits = splits.tolist()
+    elif isinstance(splits, collections.abc.Mapping):  # its keys are no splits (gloo refuses it too)
+        raise TypeError(f"{name} must be a sequence of ints (one per rank, in rank order), got a "
+                        f"{type(splits).__name__}; pass a list")
     elif splits is not None and not isinstance(splits, (list, tuple)):
         try:
             splits = list(splits)  # any iterable of ints (a generator, a range), as dist takes
