@@ -11,9 +11,12 @@ with none."""
 from __future__ import annotations
 
 import collections
+import logging
 import os
 import threading
 from typing import Callable
+
+logger = logging.getLogger("freescale_comm")
 
 _IDLE_EXIT_S = 30.0
 
@@ -68,7 +71,10 @@ def _serve() -> None:
                 return
             task = _tasks.popleft()
             _idle -= 1
-        task()
+        try:
+            task()
+        except BaseException:  # noqa: BLE001 - a task's errors are its own; the thread serves on
+            logger.debug("a completion task raised", exc_info=True)
         with _lock:
             _idle += 1
 
