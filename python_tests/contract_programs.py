@@ -136,7 +136,12 @@ def torchrec_eval_mid_epoch(info, steps: int) -> dict:
         outputs += _epoch(EvalPipelineSparseDist(dmp, opt, torch.device("cpu")), iter([b[rank] for b in val]))
         dmp.train()
         outputs += _epoch(pipe, feed)
-        pipe = _pipe(name, dmp, opt)  # the last one dropped, not closed
+        last, pipe = pipe, _pipe(name, dmp, opt)  # the last one dropped, not closed
+        if name == "pec":
+            try:
+                last.progress(iter([]))
+            except RuntimeError as e:
+                refused += f" | {e}"
         outputs += _epoch(pipe, iter([b[rank] for b in train]))
         runs[name] = {"outputs": outputs, "state": _state(dmp, opt)}
         _close(pipe)

@@ -46,3 +46,21 @@ def test_running_here_is_true_only_inside_the_owners_task():
     _completions.run_soon_for(owner, task)
     assert done.wait(30)
     assert seen == [True, False] and not _completions.running_here(owner)
+
+
+def test_a_task_whose_thread_cannot_start_runs_on_the_caller(monkeypatch):
+    """Before, the task stayed queued behind a thread counted idle that did not exist: a Work's
+    wait() blocked on callbacks that never ran. (A fresh copy of the module: no idle thread.)"""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("fresh_completions", _completions.__file__)
+    fresh = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(fresh)
+    ran = threading.Event()
+
+    def no_thread(self) -> None:
+        raise RuntimeError("can't start new thread")
+
+    monkeypatch.setattr(threading.Thread, "start", no_thread)
+    fresh.run_soon(ran.set)
+    assert ran.is_set() and fresh._idle == 0 and not fresh._tasks

@@ -42,6 +42,8 @@ def test_the_pipeline_behaves_as_sparse_dist_in_a_training_loop():
         evals = out["torchrec_eval"]
         assert evals["n_outputs"] == (2 + 2 + 2 + 4,) * 2 and evals["outputs"] == evals["state_max"] == 0.0, evals
         assert "training forward outside TrainPipelinePEC.progress" in (evals["refused"] or ""), evals["refused"]
+        # the dropped pipeline, closed by the new one, says so when called again
+        assert "a new TrainPipelinePEC was built on the same model" in evals["refused"], evals["refused"]
         for n, diff in out["short_loaders"].items():
             assert diff["n_outputs"] == (2 * n, 2 * n) and diff["outputs"] == diff["state_max"] == 0.0, (n, diff)
 

@@ -36,7 +36,16 @@ def run_soon(task: Callable[[], None]) -> None:
             _ready.notify()
             return
         _idle += 1  # counted idle before it starts, so two submissions do not both wait on it
-    threading.Thread(target=_serve, name="freescale-completions", daemon=True).start()
+    try:
+        threading.Thread(target=_serve, name="freescale-completions", daemon=True).start()
+    except BaseException:  # noqa: BLE001 - no thread (a thread limit): the task runs here, not stranded
+        with _lock:
+            _idle -= 1
+            try:
+                _tasks.remove(task)
+            except ValueError:  # another thread took it
+                return
+        task()
 
 
 def running_here(owner: object) -> bool:

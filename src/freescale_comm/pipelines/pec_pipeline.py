@@ -178,6 +178,7 @@ class TrainPipelinePEC(Generic[In, Out]):
                                  "holds batches in flight: close() that one first")
         for other in {id(p): p for p in (_driven.get(i.module) for i in self._catalog.modules) if p is not None}.values():
             other.close()
+            other._closed_why = "a new TrainPipelinePEC was built on the same model, which closed this idle one"
         modules = dict(sharded_modules(model.module))
         self._read_inputs = sparse_inputs if sparse_inputs is not None else \
             reader(find_sparse_inputs(model.module, modules))
@@ -223,6 +224,7 @@ class TrainPipelinePEC(Generic[In, Out]):
         self._routed: collections.deque = collections.deque()  # worker: (batch, inputs, asks) counted, not asked
         self._failure: Optional[BaseException] = None  # what broke the pipeline: raised again
         self._closed = False
+        self._closed_why = "close() was called"
         self._progressing = threading.Lock()  # held by the thread in progress()
         # per step, ms the main thread was blocked on embedding communication (waiting for the worker
         # or for a message), in all and by phase ("ids": counts, ids; "embeddings": flags, NOL rows, the
@@ -459,7 +461,7 @@ class TrainPipelinePEC(Generic[In, Out]):
 
     def _progress(self, dataloader_iter: Iterator[In]) -> Out:
         if self._closed:
-            raise RuntimeError("the pipeline is closed")
+            raise RuntimeError(f"the pipeline is closed ({self._closed_why})")
         if self._failure is not None:
             raise RuntimeError(f"TrainPipelinePEC failed at step {self._step} ({self._failure!r}); its tables may hold "
                                "a partial update: restore a checkpoint and build a new pipeline") from self._failure
