@@ -7,6 +7,7 @@
 #include "cpp/device_transports.h"
 #include "cpp/host_transport.h"
 #include "cpp/peer_liveness.h"
+#include "cpp/root_cause.h"
 #include "cpp/thread_role.h"
 #include "cpp/timeouts.h"
 #include "cpp/transport_select.h"
@@ -125,6 +126,20 @@ std::shared_ptr<OpState> Communicator::all_to_all(const uint8_t* send, uint8_t* 
 bool Communicator::closed() const {
   std::lock_guard<std::mutex> lock(mu_);
   return closed_;
+}
+
+void Communicator::raise_peer_failure(const std::vector<int>& needed) const {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (broken_) throw CommError(broken_code_, "this rank's communicator failed earlier: " + broken_message_, broken_culprit_);
+    if (closed_) return;
+  }
+  std::vector<PeerSight> sight = transport_->peer_sight();
+  if (sight.size() != static_cast<size_t>(world_)) return;
+  for (int p : needed) {
+    if (p >= 0 && p < world_) sight[p].needed = true;
+  }
+  throw_root_cause(find_root_cause(sight, rank_), rank_, [this](int r) { return transport_->peer_pid(r); });
 }
 
 void Communicator::close() {

@@ -70,6 +70,12 @@ class Communicator {
   // false if `timeout` (negative = no limit) passed first. Throws the op's CommError if it failed.
   bool wait(const std::shared_ptr<OpState>& op, std::chrono::microseconds timeout);
 
+  // Explains a failure of a collective run outside this communicator (one the backend delegates to
+  // gloo) among the same ranks: throws the CommError naming its root cause as this rank sees it
+  // now (this communicator's own failure, or a peer in `needed` that died or closed, or any peer's
+  // abort notice), and returns if nothing is wrong in sight. Any thread; never blocks on peers.
+  void raise_peer_failure(const std::vector<int>& needed) const;
+
   // Stops the progress thread; pending ops fail with CommError; peers learn this rank left.
   // Idempotent. Call without holding locks the progress thread's callbacks need (the GIL).
   void close();

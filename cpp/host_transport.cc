@@ -312,7 +312,7 @@ bool HostTransport::peer_gone(int p) const {
          peers_[p].control()->state.load(std::memory_order_acquire) == kRankAborted;
 }
 
-void HostTransport::check_peers() {
+std::vector<PeerSight> HostTransport::peer_sight() const {
   // Liveness first, notices second (root_cause.h): a peer seen dead has its notice in view.
   std::vector<PeerSight> sight(static_cast<size_t>(world_));
   for (int p = 0; p < world_; ++p) sight[p].died = p != rank_ && !process_alive(peers_[p].process);
@@ -326,6 +326,13 @@ void HostTransport::check_peers() {
       sight[p].code = static_cast<ErrorCode>(control->abort_code.load());
       sight[p].culprit = control->abort_culprit.load();
     }
+  }
+  return sight;
+}
+
+void HostTransport::check_peers() {
+  std::vector<PeerSight> sight = peer_sight();
+  for (int p = 0; p < world_; ++p) {
     if (sight[p].died || sight[p].closed) {
       drain_from(p);  // what it sent before leaving is still valid
       confirm_received();

@@ -39,6 +39,8 @@ class HostTransport : public Transport {
   bool poll() override;
   uint64_t max_ops_in_flight() const override { return kOpWindow; }
   void check_peers() override;
+  std::vector<PeerSight> peer_sight() const override;
+  int peer_pid(int rank) const override { return rank >= 0 && rank < world_ ? peers_[rank].process.pid : -1; }
   uint32_t activity_epoch() const override;
   void wait_for_activity(uint32_t epoch, std::chrono::microseconds timeout) override;
   void wake() override;

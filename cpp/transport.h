@@ -7,10 +7,12 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "cpp/errors.h"
 #include "cpp/layout.h"
 #include "cpp/op_state.h"
+#include "cpp/root_cause.h"
 #include "cpp/transfer.h"
 
 namespace freescale {
@@ -67,6 +69,12 @@ class Transport {
   virtual uint64_t max_ops_in_flight() const = 0;
   // Throws CommError if a peer aborted, or died / left while a posted op still needs it.
   virtual void check_peers() = 0;
+  // Any thread, read only: what this rank sees of its peers now ([world]: died, closed, aborted
+  // with code and culprit; `needed` false), to explain a failure outside this transport's own ops
+  // (a collective the backend delegates to gloo). Empty: this transport sees nothing.
+  virtual std::vector<PeerSight> peer_sight() const { return {}; }
+  // A peer's pid for messages, -1 if unknown. Any thread.
+  virtual int peer_pid(int /*rank*/) const { return -1; }
 
   // Progress-thread sleep: read the epoch before a round of work, then wait on it only if that
   // round moved nothing; returns early when anything this rank waits on changes.

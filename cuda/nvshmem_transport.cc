@@ -93,6 +93,10 @@ class NvshmemTransport final : public Transport {
   bool poll() override;
   uint64_t max_ops_in_flight() const override { return kOpWindow; }
   void check_peers() override;
+  // Same-host liveness and the notices as last copied into the mirror by check_peers (the
+  // progress thread): a notice newer than that copy is not seen here.
+  std::vector<PeerSight> peer_sight() const override;
+  int peer_pid(int rank) const override { return rank >= 0 && rank < world_ ? procs_[rank].pid : -1; }
   uint32_t activity_epoch() const override { return epoch_.load(std::memory_order_acquire); }
   void wait_for_activity(uint32_t epoch, std::chrono::microseconds timeout) override;
   void wake() override;
@@ -791,6 +795,22 @@ void NvshmemTransport::part_checked(const std::shared_ptr<OpState>& op, int src)
   for (int p = 0; p < world_; ++p) {
     set_signal(layout_.recvd(rank_, op->seq), op->seq + 1, p, receipt_stream_);
   }
+}
+
+std::vector<PeerSight> NvshmemTransport::peer_sight() const {
+  std::vector<PeerSight> sight(static_cast<size_t>(world_));
+  for (int p = 0; p < world_; ++p) sight[p].died = p != rank_ && procs_[p].pid >= 0 && !process_alive(procs_[p]);
+  for (int p = 0; p < world_; ++p) {
+    if (p == rank_) continue;
+    const uint64_t notice = read_mapped_word(notice_mirror_ + p);
+    sight[p].closed = notice == kNvshmemNoticeClosed;
+    sight[p].aborted = notice >= kNvshmemNoticeAbortBase;
+    if (sight[p].aborted) {
+      sight[p].code = nvshmem_notice_code(notice);
+      sight[p].culprit = nvshmem_notice_culprit(notice);
+    }
+  }
+  return sight;
 }
 
 void NvshmemTransport::check_peers() {

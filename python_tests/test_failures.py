@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from freescale_comm.testing import run_ranks
+from delegated_failure_programs import delegated_op_timed_out, delegated_ops_after_a_peer_died
 from failure_path_programs import (close_with_ops_pending, exit_at_once_rounds, frozen_then_resumed, killed_mid_op,
                                    mismatch_by_bytes)
 from rank_programs import (
@@ -209,3 +210,22 @@ def test_a_peer_leaving_before_its_communicator_is_a_commerror():
 def test_a_rank_frozen_past_the_timeout_then_resumed_follows_the_notice_naming_it():
     results = run_ranks(frozen_then_resumed, 2, env={"FREESCALE_TIMEOUT_S": "3"}, timeout_s=90)
     assert [r.value for r in results] == ["TIMEOUT culprit=1", "PEER_ABORTED culprit=1"], results
+
+
+@pytest.mark.timeout(120)
+def test_delegated_collectives_name_the_dead_rank_on_every_survivor():
+    """Collectives a freescale group runs on its inner gloo group raised gloo's RuntimeError
+    ("Connection closed by peer [127.0.0.1]:port"), naming no rank; now a CommError naming the
+    rank that died, gloo's error chained."""
+    results = run_ranks(delegated_ops_after_a_peer_died, 3, 2, timeout_s=90)
+    assert results[2].exitcode == -signal.SIGKILL
+    for r in results[:2]:
+        assert r.error is None, r.error
+        for op, outcome in r.value.items():
+            assert outcome == "CommError PEER_DIED culprit=2 cause=RuntimeError", (r.rank, op, outcome)
+
+
+@pytest.mark.timeout(120)
+def test_a_delegated_collective_that_times_out_is_a_commerror_timeout():
+    results = run_ranks(delegated_op_timed_out, 2, timeout_s=90)
+    assert results[0].value == "CommError TIMEOUT culprit=None cause=RuntimeError", results[0]

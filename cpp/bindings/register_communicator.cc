@@ -217,6 +217,11 @@ void register_communicator(py::module_& m) {
           },
           py::arg("work"), py::arg("timeout_s") = py::none(),
           "Like Work.wait, but drives progress on the calling thread (GIL released; Ctrl-C honoured) while it waits.")
+      .def("raise_peer_failure", &Communicator::raise_peer_failure, py::arg("needed"),
+           py::call_guard<py::gil_scoped_release>(),
+           "Raises the CommError naming the root cause of a failure among these ranks as this rank sees it now "
+           "(its own communicator failed, a rank in `needed` died or closed, a peer left an abort notice); returns if "
+           "none is in sight. For collectives run outside the communicator (delegated to gloo). Never blocks on peers.")
       .def("close", &Communicator::close, py::call_guard<py::gil_scoped_release>())
       .def(
           "abandon_after_fork",

@@ -17,13 +17,14 @@ import datetime
 import logging
 import threading
 from collections.abc import Iterator, Sequence
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
 
 from freescale_comm import _core
 from freescale_comm._bootstrap import StoreBootstrap
+from freescale_comm._delegated import DelegatedWork, explain
 from freescale_comm._errors import comm_error
 from freescale_comm.communicator import Communicator, check_priority
 from freescale_comm.work import Work
@@ -283,63 +284,82 @@ class ProcessGroupFreescale(dist.ProcessGroup):
         return _BarrierWork(work, timeout if timeout is not None and timeout >= datetime.timedelta(0) else None)
 
     # --- delegated (same results as the inner group) ------------------------------------------
+    def _delegate(self, op: str, tensors: Sequence[torch.Tensor], call: Callable[[Any], dist.Work],
+                  peers: Optional[Sequence[int]] = None) -> dist.Work:
+        """call(inner group for `tensors`); a CPU op's failure is raised as a CommError naming its root
+        cause among `peers` (group ranks; default: all) where this group's communicator sees one."""
+        inner = self._inner(tensors)
+        if inner is not self._cpu or self._comm is None:
+            return call(inner)  # CUDA: NCCL reports its own failures; ranks on several hosts: no sight of them
+        core, group = self._comm._core, self._group_name_
+        needed = list(range(self.size())) if peers is None else list(peers)
+        try:
+            work = call(inner)
+        except RuntimeError as e:
+            error = explain(e, core, op, group, needed, in_the_call=True)
+            if error is e:
+                raise
+            raise error from e
+        return DelegatedWork(work, lambda e: explain(e, core, op, group, needed))
+
     def broadcast(self, tensors: list[torch.Tensor], opts: Any) -> dist.Work:
-        return self._inner(tensors).broadcast(tensors, opts)
+        return self._delegate("broadcast", tensors, lambda g: g.broadcast(tensors, opts))
 
     def allreduce(self, tensors: list[torch.Tensor], opts: Any) -> dist.Work:
-        return self._inner(tensors).allreduce(tensors, opts)
+        return self._delegate("all_reduce", tensors, lambda g: g.allreduce(tensors, opts))
 
     def allreduce_coalesced(self, tensors: list[torch.Tensor], opts: Any) -> dist.Work:
-        return self._inner(tensors).allreduce_coalesced(tensors, opts)
+        return self._delegate("all_reduce_coalesced", tensors, lambda g: g.allreduce_coalesced(tensors, opts))
 
     def reduce(self, tensors: list[torch.Tensor], opts: Any) -> dist.Work:
-        return self._inner(tensors).reduce(tensors, opts)
+        return self._delegate("reduce", tensors, lambda g: g.reduce(tensors, opts))
 
     def allgather(self, output_tensors: list[list[torch.Tensor]], input_tensors: list[torch.Tensor], opts: Any) -> dist.Work:
-        return self._inner(input_tensors).allgather(output_tensors, input_tensors, opts)
+        return self._delegate("all_gather", input_tensors, lambda g: g.allgather(output_tensors, input_tensors, opts))
 
     def all_gather_single(self, output: torch.Tensor, input: torch.Tensor, opts: Any) -> dist.Work:
-        return self._inner([input])._allgather_base(output, input, opts)
+        return self._delegate("all_gather_into_tensor", [input], lambda g: g._allgather_base(output, input, opts))
 
     def _allgather_base(self, output: torch.Tensor, input: torch.Tensor, opts: Any) -> dist.Work:
         return self.all_gather_single(output, input, opts)
 
     def allgather_coalesced(self, output_lists: list[list[torch.Tensor]], input_list: list[torch.Tensor], opts: Any) -> dist.Work:
-        return self._inner(input_list).allgather_coalesced(output_lists, input_list, opts)
+        return self._delegate("all_gather_coalesced", input_list,
+                              lambda g: g.allgather_coalesced(output_lists, input_list, opts))
 
     def allgather_into_tensor_coalesced(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any) -> dist.Work:
         # (the inner groups' coalesced form is not callable from Python: functional collectives,
         # DTensor and FSDP2 reach it) one all_gather_into_tensor per pair, in order, one Work
-        inner = self._inner(inputs)
-        return _all_of([inner._allgather_base(o, i, opts) for o, i in zip(outputs, inputs)], outputs)
+        return _all_of([self.all_gather_single(o, i, opts) for o, i in zip(outputs, inputs)], outputs)
 
     def gather(self, output_tensors: list[list[torch.Tensor]], input_tensors: list[torch.Tensor], opts: Any) -> dist.Work:
-        return self._inner(input_tensors).gather(output_tensors, input_tensors, opts)
+        return self._delegate("gather", input_tensors, lambda g: g.gather(output_tensors, input_tensors, opts))
 
     def scatter(self, output_tensors: list[torch.Tensor], input_tensors: list[list[torch.Tensor]], opts: Any) -> dist.Work:
-        return self._inner(output_tensors).scatter(output_tensors, input_tensors, opts)
+        return self._delegate("scatter", output_tensors, lambda g: g.scatter(output_tensors, input_tensors, opts))
 
     def reduce_scatter(self, output_tensors: list[torch.Tensor], input_tensors: list[list[torch.Tensor]], opts: Any) -> dist.Work:
-        return self._inner(output_tensors).reduce_scatter(output_tensors, input_tensors, opts)
+        return self._delegate("reduce_scatter", output_tensors,
+                              lambda g: g.reduce_scatter(output_tensors, input_tensors, opts))
 
     def reduce_scatter_single(self, output: torch.Tensor, input: torch.Tensor, opts: Any) -> dist.Work:
-        return self._inner([input])._reduce_scatter_base(output, input, opts)
+        return self._delegate("reduce_scatter_tensor", [input], lambda g: g._reduce_scatter_base(output, input, opts))
 
     def _reduce_scatter_base(self, output: torch.Tensor, input: torch.Tensor, opts: Any) -> dist.Work:
         return self.reduce_scatter_single(output, input, opts)
 
     def reduce_scatter_tensor_coalesced(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any) -> dist.Work:
-        inner = self._inner(inputs)  # as allgather_into_tensor_coalesced
-        return _all_of([inner._reduce_scatter_base(o, i, opts) for o, i in zip(outputs, inputs)], outputs)
+        # as allgather_into_tensor_coalesced
+        return _all_of([self.reduce_scatter_single(o, i, opts) for o, i in zip(outputs, inputs)], outputs)
 
     def send(self, tensors: list[torch.Tensor], dst: int, tag: int) -> dist.Work:
-        return self._inner(tensors).send(tensors, dst, tag)
+        return self._delegate("send", tensors, lambda g: g.send(tensors, dst, tag), peers=[dst])
 
     def recv(self, tensors: list[torch.Tensor], src: int, tag: int) -> dist.Work:
-        return self._inner(tensors).recv(tensors, src, tag)
+        return self._delegate("recv", tensors, lambda g: g.recv(tensors, src, tag), peers=[src])
 
     def recv_anysource(self, tensors: list[torch.Tensor], tag: int) -> dist.Work:
-        return self._inner(tensors).recv_anysource(tensors, tag)
+        return self._delegate("recv", tensors, lambda g: g.recv_anysource(tensors, tag))
 
     def monitored_barrier(self, *args: Any, **kwargs: Any) -> None:
         return self._cpu.monitored_barrier(*args, **kwargs)
