@@ -21,3 +21,13 @@ def ranks_by(values: Sequence[Hashable]) -> dict[Hashable, list[int]]:
     for rank, value in enumerate(values):
         by.setdefault(value, []).append(rank)
     return by
+
+
+def refuse_differing_kinds(codes: Sequence[Hashable], what: str, here: str) -> None:
+    """CommError (SIZE_MISMATCH) on every rank unless every rank's code (a hash of the dtypes and
+    row shapes it passed) is the same: `what` they disagreed on, the ranks of each kind, and
+    `here` (this rank's kinds and what every rank must pass)."""
+    by = ranks_by(codes)
+    if len(by) > 1:
+        groups = "; ".join(f"ranks {ranks}: one kind" for ranks in by.values())
+        raise comm_error(f"{what} ({groups}); {here}", "SIZE_MISMATCH")

@@ -258,6 +258,11 @@ class ProcessGroupFreescale(dist.ProcessGroup):
         dtypes = {t.dtype for t in tensors}
         if len(dtypes) > 1:
             raise TypeError(f"all_to_all tensors must share one dtype, got {sorted(map(str, dtypes))}")
+        for i, t in enumerate(output_tensors):
+            if torch._debug_has_internal_overlap(t) == 1:  # 1: certainly overlaps (2: cannot tell cheaply)
+                raise ValueError(f"all_to_all output_tensor_list[{i}] has elements that share memory (an expand()ed, "
+                                 f"stride-0 view): it cannot hold the {t.numel()} values it receives; pass a tensor "
+                                 f"of its own (.clone() it)")
         # One byte-level AllToAllv over packed copies: rows = elements, so shapes may differ per rank.
         send = torch.cat([t.reshape(-1) for t in input_tensors]) if input_tensors else torch.empty(0)
         recv = torch.empty(sum(t.numel() for t in output_tensors), dtype=send.dtype, device=send.device)
@@ -399,8 +404,14 @@ class _UnpackWork(_NativeWork):
             work.get_future().add_done_callback(lambda _: self._finish_if_succeeded())
 
     def _finish_if_succeeded(self) -> None:
+        """Unpacks once the op succeeded. Never raises (it runs as a done-callback, and for
+        is_completed()): an unpack that fails stays undone, and wait(), result() and the future
+        raise its error when they unpack."""
         if self._work.is_success():
-            self._finish()
+            try:
+                self._finish()
+            except Exception:  # noqa: BLE001 - raised again where the caller unpacks
+                logger.debug("all_to_all: unpacking the outputs failed; raised again by wait()", exc_info=True)
 
     def is_completed(self) -> bool:
         done = super().is_completed()
@@ -409,8 +420,8 @@ class _UnpackWork(_NativeWork):
         return done
 
     def result(self) -> list[torch.Tensor]:
-        if self._on_host and self._work.is_completed():
-            self._finish_if_succeeded()
+        if self._on_host and self._work.is_completed() and self._work.is_success():
+            self._finish()
         return self._result
 
     def _finish(self) -> None:

@@ -23,7 +23,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from freescale_comm._errors import comm_error, ranks_by
+from freescale_comm._errors import comm_error, ranks_by, refuse_differing_kinds
 from freescale_comm._device_copy import to_device
 from freescale_comm._output_layouts import sizes_differ_everywhere
 from freescale_comm.bundle import (
@@ -340,13 +340,9 @@ def _check_names(codes: list[int], names: list[Any], sample_names: list[str]) ->
 def _check_kinds(codes: list[int], names: list[Any], sample_names: list[str], kinds: list[tuple]) -> None:
     """CommError unless every rank's features and per_sample tensors of each name have the same
     dtype and row shape (`codes`: every rank's hash of them; `kinds`: this rank's, in names' order)."""
-    by = ranks_by(codes)
-    if len(by) > 1:
-        here = ", ".join(f"{n!r}: {k}" for n, k in zip([*names, *sample_names], kinds))
-        raise comm_error("ranks balanced features or per_sample tensors of different dtypes or row shapes (" +
-                         "; ".join(f"ranks {ranks}: one kind" for ranks in by.values()) +
-                         f"; here (dtype, row shape, weights' dtype): {here}): each must be of one kind on every rank",
-                         "SIZE_MISMATCH")
+    here = ", ".join(f"{n!r}: {k}" for n, k in zip([*names, *sample_names], kinds))
+    refuse_differing_kinds(codes, "ranks balanced features or per_sample tensors of different dtypes or row shapes",
+                           f"here (dtype, row shape, weights' dtype): {here}; each must be of one kind on every rank")
 
 
 def _check_widths(widths: list[int]) -> None:

@@ -18,7 +18,7 @@ import torch.distributed as dist
 from freescale_comm import _core, _device_dispatch
 from freescale_comm._capture import refuse_capture
 from freescale_comm._device_copy import to_device
-from freescale_comm._errors import comm_error, ranks_by
+from freescale_comm._errors import refuse_differing_kinds
 from freescale_comm._output_cache import output_cache
 from freescale_comm.communicator import Communicator, check_priority
 
@@ -128,12 +128,9 @@ def row_kind(values: torch.Tensor) -> int:
 def check_row_kinds(kinds: list[int], values: torch.Tensor, what: str) -> None:
     """CommError on every rank (each compares every rank's kind) where ranks' values differ in
     dtype or row shape."""
-    by = ranks_by(kinds)
-    if len(by) > 1:
-        raise comm_error(f"{what}: ranks passed values of different dtypes or row shapes (" +
-                         "; ".join(f"ranks {ranks}: one kind" for ranks in by.values()) +
-                         f"); this rank's are {values.dtype} rows of shape {tuple(values.shape[1:])}. Every rank's "
-                         "values must have the same dtype and shape after dim 0 (empty ones too)", "SIZE_MISMATCH")
+    refuse_differing_kinds(kinds, f"{what}: ranks passed values of different dtypes or row shapes",
+                           f"this rank's are {values.dtype} rows of shape {tuple(values.shape[1:])}. Every rank's "
+                           "values must have the same dtype and shape after dim 0 (empty ones too)")
 
 
 def _row_bytes(t: torch.Tensor) -> int:

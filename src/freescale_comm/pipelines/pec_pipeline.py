@@ -171,12 +171,18 @@ class TrainPipelinePEC(Generic[In, Out]):
             raise ValueError(f"group has {world} ranks but the model is sharded over {dist.get_world_size(model_group)}: "
                              "pass the model's sharding group (or leave group=None)")
         self._catalog = build_catalog(model.module, model.plan, rank)
-        for info in self._catalog.modules:  # a pipeline left idle (its data ran out, or it failed) is closed
-            other = _driven.get(info.module)  # here, as a TrainPipelineSparseDist made per epoch is dropped
-            if other is not None and (other._batch is not None and other._failure is None):
+        # a pipeline left idle on these modules (its data ran out, or it failed) is closed here, as a
+        # TrainPipelineSparseDist made per epoch is dropped; one with batches in flight is refused
+        others: dict[int, Any] = {}  # id -> the other pipeline
+        for info in self._catalog.modules:
+            other = _driven.get(info.module)
+            if other is None:
+                continue
+            if other._batch is not None and other._failure is None:
                 raise ValueError(f"sharded module {info.fqn!r} is already driven by another TrainPipelinePEC that "
                                  "holds batches in flight: close() that one first")
-        for other in {id(p): p for p in (_driven.get(i.module) for i in self._catalog.modules) if p is not None}.values():
+            others[id(other)] = other
+        for other in others.values():
             other.close()
             other._closed_why = "a new TrainPipelinePEC was built on the same model, which closed this idle one"
         modules = dict(sharded_modules(model.module))
@@ -261,7 +267,7 @@ class TrainPipelinePEC(Generic[In, Out]):
         for info in self._catalog.modules:
             _driven[info.module] = self
             self._hooks.append(info.module.register_forward_pre_hook(
-                lambda module, args, fqn=info.fqn: self._forward_elsewhere(fqn)))
+                lambda module, args, fqn=info.fqn: self._forward_elsewhere(module, fqn)))
             # a checkpoint sees every update, as after TrainPipelineSparseDist's steps
             self._hooks.append(info.module.register_state_dict_pre_hook(lambda *_: self.flush()))
             loadable = info.module._register_load_state_dict_pre_hook(lambda *_: self._check_loadable())
@@ -311,23 +317,19 @@ class TrainPipelinePEC(Generic[In, Out]):
                 else:
                     module.forward = forward
 
-    def _forward_elsewhere(self, fqn: str) -> None:
+    def _forward_elsewhere(self, module: nn.Module, fqn: str) -> None:
         """A sharded module's forward outside progress() (the user's own eval step, TorchRec's
         EvalPipelineSparseDist): the deferred gradients apply first, so it reads the tables
         TrainPipelineSparseDist would hold. A training step there (grad on, module training) while
         batches are in flight is refused: its update would land after their rows were fetched."""
         if self._driving_now or self._closed or self._failure is not None:
             return
-        module = self._catalog_module(fqn)
         if self._batch is not None and module.training and torch.is_grad_enabled():
             raise RuntimeError(f"sharded module {fqn!r} ran a training forward outside TrainPipelinePEC.progress while "
                                "the pipeline holds batches in flight (their rows were fetched before any update "
                                "this step would make): train through progress(), evaluate under model.eval() or "
                                "torch.no_grad(), or close() the pipeline first")
         self.flush()
-
-    def _catalog_module(self, fqn: str) -> nn.Module:
-        return next(info.module for info in self._catalog.modules if info.fqn == fqn)
 
     def _check_loadable(self) -> None:
         """Loading state while batches are in flight would train them on rows fetched before the load,
