@@ -129,16 +129,17 @@ bool Communicator::closed() const {
 }
 
 void Communicator::raise_peer_failure(const std::vector<int>& needed) const {
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    if (broken_) throw CommError(broken_code_, "this rank's communicator failed earlier: " + broken_message_, broken_culprit_);
-    if (closed_) return;
-  }
+  // No lock: the sight is atomics in shared memory and /proc, valid until destruction (also after
+  // close(), and in a forked child whose parent held a lock at fork).
   std::vector<PeerSight> sight = transport_->peer_sight();
   if (sight.size() != static_cast<size_t>(world_)) return;
+  bool lost = false;  // a rank the collective needs is gone: only that explains its failure
   for (int p : needed) {
-    if (p >= 0 && p < world_) sight[p].needed = true;
+    if (p < 0 || p >= world_ || p == rank_) continue;
+    sight[p].needed = true;
+    lost |= sight[p].died || sight[p].closed;
   }
+  if (!lost) return;
   throw_root_cause(find_root_cause(sight, rank_), rank_, [this](int r) { return transport_->peer_pid(r); });
 }
 

@@ -71,9 +71,11 @@ class Communicator {
   bool wait(const std::shared_ptr<OpState>& op, std::chrono::microseconds timeout);
 
   // Explains a failure of a collective run outside this communicator (one the backend delegates to
-  // gloo) among the same ranks: throws the CommError naming its root cause as this rank sees it
-  // now (this communicator's own failure, or a peer in `needed` that died or closed, or any peer's
-  // abort notice), and returns if nothing is wrong in sight. Any thread; never blocks on peers.
+  // gloo) among the same ranks: if a rank in `needed` died or closed its communicator, throws the
+  // CommError naming the root cause as this rank sees it now (that death, or the disagreement a
+  // notice names, root_cause.h); else returns (an earlier failure of this communicator, or a peer's
+  // notice about one, explains nothing of another group's collective). Any thread; takes no lock;
+  // never blocks on peers.
   void raise_peer_failure(const std::vector<int>& needed) const;
 
   // Stops the progress thread; pending ops fail with CommError; peers learn this rank left.

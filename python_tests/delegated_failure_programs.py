@@ -38,13 +38,23 @@ def delegated_ops_after_a_peer_died(info, victim: int) -> dict[str, str]:
     if info.rank == victim:
         os.kill(os.getpid(), signal.SIGKILL)
     time.sleep(0.2)
+    core = group._comm._core  # (the group is the ProcessGroupFreescale itself)
     return {
+        # a cause only among the ranks an op needs: one not needing the victim sees nothing wrong
+        "sight_without_victim": _outcome(lambda: core.raise_peer_failure([p for p in range(world) if p != victim])),
+        "sight_with_victim": _outcome(lambda: core.raise_peer_failure([victim])),
         "all_reduce": _outcome(lambda: dist.all_reduce(t, group=group)),
         "all_gather_future": _outcome(lambda: dist.all_gather([torch.empty(4) for _ in range(world)], t, group=group,
                                                               async_op=True).get_future().wait()),
         "reduce_scatter_tensor": _outcome(lambda: dist.reduce_scatter_tensor(torch.empty(1), torch.ones(world),
                                                                              group=group)),
         "send_to_victim": _outcome(lambda: dist.send(t, dst=victim, group=group)),
+        # one op per tensor under one Work (functional collectives, _coalescing_manager): its wait()
+        # returned True and its outputs held zeros
+        "all_gather_coalesced": _outcome(lambda: group.allgather_into_tensor_coalesced(
+            [torch.empty(4 * world), torch.empty(world)], [t, t[:1]], torch._C._distributed_c10d.AllgatherOptions()).wait()),
+        "all_gather_coalesced_future": _outcome(lambda: group.allgather_into_tensor_coalesced(
+            [torch.empty(4 * world), torch.empty(world)], [t, t[:1]], torch._C._distributed_c10d.AllgatherOptions()).get_future().wait()),
     }
 
 
@@ -58,3 +68,49 @@ def delegated_op_timed_out(info) -> str:
         return outcome
     dist.barrier()
     return "waited"
+
+
+def communicator_over_a_failed_group(info, how: str) -> str:
+    """fc.Communicator(group) bootstraps through the group's all_gather_object. how="late": rank 1
+    arrives after the (gloo) group's 2 s timeout; how="killed": rank 2 of a freescale group is
+    SIGKILLed first. Each rank but the late or killed one returns its error's type, code and
+    culprit. The setup exchange called every failure PEER_DIED, naming no rank."""
+    timeout = datetime.timedelta(seconds=2 if how == "late" else 20)
+    group = dist.new_group(backend="gloo" if how == "late" else "freescale", timeout=timeout)
+    dist.barrier(group=group)
+    if how == "late" and info.rank == 1:
+        time.sleep(4)
+    if how == "killed" and info.rank == 2:
+        os.kill(os.getpid(), signal.SIGKILL)
+    time.sleep(0.2)
+    try:
+        fc.Communicator(group)
+    except fc.CommError as e:
+        return f"CommError {e.code} culprit={e.culprit}"
+    return "built"
+
+
+def delegated_waits_and_refusals_stay_gloos(info) -> dict[str, str]:
+    """What stays gloo's own error on a freescale group: a wait(timeout) that runs out while the op
+    goes on (it was a CommError after a second, the op then completing), and arguments gloo refuses
+    in the call after this rank's communicator failed (they became that old failure's CommError)."""
+    group = dist.new_group(backend="freescale", timeout=datetime.timedelta(seconds=20))
+    out = {}
+    t = torch.ones(2)
+    if info.rank == 0:
+        work = dist.all_reduce(t, group=group, async_op=True)
+        start = time.monotonic()
+        out["short_wait"] = _outcome(lambda: work.wait(datetime.timedelta(seconds=0.3)))
+        out["short_wait_fast"] = str(time.monotonic() - start < 0.9)
+        dist.barrier()  # the world group: rank 1 joins the all_reduce now
+        out["then_wait"] = _outcome(work.wait) + f" {t.tolist()}"
+    else:
+        dist.barrier()
+        dist.all_reduce(t, group=group)
+    # this rank's communicator fails: an op no peer joins, past FREESCALE_TIMEOUT_S
+    alone = group._comm.all_to_all_single(torch.empty(2), torch.ones(2), async_op=True) if info.rank == 1 else None
+    if alone is not None:
+        out["alone"] = _outcome(alone.wait)
+    dist.barrier()
+    out["refused"] = _outcome(lambda: dist.all_gather([torch.empty(3) for _ in range(info.world_size)], t, group=group))
+    return out

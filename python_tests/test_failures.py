@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 
 from freescale_comm.testing import run_ranks
-from delegated_failure_programs import delegated_op_timed_out, delegated_ops_after_a_peer_died
+from delegated_failure_programs import (communicator_over_a_failed_group, delegated_op_timed_out,
+                                         delegated_ops_after_a_peer_died, delegated_waits_and_refusals_stay_gloos)
 from failure_path_programs import (close_with_ops_pending, exit_at_once_rounds, frozen_then_resumed, killed_mid_op,
                                    mismatch_by_bytes)
 from rank_programs import (
@@ -221,6 +222,8 @@ def test_delegated_collectives_name_the_dead_rank_on_every_survivor():
     assert results[2].exitcode == -signal.SIGKILL
     for r in results[:2]:
         assert r.error is None, r.error
+        assert r.value.pop("sight_without_victim") == "no error", r.value
+        assert r.value.pop("sight_with_victim") == "CommError PEER_DIED culprit=2 cause=-", r.value
         for op, outcome in r.value.items():
             assert outcome == "CommError PEER_DIED culprit=2 cause=RuntimeError", (r.rank, op, outcome)
 
@@ -229,3 +232,22 @@ def test_delegated_collectives_name_the_dead_rank_on_every_survivor():
 def test_a_delegated_collective_that_times_out_is_a_commerror_timeout():
     results = run_ranks(delegated_op_timed_out, 2, timeout_s=90)
     assert results[0].value == "CommError TIMEOUT culprit=None cause=RuntimeError", results[0]
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("how, world, expected", [("late", 2, "CommError TIMEOUT culprit=None"),
+                                                  ("killed", 3, "CommError PEER_DIED culprit=2")])
+def test_a_communicator_over_a_failed_group_names_how_it_failed(how, world, expected):
+    results = run_ranks(communicator_over_a_failed_group, world, how, timeout_s=90)
+    assert results[0].value == expected, results
+
+
+@pytest.mark.timeout(120)
+def test_a_delegated_waits_own_limit_and_gloos_refusals_stay_gloos_errors():
+    results = run_ranks(delegated_waits_and_refusals_stay_gloos, 2, timeout_s=90, env={"FREESCALE_TIMEOUT_S": "2"})
+    assert results[0].value["short_wait"].startswith("RuntimeError"), results[0]
+    assert results[0].value["short_wait_fast"] == "True", results[0]
+    assert results[0].value["then_wait"] == "no error [2.0, 2.0]", results[0]
+    assert results[1].value["alone"].startswith("CommError TIMEOUT"), results[1]
+    for r in results:
+        assert r.value["refused"].startswith("RuntimeError") and "invalid tensor size" in r.value["refused"], r

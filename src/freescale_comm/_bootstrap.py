@@ -44,10 +44,14 @@ class GroupBootstrap(_core.Bootstrap):
         try:
             dist.all_gather_object(out, bytes(blob), group=group)
         except RuntimeError as e:  # the group's own error (gloo: "Connection closed by peer"): a CommError
+            # a freescale group names the root cause itself (its delegated collectives); else a timeout
+            # is a peer late or frozen past the group's timeout, anything else one that left
+            timed_out = "timed out" in str(e).lower()
+            code = getattr(e, "code", None) or ("TIMEOUT" if timed_out else "PEER_DIED")
             raise comm_error("building a freescale communicator over the group failed in its setup exchange: a peer "
-                             "failed or left before or while building its own (so a CommError here follows another "
-                             f"rank's own error; the wait is the group's timeout). The group said: {e}",
-                             "PEER_DIED") from e
+                             "failed or left before or while building its own, or did not arrive within the group's "
+                             "timeout (a CommError here may follow another rank's own error). The group said: "
+                             f"{e}", code, getattr(e, "culprit", None)) from e
         return [bytes(b) for b in out]  # type: ignore[arg-type]
 
     def barrier(self) -> None:

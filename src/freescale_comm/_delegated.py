@@ -1,30 +1,34 @@
 """Collectives a freescale group delegates to its inner gloo group fail as its own ops do: with a
-CommError naming the root cause (the rank that died, closed its group, or aborted and why) where
-the group's communicator sees one, instead of gloo's RuntimeError naming a socket ("Connection
-closed by peer [127.0.0.1]:41234"). Gloo's error stays chained as the cause. A CommError is a
-RuntimeError, so clients catching gloo's type still catch it.
+CommError naming the root cause (the rank that died or closed its group; or, where that rank left
+a notice, the disagreement it names) where the group's communicator sees one, instead of gloo's
+RuntimeError naming a socket ("Connection closed by peer [127.0.0.1]:41234"). Gloo's error stays
+chained as the cause. A CommError is a RuntimeError, so clients catching gloo's type still catch it.
 
-Failures raised by wait() or the Work's future are communication failures; one raised in the
-call (gloo's send / recv on a closed connection) is one if gloo's transport raised it or a root
-cause is in sight, else gloo refused the arguments, and that error is raised as it always was."""
+What is translated: a failure of the communication itself, raised by wait() or the Work's future
+(not a wait(timeout) that ran out while the op goes on: gloo's error, as gloo raises it), or raised
+in the call by gloo's transport (send / recv on a closed connection). What gloo refuses in the call
+(bad arguments) it raises as it always did, whatever failed before."""
 
 from __future__ import annotations
 
 import datetime
+import threading
 import time
-from collections.abc import Iterable
 from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
 
+from freescale_comm import _completions
 from freescale_comm._core import CommError
 from freescale_comm._errors import comm_error
 
-# A killed peer's sockets close a moment before /proc shows it gone (a zombie): gloo can report the
-# closed connection first. Seconds a failure waits for the cause to come into sight, and between looks.
+# A killed peer's sockets close a moment before /proc shows it gone (a zombie: the last steps of its
+# exit): gloo can report the closed connection first. Seconds a group's failures look for a cause,
+# from its first failure (one window for all of them), and seconds between looks.
 DEATH_SIGHT_GRACE_S = 1.0
 _LOOK_EVERY_S = 0.005
+_WINDOW_REOPENS_S = 10.0  # a failure this long after the window closed opens a new one
 
 
 def _is_transport_failure(error: BaseException) -> bool:
@@ -33,50 +37,76 @@ def _is_transport_failure(error: BaseException) -> bool:
     return "gloo/transport/" in str(error)
 
 
-def explain(error: BaseException, core: Any, op: str, group: str, needed: Iterable[int],
-            in_the_call: bool = False) -> BaseException:
-    """The exception to raise for gloo's `error` in `op` on freescale group `group`: a CommError
-    naming the root cause that `core` (the group's communicator) sees among the ranks `needed`
-    (group ranks), looked for up to DEATH_SIGHT_GRACE_S; else a CommError carrying gloo's message
-    (TIMEOUT if gloo timed out). Anything but a RuntimeError is returned unchanged, and so is an
-    error raised `in_the_call` (before gloo returned a Work) that is not a transport failure and
-    has no root cause in sight: gloo refusing the arguments."""
-    if isinstance(error, CommError) or not isinstance(error, RuntimeError):
-        return error
-    needed = list(needed)
-    where = f"{op} on freescale group {group!r} (run by its inner gloo group)"
-    refusal = in_the_call and not _is_transport_failure(error)
-    deadline = time.monotonic() + (0.0 if refusal else DEATH_SIGHT_GRACE_S)
-    while True:
-        try:
-            core.raise_peer_failure(needed)
-        except CommError as cause:
-            return comm_error(f"{where} failed: {cause}. gloo said: {error}", getattr(cause, "code", "COMM_ERROR"),
-                              getattr(cause, "culprit", None))
-        if time.monotonic() >= deadline:
-            break
-        time.sleep(_LOOK_EVERY_S)
-    if refusal:
-        return error
-    timed_out = "timed out" in str(error).lower()
-    return comm_error(f"{where} failed, and no rank of the group is seen dead, closed or aborted (a rank on another "
-                      f"host, frozen, or calling another collective?). gloo said: {error}",
-                      "TIMEOUT" if timed_out else "COMM_ERROR")
+class FailureSight:
+    """Explains the failed delegated collectives of one freescale group, through its communicator
+    `core` (raise_peer_failure: which needed rank died or closed, and why)."""
+
+    def __init__(self, core: Any, group: str) -> None:
+        self._core, self._group = core, group
+        self._lock = threading.Lock()
+        self._window_ends: Optional[float] = None  # time.monotonic() the current grace window ends
+
+    def _deadline(self) -> float:
+        with self._lock:
+            now = time.monotonic()
+            if self._window_ends is None or now > self._window_ends + _WINDOW_REOPENS_S:
+                self._window_ends = now + DEATH_SIGHT_GRACE_S
+            return self._window_ends
+
+    def explain(self, error: BaseException, op: str, needed: list[int], in_the_call: bool = False) -> BaseException:
+        """The exception to raise for gloo's `error` in `op`: a CommError naming the root cause among
+        the group ranks `needed`, looked for until the grace window ends; else a CommError with
+        gloo's words (TIMEOUT if gloo timed out). Returned unchanged: anything but a RuntimeError,
+        and an error raised `in_the_call` that is not gloo's transport failing (a refusal)."""
+        if isinstance(error, CommError) or not isinstance(error, RuntimeError):
+            return error
+        if in_the_call and not _is_transport_failure(error):
+            return error
+        where = f"{op} on freescale group {self._group!r} (run by its inner gloo group)"
+        deadline = self._deadline()
+        while True:
+            try:
+                self._core.raise_peer_failure(needed)
+            except CommError as cause:
+                return comm_error(f"{where} failed: {cause}. gloo said: {error}", getattr(cause, "code", "COMM_ERROR"),
+                                  getattr(cause, "culprit", None))
+            if time.monotonic() >= deadline:
+                break
+            time.sleep(_LOOK_EVERY_S)
+        timed_out = "timed out" in str(error).lower()
+        return comm_error(f"{where} failed, and no rank it needs is seen dead or closed (a rank on another host, "
+                          f"frozen, or calling another collective?). gloo said: {error}",
+                          "TIMEOUT" if timed_out else "COMM_ERROR")
 
 
 class DelegatedWork(dist._Work):
-    """An inner gloo Work whose failure is raised as explain() says; all else is the inner one's."""
+    """An inner gloo Work whose failure is raised as `why` explains it (once per Work: wait() and
+    the future raise the same exception); all else is the inner Work's."""
 
     def __init__(self, work: dist.Work, why: Callable[[BaseException], BaseException]) -> None:
         super().__init__()
         self._inner_work = work
         self._why = why
+        self._lock = threading.Lock()
+        self._explained: Optional[BaseException] = None
+
+    def _explain(self, error: BaseException) -> BaseException:
+        with self._lock:  # a second caller waits for the first's explanation rather than look again
+            if self._explained is None:
+                explained = self._why(error)
+                if explained is not error and explained.__cause__ is None:
+                    explained.__cause__ = error
+                self._explained = explained
+            return self._explained
 
     def wait(self, timeout: Optional[datetime.timedelta] = None) -> bool:
+        limited = timeout is not None and timeout > datetime.timedelta(0)  # c10d's 0: no limit
         try:
-            return self._inner_work.wait() if timeout is None else self._inner_work.wait(timeout)
+            return self._inner_work.wait(timeout) if limited else self._inner_work.wait()
         except RuntimeError as e:
-            error = self._why(e)
+            if limited and not self._inner_work.is_completed():
+                raise  # the caller's own limit ran out; the op goes on (gloo's "Operation timed out!")
+            error = self._explain(e)
             if error is e:
                 raise
             raise error from e
@@ -88,7 +118,7 @@ class DelegatedWork(dist._Work):
         return self._inner_work.is_success()
 
     def exception(self) -> Optional[BaseException]:
-        return self._inner_work.exception()
+        return self._explained if self._explained is not None else self._inner_work.exception()
 
     def result(self) -> list[torch.Tensor]:
         return self._inner_work.result()
@@ -98,7 +128,9 @@ class DelegatedWork(dist._Work):
 
     def get_future(self) -> torch.futures.Future:
         # A fresh future set from the inner one's callback, not then(): then() re-raises a
-        # callback's exception as a plain RuntimeError, and the CommError's type would be lost.
+        # callback's exception as a plain RuntimeError, and the CommError's type would be lost. A
+        # failure is explained on a completion thread: gloo runs the callback on its own worker,
+        # which the grace window must not hold.
         inner = self._inner_work.get_future()  # gloo's gather / reduce_scatter: "not implemented", raised as is
         explained: torch.futures.Future = torch.futures.Future()
 
@@ -106,10 +138,8 @@ class DelegatedWork(dist._Work):
             try:
                 value = fut.value()
             except RuntimeError as e:
-                error = self._why(e)
-                if error is not e:
-                    error.__cause__ = e
-                explained.set_exception(error)
+                failure = e  # (`e` is unbound when the except block ends, before the task runs)
+                _completions.run_soon(lambda: explained.set_exception(self._explain(failure)))
                 return
             except BaseException as e:  # noqa: BLE001 - handed to the future's waiters as it came
                 explained.set_exception(e)
@@ -118,3 +148,62 @@ class DelegatedWork(dist._Work):
 
         inner.add_done_callback(settle)
         return explained
+
+
+class AllOfWork(dist._Work):
+    """One Work for delegated `works` posted in order on one group (a coalesced call, one op per
+    tensor): done when all are, its value `outputs`, the first failure raised (wait() and the
+    future alike). Gloo's gather and reduce-scatter Works have no future: those are waited for
+    here, so the call returns once they are done, as a synchronous one."""
+
+    def __init__(self, works: list[dist.Work], outputs: list[torch.Tensor]) -> None:
+        super().__init__()
+        self._works, self._outputs = works, outputs
+        try:
+            self._futures: Optional[list[torch.futures.Future]] = [w.get_future() for w in works]
+        except RuntimeError:  # "Work::getFuture not implemented"
+            for w in works:
+                w.wait()
+            self._futures = None
+
+    def wait(self, timeout: Optional[datetime.timedelta] = None) -> bool:
+        for w in self._works:
+            if not (w.wait() if timeout is None else w.wait(timeout)):
+                return False
+        return True
+
+    def is_completed(self) -> bool:
+        return all(w.is_completed() for w in self._works)
+
+    def is_success(self) -> bool:
+        return all(w.is_success() for w in self._works)
+
+    def result(self) -> list[torch.Tensor]:
+        return self._outputs
+
+    def get_future(self) -> torch.futures.Future:
+        done: torch.futures.Future = torch.futures.Future()
+        if self._futures is None:  # waited for in the call
+            done.set_result(self._outputs)
+            return done
+
+        parts = self._futures
+
+        def settle(every: torch.futures.Future) -> None:
+            # collect_all completes at the first failure, the other parts perhaps still pending
+            for part in parts:
+                if part.done():
+                    try:
+                        part.value()
+                    except BaseException as e:  # noqa: BLE001 - the first failure, its type kept
+                        done.set_exception(e)
+                        return
+            try:
+                every.value()
+            except BaseException as e:  # noqa: BLE001 - (no part's own error: collect_all's)
+                done.set_exception(e)
+                return
+            done.set_result(self._outputs)
+
+        torch.futures.collect_all(parts).add_done_callback(settle)
+        return done

@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 from freescale_comm import _core
 from freescale_comm._bootstrap import StoreBootstrap
-from freescale_comm._delegated import DelegatedWork, explain
+from freescale_comm._delegated import AllOfWork, DelegatedWork, FailureSight
 from freescale_comm._errors import comm_error
 from freescale_comm.communicator import Communicator, check_priority
 from freescale_comm.work import Work
@@ -140,6 +140,7 @@ class ProcessGroupFreescale(dist.ProcessGroup):
         self._cuda: Optional[dist.ProcessGroup] = None  # NCCL, built on first use
         self._cuda_lock = threading.Lock()
         self._comm: Optional[Communicator] = None
+        self._sight: Optional[FailureSight] = None  # explains delegated CPU ops' failures (built on first use)
         self._cuda_native = "ce" in _core.build_info()["transports"]  # CUDA tensors on copy engines
         try:
             # setup rounds wait for peers up to the group's timeout, as its gloo rendezvous does (not
@@ -296,16 +297,18 @@ class ProcessGroupFreescale(dist.ProcessGroup):
         inner = self._inner(tensors)
         if inner is not self._cpu or self._comm is None:
             return call(inner)  # CUDA: NCCL reports its own failures; ranks on several hosts: no sight of them
-        core, group = self._comm._core, self._group_name_
+        if self._sight is None:
+            self._sight = FailureSight(self._comm._core, self._group_name_)
+        sight = self._sight
         needed = list(range(self.size())) if peers is None else list(peers)
         try:
             work = call(inner)
         except RuntimeError as e:
-            error = explain(e, core, op, group, needed, in_the_call=True)
+            error = sight.explain(e, op, needed, in_the_call=True)
             if error is e:
                 raise
             raise error from e
-        return DelegatedWork(work, lambda e: explain(e, core, op, group, needed))
+        return DelegatedWork(work, lambda e: sight.explain(e, op, needed))
 
     def broadcast(self, tensors: list[torch.Tensor], opts: Any) -> dist.Work:
         return self._delegate("broadcast", tensors, lambda g: g.broadcast(tensors, opts))
@@ -335,7 +338,7 @@ class ProcessGroupFreescale(dist.ProcessGroup):
     def allgather_into_tensor_coalesced(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any) -> dist.Work:
         # (the inner groups' coalesced form is not callable from Python: functional collectives,
         # DTensor and FSDP2 reach it) one all_gather_into_tensor per pair, in order, one Work
-        return _all_of([self.all_gather_single(o, i, opts) for o, i in zip(outputs, inputs)], outputs)
+        return AllOfWork([self.all_gather_single(o, i, opts) for o, i in zip(outputs, inputs)], outputs)
 
     def gather(self, output_tensors: list[list[torch.Tensor]], input_tensors: list[torch.Tensor], opts: Any) -> dist.Work:
         return self._delegate("gather", input_tensors, lambda g: g.gather(output_tensors, input_tensors, opts))
@@ -355,7 +358,7 @@ class ProcessGroupFreescale(dist.ProcessGroup):
 
     def reduce_scatter_tensor_coalesced(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any) -> dist.Work:
         # as allgather_into_tensor_coalesced
-        return _all_of([self.reduce_scatter_single(o, i, opts) for o, i in zip(outputs, inputs)], outputs)
+        return AllOfWork([self.reduce_scatter_single(o, i, opts) for o, i in zip(outputs, inputs)], outputs)
 
     def send(self, tensors: list[torch.Tensor], dst: int, tag: int) -> dist.Work:
         return self._delegate("send", tensors, lambda g: g.send(tensors, dst, tag), peers=[dst])
@@ -468,26 +471,6 @@ def _refused_as_gloo_refuses() -> Iterator[None]:
         raise ArgumentValueError(str(e)) from e
     except TypeError as e:
         raise ArgumentTypeError(str(e)) from e
-
-
-def _all_of(works: list[dist.Work], outputs: list[torch.Tensor]) -> dist.Work:
-    """One Work for `works` (posted in order on one group): done when all are, its value
-    `outputs`; the first failure re-raised. Gloo's gather and reduce-scatter Works have no future:
-    those are waited for here (the call returns once they are done, as a synchronous one)."""
-    try:
-        futures = [w.get_future() for w in works]
-    except RuntimeError:  # "Work::getFuture not implemented"
-        for w in works:
-            w.wait()
-        futures = []
-
-    def finished(fut: torch.futures.Future) -> list[torch.Tensor]:
-        for part in fut.value():
-            part.wait()  # re-raises its error
-        return outputs
-
-    everything = torch.futures.collect_all(futures).then(finished)
-    return torch._C._distributed_c10d._create_work_from_future(everything)
 
 
 def _create(backend_options: Any, pg_options: Any = None) -> ProcessGroupFreescale:
