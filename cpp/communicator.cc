@@ -140,6 +140,9 @@ void Communicator::raise_peer_failure(const std::vector<int>& needed) const {
     lost |= sight[p].died || sight[p].closed;
   }
   if (!lost) return;
+  // Notices are this communicator's own failures, perhaps long reported: one would outrank the
+  // death that broke the other group's collective (root_cause.h) and name a rank uninvolved in it.
+  for (PeerSight& s : sight) s.aborted = false;
   throw_root_cause(find_root_cause(sight, rank_), rank_, [this](int r) { return transport_->peer_pid(r); });
 }
 

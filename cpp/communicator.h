@@ -72,10 +72,9 @@ class Communicator {
 
   // Explains a failure of a collective run outside this communicator (one the backend delegates to
   // gloo) among the same ranks: if a rank in `needed` died or closed its communicator, throws the
-  // CommError naming the root cause as this rank sees it now (that death, or the disagreement a
-  // notice names, root_cause.h); else returns (an earlier failure of this communicator, or a peer's
-  // notice about one, explains nothing of another group's collective). Any thread; takes no lock;
-  // never blocks on peers.
+  // CommError naming it (PEER_DIED / COMM_ERROR, the lowest such rank); else returns. This
+  // communicator's own failures and peers' notices about theirs explain nothing of another
+  // group's collective and are not read. Any thread; takes no lock; never blocks on peers.
   void raise_peer_failure(const std::vector<int>& needed) const;
 
   // Stops the progress thread; pending ops fail with CommError; peers learn this rank left.

@@ -49,6 +49,10 @@ def delegated_ops_after_a_peer_died(info, victim: int) -> dict[str, str]:
         "reduce_scatter_tensor": _outcome(lambda: dist.reduce_scatter_tensor(torch.empty(1), torch.ones(world),
                                                                              group=group)),
         "send_to_victim": _outcome(lambda: dist.send(t, dst=victim, group=group)),
+        # a wait with a limit: gloo's reduce-scatter Works never report completed (that told a limit
+        # running out from a failure, and the failure came out as gloo's error)
+        "reduce_scatter_tensor_limited_wait": _outcome(lambda: dist.reduce_scatter_tensor(
+            torch.empty(1), torch.ones(world), group=group, async_op=True).wait(datetime.timedelta(seconds=10))),
         # one op per tensor under one Work (functional collectives, _coalescing_manager): its wait()
         # returned True and its outputs held zeros
         "all_gather_coalesced": _outcome(lambda: group.allgather_into_tensor_coalesced(
@@ -107,6 +111,19 @@ def delegated_waits_and_refusals_stay_gloos(info) -> dict[str, str]:
     else:
         dist.barrier()
         dist.all_reduce(t, group=group)
+    # a coalesced call (one op per tensor) waited for with a limit: the limit holds for the whole
+    # call (it held for each part: 3 parts 0.35 s apart passed a 0.5 s limit)
+    parts = [torch.ones(1) * (p + 1) for p in range(3)]
+    outs = [torch.empty(info.world_size) for _ in parts]
+    if info.rank == 0:
+        coalesced = group.allgather_into_tensor_coalesced(outs, parts, torch._C._distributed_c10d.AllgatherOptions())
+        out["coalesced_limit"] = _outcome(lambda: coalesced.wait(datetime.timedelta(seconds=0.5)))
+        coalesced.wait()
+        out["coalesced_then"] = str([o.tolist() for o in outs])
+    else:
+        for o, p in zip(outs, parts):
+            time.sleep(0.35)
+            dist.all_gather_into_tensor(o, p, group=group)
     # this rank's communicator fails: an op no peer joins, past FREESCALE_TIMEOUT_S
     alone = group._comm.all_to_all_single(torch.empty(2), torch.ones(2), async_op=True) if info.rank == 1 else None
     if alone is not None:
@@ -114,3 +131,23 @@ def delegated_waits_and_refusals_stay_gloos(info) -> dict[str, str]:
     dist.barrier()
     out["refused"] = _outcome(lambda: dist.all_gather([torch.empty(3) for _ in range(info.world_size)], t, group=group))
     return out
+
+
+def a_death_after_an_old_failure(info) -> str:
+    """Ranks 1 and 2 fail first in a native op rank 0 never joins (past FREESCALE_TIMEOUT_S: their
+    notices say TIMEOUT, culprit rank 0); a delegated all_reduce then works; then rank 2 is
+    SIGKILLed and rank 0 runs an all_reduce that needs it. Rank 0 returns what that raised: the old
+    notices named the cause (PEER_ABORTED culprit=0, itself), not rank 2's death."""
+    group = dist.new_group(backend="freescale", timeout=datetime.timedelta(seconds=20))
+    if info.rank != 0:
+        _outcome(group._comm.all_to_all_single(torch.empty(3), torch.ones(3), async_op=True).wait)
+    dist.barrier()  # the world group
+    t = torch.ones(2)
+    dist.all_reduce(t, group=group)
+    dist.barrier()
+    if info.rank == 2:
+        os.kill(os.getpid(), signal.SIGKILL)
+    time.sleep(0.2)
+    if info.rank == 0:
+        return _outcome(lambda: dist.all_reduce(t, group=group))
+    return "survived"

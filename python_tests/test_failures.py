@@ -11,7 +11,8 @@ import pytest
 
 from freescale_comm.testing import run_ranks
 from delegated_failure_programs import (communicator_over_a_failed_group, delegated_op_timed_out,
-                                         delegated_ops_after_a_peer_died, delegated_waits_and_refusals_stay_gloos)
+                                         delegated_ops_after_a_peer_died, delegated_waits_and_refusals_stay_gloos,
+                                         a_death_after_an_old_failure)
 from failure_path_programs import (close_with_ops_pending, exit_at_once_rounds, frozen_then_resumed, killed_mid_op,
                                    mismatch_by_bytes)
 from rank_programs import (
@@ -248,6 +249,14 @@ def test_a_delegated_waits_own_limit_and_gloos_refusals_stay_gloos_errors():
     assert results[0].value["short_wait"].startswith("RuntimeError"), results[0]
     assert results[0].value["short_wait_fast"] == "True", results[0]
     assert results[0].value["then_wait"] == "no error [2.0, 2.0]", results[0]
+    assert results[0].value["coalesced_limit"].startswith("RuntimeError: Operation timed out"), results[0]
+    assert results[0].value["coalesced_then"] == "[[1.0, 1.0], [2.0, 2.0], [3.0, 3.0]]", results[0]
     assert results[1].value["alone"].startswith("CommError TIMEOUT"), results[1]
     for r in results:
         assert r.value["refused"].startswith("RuntimeError") and "invalid tensor size" in r.value["refused"], r
+
+
+@pytest.mark.timeout(120)
+def test_a_delegated_collective_names_the_death_not_an_old_notice():
+    results = run_ranks(a_death_after_an_old_failure, 3, timeout_s=90, env={"FREESCALE_TIMEOUT_S": "2"})
+    assert results[0].value == "CommError PEER_DIED culprit=2 cause=RuntimeError", results

@@ -219,9 +219,9 @@ void register_communicator(py::module_& m) {
           "Like Work.wait, but drives progress on the calling thread (GIL released; Ctrl-C honoured) while it waits.")
       .def("raise_peer_failure", &Communicator::raise_peer_failure, py::arg("needed"),
            py::call_guard<py::gil_scoped_release>(),
-           "If a rank in `needed` died or closed its communicator, raises the CommError naming the root cause as this "
-           "rank sees it now (that death, or what a peer's notice names); else returns. For collectives run outside "
-           "the communicator (delegated to gloo). Takes no lock; never blocks on peers.")
+           "If a rank in `needed` died or closed its communicator, raises the CommError naming it; else returns. For "
+           "collectives run outside the communicator (delegated to gloo); its own failures and peers' notices are not "
+           "read. Takes no lock; never blocks on peers.")
       .def("close", &Communicator::close, py::call_guard<py::gil_scoped_release>())
       .def(
           "abandon_after_fork",

@@ -1,6 +1,6 @@
 """Collectives a freescale group delegates to its inner gloo group fail as its own ops do: with a
-CommError naming the root cause (the rank that died or closed its group; or, where that rank left
-a notice, the disagreement it names) where the group's communicator sees one, instead of gloo's
+CommError naming the root cause (the rank it needs that died or closed its group) where the
+group's communicator sees one, instead of gloo's
 RuntimeError naming a socket ("Connection closed by peer [127.0.0.1]:41234"). Gloo's error stays
 chained as the cause. A CommError is a RuntimeError, so clients catching gloo's type still catch it.
 
@@ -29,6 +29,9 @@ from freescale_comm._errors import comm_error
 DEATH_SIGHT_GRACE_S = 1.0
 _LOOK_EVERY_S = 0.005
 _WINDOW_REOPENS_S = 10.0  # a failure this long after the window closed opens a new one
+# What gloo's Work.wait(timeout) raises when the caller's limit runs out (not the op's failure;
+# a Work's is_completed() cannot tell: gloo's reduce-scatter Works never report completed).
+_OWN_LIMIT = "Operation timed out!"
 
 
 def _is_transport_failure(error: BaseException) -> bool:
@@ -104,8 +107,8 @@ class DelegatedWork(dist._Work):
         try:
             return self._inner_work.wait(timeout) if limited else self._inner_work.wait()
         except RuntimeError as e:
-            if limited and not self._inner_work.is_completed():
-                raise  # the caller's own limit ran out; the op goes on (gloo's "Operation timed out!")
+            if limited and _OWN_LIMIT in str(e):
+                raise  # the caller's own limit ran out (the op may still complete): gloo's error, as gloo raises it
             error = self._explain(e)
             if error is e:
                 raise
@@ -139,7 +142,15 @@ class DelegatedWork(dist._Work):
                 value = fut.value()
             except RuntimeError as e:
                 failure = e  # (`e` is unbound when the except block ends, before the task runs)
-                _completions.run_soon(lambda: explained.set_exception(self._explain(failure)))
+
+                def explain_and_fail() -> None:
+                    try:
+                        error = self._explain(failure)
+                    except BaseException as unexpected:  # noqa: BLE001 - the future must complete all the same
+                        error = unexpected
+                    explained.set_exception(error)
+
+                _completions.run_soon(explain_and_fail)
                 return
             except BaseException as e:  # noqa: BLE001 - handed to the future's waiters as it came
                 explained.set_exception(e)
@@ -164,19 +175,34 @@ class AllOfWork(dist._Work):
         except RuntimeError:  # "Work::getFuture not implemented"
             for w in works:
                 w.wait()
-            self._futures = None
+            self._futures = None  # done: waited for here
 
     def wait(self, timeout: Optional[datetime.timedelta] = None) -> bool:
+        """Waits for every part; a limit (c10d's 0: none) holds for the whole call."""
+        if timeout is None or timeout <= datetime.timedelta(0):
+            for w in self._works:
+                w.wait()
+            return True
+        deadline = time.monotonic() + timeout.total_seconds()
         for w in self._works:
-            if not (w.wait() if timeout is None else w.wait(timeout)):
-                return False
+            left = deadline - time.monotonic()
+            if left <= 0 and not w.is_completed():
+                raise RuntimeError(_OWN_LIMIT)  # as gloo's wait(timeout) says it
+            w.wait(datetime.timedelta(seconds=max(left, 0.001)))
         return True
 
     def is_completed(self) -> bool:
-        return all(w.is_completed() for w in self._works)
+        return self._futures is None or all(w.is_completed() for w in self._works)
 
     def is_success(self) -> bool:
         return all(w.is_success() for w in self._works)
+
+    def exception(self) -> Optional[BaseException]:
+        for w in self._works:
+            error = w.exception()
+            if error is not None:
+                return error
+        return None
 
     def result(self) -> list[torch.Tensor]:
         return self._outputs
