@@ -25,10 +25,10 @@ from freescale_comm._errors import comm_error
 
 # A killed peer's sockets close a moment before /proc shows it gone (a zombie: the last steps of its
 # exit): gloo can report the closed connection first. Seconds a group's failures look for a cause,
-# from its first failure (one window for all of them), and seconds between looks.
+# from the first failure after the last window closed (one window for a burst of them), and
+# seconds between looks.
 DEATH_SIGHT_GRACE_S = 1.0
 _LOOK_EVERY_S = 0.005
-_WINDOW_REOPENS_S = 10.0  # a failure this long after the window closed opens a new one
 # What gloo's Work.wait(timeout) raises when the caller's limit runs out (not the op's failure;
 # a Work's is_completed() cannot tell: gloo's reduce-scatter Works never report completed).
 _OWN_LIMIT = "Operation timed out!"
@@ -42,7 +42,7 @@ def _is_transport_failure(error: BaseException) -> bool:
 
 class FailureSight:
     """Explains the failed delegated collectives of one freescale group, through its communicator
-    `core` (raise_peer_failure: which needed rank died or closed, and why)."""
+    `core` (raise_peer_failure: which needed rank died or closed)."""
 
     def __init__(self, core: Any, group: str) -> None:
         self._core, self._group = core, group
@@ -52,7 +52,7 @@ class FailureSight:
     def _deadline(self) -> float:
         with self._lock:
             now = time.monotonic()
-            if self._window_ends is None or now > self._window_ends + _WINDOW_REOPENS_S:
+            if self._window_ends is None or now > self._window_ends:
                 self._window_ends = now + DEATH_SIGHT_GRACE_S
             return self._window_ends
 
