@@ -215,20 +215,14 @@ class AllOfWork(dist._Work):
 
         parts = self._futures
 
-        def settle(every: torch.futures.Future) -> None:
-            # collect_all completes at the first failure, the other parts perhaps still pending
+        def settle(_: torch.futures.Future) -> None:
+            # collect_all completes once every part is done: the first failing part's error, as it came
             for part in parts:
-                if part.done():
-                    try:
-                        part.value()
-                    except BaseException as e:  # noqa: BLE001 - the first failure, its type kept
-                        done.set_exception(e)
-                        return
-            try:
-                every.value()
-            except BaseException as e:  # noqa: BLE001 - (no part's own error: collect_all's)
-                done.set_exception(e)
-                return
+                try:
+                    part.value()
+                except BaseException as e:  # noqa: BLE001 - handed to the future's waiters as it came
+                    done.set_exception(e)
+                    return
             done.set_result(self._outputs)
 
         torch.futures.collect_all(parts).add_done_callback(settle)
