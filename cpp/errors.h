@@ -58,4 +58,8 @@ class SystemError : public Error {
 // True for the codes that mean "the collective failed" (mapped to fc.CommError).
 bool is_comm_code(ErrorCode code);
 
+// The end of a kSizeMismatch message: what the user gave that disagrees across ranks.
+inline constexpr const char* kSizesDisagree =
+    "the ranks' sizes for this pair disagree (all_to_all_single: its split sizes; all_to_all: its list's tensors)";
+
 }  // namespace freescale

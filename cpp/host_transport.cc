@@ -228,7 +228,7 @@ void HostTransport::deliver(int src, const SlotHeader& h, const uint8_t* payload
     throw CommError(ErrorCode::kSizeMismatch,
                     "all_to_all op #" + std::to_string(h.seq) + ": rank " + std::to_string(rank_) + " expected " +
                         std::to_string(expected) + " bytes from rank " + std::to_string(src) + ", which sends " +
-                        std::to_string(h.total) + " bytes: the ranks' split sizes disagree",
+                        std::to_string(h.total) + " bytes: " + kSizesDisagree,
                     src);
   }
   // recv_done counts accepted bytes (landing may lag: recv_finished says when all landed).

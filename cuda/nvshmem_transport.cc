@@ -96,6 +96,9 @@ class NvshmemTransport final : public Transport {
   // Same-host liveness and the notices as last copied into the mirror by check_peers (the
   // progress thread): a notice newer than that copy is not seen here.
   std::vector<PeerSight> peer_sight() const override;
+  // The notices as in the mirror now, beside `died` (by rank: read before the notices, so a dead
+  // peer's last notice is in view).
+  std::vector<PeerSight> sight_with(const std::vector<bool>& died) const;
   int peer_pid(int rank) const override { return rank >= 0 && rank < world_ ? procs_[rank].pid : -1; }
   uint32_t activity_epoch() const override { return epoch_.load(std::memory_order_acquire); }
   void wait_for_activity(uint32_t epoch, std::chrono::microseconds timeout) override;
@@ -765,7 +768,7 @@ bool NvshmemTransport::act_on_signals() {
       throw CommError(ErrorCode::kSizeMismatch,
                       "all_to_all op #" + std::to_string(seq) + ": rank " + std::to_string(rank_) + " expected " +
                           std::to_string(bytes) + " bytes from rank " + std::to_string(a.src) + ", which sends " +
-                          std::to_string(announced) + " bytes: the ranks' split sizes disagree",
+                          std::to_string(announced) + " bytes: " + kSizesDisagree,
                       a.src);
     }
     recv_parts_[{seq, a.src}].audited = true;
@@ -797,12 +800,12 @@ void NvshmemTransport::part_checked(const std::shared_ptr<OpState>& op, int src)
   }
 }
 
-std::vector<PeerSight> NvshmemTransport::peer_sight() const {
+std::vector<PeerSight> NvshmemTransport::sight_with(const std::vector<bool>& died) const {
   std::vector<PeerSight> sight(static_cast<size_t>(world_));
-  for (int p = 0; p < world_; ++p) sight[p].died = p != rank_ && procs_[p].pid >= 0 && !process_alive(procs_[p]);
   for (int p = 0; p < world_; ++p) {
     if (p == rank_) continue;
     const uint64_t notice = read_mapped_word(notice_mirror_ + p);
+    sight[p].died = died[p];
     sight[p].closed = notice == kNvshmemNoticeClosed;
     sight[p].aborted = notice >= kNvshmemNoticeAbortBase;
     if (sight[p].aborted) {
@@ -811,6 +814,12 @@ std::vector<PeerSight> NvshmemTransport::peer_sight() const {
     }
   }
   return sight;
+}
+
+std::vector<PeerSight> NvshmemTransport::peer_sight() const {
+  std::vector<bool> died(static_cast<size_t>(world_), false);
+  for (int p = 0; p < world_; ++p) died[p] = p != rank_ && procs_[p].pid >= 0 && !process_alive(procs_[p]);
+  return sight_with(died);
 }
 
 void NvshmemTransport::check_peers() {
@@ -843,17 +852,9 @@ void NvshmemTransport::check_peers() {
     }
   }
   // Liveness was read first, the notices now: a dead peer's notice is in view (root_cause.h).
-  std::vector<PeerSight> sight(static_cast<size_t>(world_));
+  std::vector<PeerSight> sight = sight_with(died);
   for (int p = 0; p < world_; ++p) {
     if (p == rank_) continue;
-    const uint64_t notice = read_mapped_word(notice_mirror_ + p);
-    sight[p].died = died[p];
-    sight[p].closed = notice == kNvshmemNoticeClosed;
-    sight[p].aborted = notice >= kNvshmemNoticeAbortBase;
-    if (sight[p].aborted) {
-      sight[p].code = nvshmem_notice_code(notice);
-      sight[p].culprit = nvshmem_notice_culprit(notice);
-    }
     for (const auto& [seq, op] : started_) sight[p].needed |= !op->is_completed() && op->needs_peer(p);
   }
   settle_for_closed_peers(sight);

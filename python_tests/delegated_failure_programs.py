@@ -101,22 +101,32 @@ def delegated_waits_and_refusals_stay_gloos(info) -> dict[str, str]:
     group = dist.new_group(backend="freescale", timeout=datetime.timedelta(seconds=20))
     out = {}
     t = torch.ones(2)
+    a2a_out = torch.empty(2)
     if info.rank == 0:
         work = dist.all_reduce(t, group=group, async_op=True)
+        native = dist.all_to_all_single(a2a_out, torch.ones(2), group=group, async_op=True)
         start = time.monotonic()
         out["short_wait"] = _outcome(lambda: work.wait(datetime.timedelta(seconds=0.3)))
         out["short_wait_fast"] = str(time.monotonic() - start < 0.9)
+        # a negative limit is one already run out, as gloo's (it was no limit: a wait for good)
+        out["negative_wait"] = _outcome(lambda: work.wait(datetime.timedelta(seconds=-1)))
+        out["native_negative_wait"] = _outcome(lambda: native.wait(datetime.timedelta(seconds=-1)))
         dist.barrier()  # the world group: rank 1 joins the all_reduce now
         out["then_wait"] = _outcome(work.wait) + f" {t.tolist()}"
+        native.wait()
+        out["done_negative_wait"] = _outcome(lambda: work.wait(datetime.timedelta(seconds=-1)))
+        out["native_done_negative_wait"] = _outcome(lambda: native.wait(datetime.timedelta(seconds=-1)))
     else:
         dist.barrier()
         dist.all_reduce(t, group=group)
+        dist.all_to_all_single(a2a_out, torch.ones(2), group=group)
     # a coalesced call (one op per tensor) waited for with a limit: the limit holds for the whole
     # call (it held for each part: 3 parts 0.35 s apart passed a 0.5 s limit)
     parts = [torch.ones(1) * (p + 1) for p in range(3)]
     outs = [torch.empty(info.world_size) for _ in parts]
     if info.rank == 0:
         coalesced = group.allgather_into_tensor_coalesced(outs, parts, torch._C._distributed_c10d.AllgatherOptions())
+        out["coalesced_negative"] = _outcome(lambda: coalesced.wait(datetime.timedelta(seconds=-1)))
         out["coalesced_limit"] = _outcome(lambda: coalesced.wait(datetime.timedelta(seconds=0.5)))
         coalesced.wait()
         out["coalesced_then"] = str([o.tolist() for o in outs])

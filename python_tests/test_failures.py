@@ -249,6 +249,11 @@ def test_a_delegated_waits_own_limit_and_gloos_refusals_stay_gloos_errors():
     assert results[0].value["short_wait"].startswith("RuntimeError"), results[0]
     assert results[0].value["short_wait_fast"] == "True", results[0]
     assert results[0].value["then_wait"] == "no error [2.0, 2.0]", results[0]
+    assert results[0].value["negative_wait"].startswith("RuntimeError: Operation timed out"), results[0]
+    assert results[0].value["native_negative_wait"].startswith("CommError TIMEOUT"), results[0]
+    for done in ("done_negative_wait", "native_done_negative_wait"):
+        assert results[0].value[done].startswith("no error"), results[0]
+    assert results[0].value["coalesced_negative"].startswith("RuntimeError: Operation timed out"), results[0]
     assert results[0].value["coalesced_limit"].startswith("RuntimeError: Operation timed out"), results[0]
     assert results[0].value["coalesced_then"] == "[[1.0, 1.0], [2.0, 2.0], [3.0, 3.0]]", results[0]
     assert results[1].value["alone"].startswith("CommError TIMEOUT"), results[1]

@@ -9,7 +9,7 @@ from typing import Optional
 import torch.distributed as dist
 
 from freescale_comm import _core
-from freescale_comm._errors import comm_error
+from freescale_comm._errors import comm_error, gloo_timed_out
 
 
 class GroupBootstrap(_core.Bootstrap):
@@ -46,8 +46,7 @@ class GroupBootstrap(_core.Bootstrap):
         except RuntimeError as e:  # the group's own error (gloo: "Connection closed by peer"): a CommError
             # a freescale group names the root cause itself (its delegated collectives); else a timeout
             # is a peer late or frozen past the group's timeout, anything else one that left
-            timed_out = "timed out" in str(e).lower()
-            code = getattr(e, "code", None) or ("TIMEOUT" if timed_out else "PEER_DIED")
+            code = getattr(e, "code", None) or ("TIMEOUT" if gloo_timed_out(e) else "PEER_DIED")
             raise comm_error("building a freescale communicator over the group failed in its setup exchange: a peer "
                              "failed or left before or while building its own, or did not arrive within the group's "
                              "timeout (a CommError here may follow another rank's own error). The group said: "

@@ -14,14 +14,14 @@ from __future__ import annotations
 import datetime
 import threading
 import time
-from typing import Any, Callable, Optional
+from typing import Any, Callable, NoReturn, Optional
 
 import torch
 import torch.distributed as dist
 
 from freescale_comm import _completions
 from freescale_comm._core import CommError
-from freescale_comm._errors import comm_error
+from freescale_comm._errors import comm_error, gloo_timed_out
 
 # A killed peer's sockets close a moment before /proc shows it gone (a zombie: the last steps of its
 # exit): gloo can report the closed connection first. Seconds a group's failures look for a cause,
@@ -38,6 +38,14 @@ def _is_transport_failure(error: BaseException) -> bool:
     """Gloo's own words for a failed connection (its transport's source path), as opposed to a
     refusal of the call's arguments."""
     return "gloo/transport/" in str(error)
+
+
+def raise_explained(error: BaseException, explained: BaseException) -> NoReturn:
+    """Raises gloo's `error` as is where `explained` is it (its traceback kept), else `explained`
+    from it."""
+    if explained is error:
+        raise error
+    raise explained from error
 
 
 class FailureSight:
@@ -76,10 +84,9 @@ class FailureSight:
             if time.monotonic() >= deadline:
                 break
             time.sleep(_LOOK_EVERY_S)
-        timed_out = "timed out" in str(error).lower()
         return comm_error(f"{where} failed, and no rank it needs is seen dead or closed (a rank on another host, "
                           f"frozen, or calling another collective?). gloo said: {error}",
-                          "TIMEOUT" if timed_out else "COMM_ERROR")
+                          "TIMEOUT" if gloo_timed_out(error) else "COMM_ERROR")
 
 
 class DelegatedWork(dist._Work):
@@ -103,16 +110,14 @@ class DelegatedWork(dist._Work):
             return self._explained
 
     def wait(self, timeout: Optional[datetime.timedelta] = None) -> bool:
-        limited = timeout is not None and timeout > datetime.timedelta(0)  # c10d's 0: no limit
+        # c10d's 0: no limit; a negative limit has run out already (gloo's wait raises unless done)
+        limited = timeout is not None and timeout != datetime.timedelta(0)
         try:
             return self._inner_work.wait(timeout) if limited else self._inner_work.wait()
         except RuntimeError as e:
             if limited and _OWN_LIMIT in str(e):
                 raise  # the caller's own limit ran out (the op may still complete): gloo's error, as gloo raises it
-            error = self._explain(e)
-            if error is e:
-                raise
-            raise error from e
+            raise_explained(e, self._explain(e))
 
     def is_completed(self) -> bool:
         return self._inner_work.is_completed()
@@ -178,8 +183,8 @@ class AllOfWork(dist._Work):
             self._futures = None  # done: waited for here
 
     def wait(self, timeout: Optional[datetime.timedelta] = None) -> bool:
-        """Waits for every part; a limit (c10d's 0: none) holds for the whole call."""
-        if timeout is None or timeout <= datetime.timedelta(0):
+        """Waits for every part; a limit (c10d's 0: none; negative: run out) holds for the whole call."""
+        if timeout is None or timeout == datetime.timedelta(0):
             for w in self._works:
                 w.wait()
             return True

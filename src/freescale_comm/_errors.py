@@ -14,6 +14,12 @@ def comm_error(message: str, code: str = "COMM_ERROR", culprit: Optional[int] = 
     return err
 
 
+def gloo_timed_out(error: BaseException) -> bool:
+    """Whether a gloo group's error says it timed out (a peer late or frozen past the group's
+    timeout) rather than that a connection failed."""
+    return "timed out" in str(error).lower()
+
+
 def ranks_by(values: Sequence[Hashable]) -> dict[Hashable, list[int]]:
     """Each rank's value -> the ranks that hold it (in order of first appearance), for messages
     naming who disagreed."""

@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 from freescale_comm import _core
 from freescale_comm._bootstrap import StoreBootstrap
-from freescale_comm._delegated import AllOfWork, DelegatedWork, FailureSight
+from freescale_comm._delegated import AllOfWork, DelegatedWork, FailureSight, raise_explained
 from freescale_comm._errors import comm_error
 from freescale_comm.communicator import Communicator, check_priority
 from freescale_comm.work import Work
@@ -81,8 +81,8 @@ class _NativeWork(dist._Work):
         self._result = result
 
     def wait(self, timeout: Optional[datetime.timedelta] = None) -> bool:
-        # c10d passes timedelta(0) for "no timeout given".
-        seconds = None if timeout is None or timeout == datetime.timedelta(0) else timeout
+        # c10d passes timedelta(0) for "no timeout given"; a negative limit has run out (as gloo's)
+        seconds = None if timeout is None or timeout == datetime.timedelta(0) else max(timeout, datetime.timedelta(0))
         return self._work.wait(seconds)
 
     def is_completed(self) -> bool:
@@ -304,10 +304,7 @@ class ProcessGroupFreescale(dist.ProcessGroup):
         try:
             work = call(inner)
         except RuntimeError as e:
-            error = sight.explain(e, op, needed, in_the_call=True)
-            if error is e:
-                raise
-            raise error from e
+            raise_explained(e, sight.explain(e, op, needed, in_the_call=True))
         return DelegatedWork(work, lambda e: sight.explain(e, op, needed))
 
     def broadcast(self, tensors: list[torch.Tensor], opts: Any) -> dist.Work:
