@@ -147,9 +147,16 @@ class CudaDeviceOps final : public DeviceOps {
       attr.srcAccessOrder = cudaMemcpySrcAccessOrderStream;
       attr.flags = cudaMemcpyFlagPreferOverlapWithCompute;  // copy engines, not SMs
       size_t attr_index = 0;
+#if CUDART_VERSION >= 13000
       cudaError_t err = cudaMemcpyBatchAsync(const_cast<void**>(batch.dsts.data()), const_cast<const void**>(batch.srcs.data()),
                                              const_cast<size_t*>(batch.sizes.data()), batch.dsts.size(), &attr,
                                              &attr_index, 1, as_stream(stream));
+#else  // CUDA 12.8 / 12.9: non-const arrays and the index of a failed copy (CMake requires 12.8+)
+      size_t failed_index = 0;
+      cudaError_t err = cudaMemcpyBatchAsync(const_cast<void**>(batch.dsts.data()), const_cast<void**>(batch.srcs.data()),
+                                             const_cast<size_t*>(batch.sizes.data()), batch.dsts.size(), &attr,
+                                             &attr_index, 1, &failed_index, as_stream(stream));
+#endif
       if (err == cudaSuccess) return;
       if (err != cudaErrorNotSupported && err != cudaErrorStreamCaptureUnsupported) check_cuda(err, "cudaMemcpyBatchAsync");
       cudaGetLastError();
@@ -187,7 +194,10 @@ class CudaDeviceOps final : public DeviceOps {
     void* p = nullptr;
     check_cuda(cudaHostAlloc(&p, bytes, cudaHostAllocMapped | cudaHostAllocPortable), "cudaHostAlloc");
     void* d = nullptr;
-    check_cuda(cudaHostGetDevicePointer(&d, p, 0), "cudaHostGetDevicePointer");
+    if (cudaError_t err = cudaHostGetDevicePointer(&d, p, 0); err != cudaSuccess) {
+      cudaFreeHost(p);  // not left allocated behind the error
+      check_cuda(err, "cudaHostGetDevicePointer");
+    }
     *device = reinterpret_cast<DevicePtr>(d);
     return p;
   }
@@ -195,7 +205,10 @@ class CudaDeviceOps final : public DeviceOps {
   DevicePtr host_register(void* ptr, size_t bytes) override {
     check_cuda(cudaHostRegister(ptr, bytes, cudaHostRegisterMapped | cudaHostRegisterPortable), "cudaHostRegister");
     void* d = nullptr;
-    check_cuda(cudaHostGetDevicePointer(&d, ptr, 0), "cudaHostGetDevicePointer");
+    if (cudaError_t err = cudaHostGetDevicePointer(&d, ptr, 0); err != cudaSuccess) {
+      cudaHostUnregister(ptr);  // the caller records only a registration that returned
+      check_cuda(err, "cudaHostGetDevicePointer");
+    }
     return reinterpret_cast<DevicePtr>(d);
   }
   void host_unregister(void* ptr) override { check_cuda(cudaHostUnregister(ptr), "cudaHostUnregister"); }

@@ -99,6 +99,9 @@ class NvshmemTransport final : public Transport {
   // The notices as in the mirror now, beside `died` (by rank: read before the notices, so a dead
   // peer's last notice is in view).
   std::vector<PeerSight> sight_with(const std::vector<bool>& died) const;
+  // NVSHMEM's on-stream calls end the process on a faulted context (their checks exit): a call of
+  // ours just before each throws the fault instead (a fault between the two is not caught).
+  void throw_if_context_faulted(Stream s);
   int peer_pid(int rank) const override { return rank >= 0 && rank < world_ ? procs_[rank].pid : -1; }
   uint32_t activity_epoch() const override { return epoch_.load(std::memory_order_acquire); }
   void wait_for_activity(uint32_t epoch, std::chrono::microseconds timeout) override;
@@ -654,6 +657,7 @@ void NvshmemTransport::send_chunk(const Transfer& t, const Chunk& c) {
       uint8_t* staging = arena_ + layout_.staging_slot(dst, lane, n);
       copies.from_send_block(*op, dst, c.offset, c.bytes, staging);
       ops_.copy_batch(s, copies.batch);
+      throw_if_context_faulted(s);
       shmem_.put_signal_on_stream(arena_ + layout_.recv_slot(rank_, lane, n), staging, c.bytes,
                                   word(layout_.ready(rank_, lane, n)), n + 1, ShmemSignalOp::kSet, dst, s);
     }
@@ -664,6 +668,7 @@ void NvshmemTransport::send_chunk(const Transfer& t, const Chunk& c) {
       set_signal(layout_.audit(rank_, op->seq), op->seq + 1, dst, s);
     } else {
       ops_.write_value64(s, device_word(layout_.audit_out(dst, lane)), t.bytes);
+      throw_if_context_faulted(s);
       shmem_.put_signal_on_stream(word(layout_.audit_bytes(rank_, op->seq)), word(layout_.audit_out(dst, lane)),
                                   sizeof(uint64_t), word(layout_.audit(rank_, op->seq)), op->seq + 1,
                                   ShmemSignalOp::kSet, dst, s);
@@ -922,7 +927,10 @@ bool NvshmemTransport::send_notice(uint64_t offset, uint64_t value, bool closing
       // an operation to a dead PE, so no quiet on abort, none once a peer is known dead (the notice
       // may then overtake earlier signals: the group failed), and none after the notices: a peer
       // that closed and exited meanwhile fails its notice, and a quiet then would end this process.
-      if (closing && !any_peer_dead()) shmem_.quiet_on_stream(notice_stream_);
+      if (closing && !any_peer_dead()) {
+        throw_if_context_faulted(notice_stream_);
+        shmem_.quiet_on_stream(notice_stream_);
+      }
       for (int p = 0; p < world_; ++p) {
         if (p != rank_ && mapped_arena_[p] == nullptr) set_signal(offset, value, p, notice_stream_);
       }
@@ -988,8 +996,13 @@ void NvshmemTransport::set_signal(uint64_t offset, uint64_t value, int pe, Strea
   if (uint8_t* mapped = mapped_arena_[pe]; mapped != nullptr) {
     ops_.write_value64(s, reinterpret_cast<DevicePtr>(mapped + offset), value);
   } else {
+    throw_if_context_faulted(s);
     shmem_.signal_op_on_stream(word(offset), value, ShmemSignalOp::kSet, pe, s);
   }
+}
+
+void NvshmemTransport::throw_if_context_faulted(Stream s) {
+  (void)ops_.stream_idle(s);  // cudaStreamQuery: throws a sticky fault (not-ready is no error)
 }
 
 bool NvshmemTransport::adopt_running_nvshmem(const std::vector<std::string>& runs) const {

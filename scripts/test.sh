@@ -43,6 +43,8 @@ TSAN_OPTIONS=halt_on_error=1 ctest --test-dir build/tsan --output-on-failure \
   -E 'RandomSplitsFromZeroTo256MiB|Moves64MiBPerPeer|LaterUrgentOp|NvshmemEmulatedStreams.ManyChunks|Emulated.EveryOpHasAllItsBytesWhenItCompletes/[34]$|AStalledNetworkPeer'
 phase "plain pip install"
 bash scripts/check_plain_install.sh
+phase "CUDA 12.8 headers"
+bash scripts/check_cuda_12_8.sh
 phase "pytest"
 FREESCALE_REQUIRE_CLIENTS=1 python3 -m pytest python_tests -q -p no:cacheprovider --durations=15
 phase "done"

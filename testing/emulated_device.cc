@@ -1051,6 +1051,14 @@ void EmulatedShmem::exit_if_half_started() const {
   std::_Exit(87);
 }
 
+void EmulatedShmem::exit_if_context_faulted() const {
+  if (device_.fault().empty()) return;
+  // NVSHMEM's on-stream calls check the launch or copy they make (CUDA_RUNTIME_CHECK,
+  // NVSHMEMI_NZ_EXIT: exit(-1)), and a faulted context fails every one (sticky)
+  std::fputs("emulated nvshmem: a CUDA call failed on a faulted context, exiting\n", stderr);
+  std::_Exit(255);
+}
+
 void* EmulatedShmem::malloc(size_t bytes) {
   exit_if_half_started();
   size_t start = (used_ + kHeapAlign - 1) / kHeapAlign * kHeapAlign;
@@ -1072,6 +1080,7 @@ void EmulatedShmem::put_signal_on_stream(void* dest, const void* src, size_t byt
   uint8_t* to = remote(dest, pe);
   auto* word = reinterpret_cast<std::atomic<uint64_t>*>(remote(signal, pe));
   exit_if_half_started();
+  exit_if_context_faulted();
   if (options_.limited_mpg) std::_Exit(86);  // what NVSHMEM 3.8 may do (ShmemOps::fully_initialized)
   if (op == ShmemSignalOp::kAdd || !is_mapped(dest, pe)) kernels_.fetch_add(1);  // NVSHMEM's kernels
   if (op == ShmemSignalOp::kSet && is_mapped(signal, pe)) set_from_pageable_memory(stream);
@@ -1086,6 +1095,7 @@ void EmulatedShmem::put_signal_on_stream(void* dest, const void* src, size_t byt
 void EmulatedShmem::signal_op_on_stream(uint64_t* signal, uint64_t value, ShmemSignalOp op, int pe, Stream stream) {
   auto* word = reinterpret_cast<std::atomic<uint64_t>*>(remote(signal, pe));
   exit_if_half_started();
+  exit_if_context_faulted();
   if (options_.limited_mpg) std::_Exit(86);
   if (op == ShmemSignalOp::kAdd || !is_mapped(signal, pe)) kernels_.fetch_add(1);
   if (op == ShmemSignalOp::kSet && is_mapped(signal, pe)) set_from_pageable_memory(stream);
@@ -1112,6 +1122,7 @@ size_t EmulatedShmem::signals_held() {
 
 void EmulatedShmem::quiet_on_stream(Stream stream) {
   exit_if_half_started();
+  exit_if_context_faulted();
   if (options_.limited_mpg) std::_Exit(86);
   const bool stalls = issued_to_stalled_.load();  // it completes those puts too: never
   device_.enqueue(stream, [this, stalls] {

@@ -440,6 +440,7 @@ class EmulatedShmem final : public ShmemOps {
   void set_from_pageable_memory(Stream stream);
   // options_.bootstrapped_only: ends the process as NVSHMEM's next call does after such an init.
   void exit_if_half_started() const;
+  void exit_if_context_faulted() const;  // as NVSHMEM's on-stream calls do (exit(-1))
   uint8_t* remote(const void* local, int pe) const;
   // Applies a signal that reached its word, through the reordering hold when it is on.
   void deliver(std::atomic<uint64_t>* word, uint64_t value, ShmemSignalOp op);
