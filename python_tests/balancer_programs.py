@@ -215,3 +215,39 @@ def a_gradient_penalty_beside_an_empty_rank(info) -> bool:
         grads.append(values.grad.clone() if values.grad is not None else torch.zeros_like(values))
         values.grad = None
     return torch.allclose(grads[0], grads[1])
+
+
+def balancing_under_torch_compile(info) -> dict[str, bool]:
+    """fc.dispatch / fc.combine, LoadBalancer.dispatch / combine and a module under fc.balance,
+    each inside torch.compile (aot_eager): outputs and input gradients equal eager ones (Dynamo
+    traced into the communicator lookup and raised on every rank)."""
+    torch.manual_seed(0)
+    model = JaggedCausalMix(4)
+    values, lengths = _rank_batch(info.rank, 7, 4)
+    dest = (torch.arange(lengths.numel()) + 1) % info.world_size
+    lb = fc.LoadBalancer(CM)
+
+    def direct(v: torch.Tensor) -> torch.Tensor:
+        res = fc.dispatch(v, lengths, dest)
+        return fc.combine(model(res.values, res.lengths), res.handle)
+
+    def balanced(v: torch.Tensor) -> torch.Tensor:
+        b = lb.dispatch(v, lengths)
+        return lb.combine(model(b.values, b.lengths), b.handle)
+
+    def run(fn) -> tuple[torch.Tensor, torch.Tensor]:
+        v = values.clone().requires_grad_()
+        out = fn(v)
+        out.pow(2).sum().backward()
+        return out.detach(), v.grad
+
+    same = {}
+    for name, fn in (("dispatch_combine", direct), ("load_balancer", balanced)):
+        eager_out, eager_grad = run(fn)
+        out, grad = run(torch.compile(fn, backend="aot_eager"))
+        same[name] = torch.equal(out, eager_out) and torch.equal(grad, eager_grad)
+    eager_out, eager_grad = run(lambda v: model(v, lengths))
+    fc.balance(model, CM)
+    out, grad = run(torch.compile(lambda v: model(v, lengths), backend="aot_eager"))
+    same["balance"] = torch.allclose(out, eager_out, atol=1e-6) and torch.allclose(grad, eager_grad, atol=1e-6)
+    return same

@@ -6,7 +6,8 @@ import pytest
 import torch
 
 import freescale_comm as fc
-from balancer_programs import balanced_equals_unbalanced, module_hook_form, plans_ahead_equal_plans_at_dispatch
+from balancer_programs import (balanced_equals_unbalanced, balancing_under_torch_compile, module_hook_form,
+                               plans_ahead_equal_plans_at_dispatch)
 from freescale_comm.testing import spawn
 
 
@@ -20,6 +21,11 @@ def test_balanced_step_equals_unbalanced_step(world, backend):
 
 def test_module_hook_form():
     spawn(module_hook_form, 3, 5, 4, backend="freescale")
+
+
+def test_balancing_runs_under_torch_compile():
+    for r in spawn(balancing_under_torch_compile, 2, timeout_s=240):
+        assert r == {"dispatch_combine": True, "load_balancer": True, "balance": True}, r
 
 
 def test_bad_arguments():

@@ -45,7 +45,7 @@ from freescale_comm.bundle import (
     resolved,
     with_moved,
 )
-from freescale_comm.communicator import check_priority
+from freescale_comm.communicator import check_priority, eager
 from freescale_comm.dispatch import (DispatchHandle, check_jagged_batch, check_lengths_fit, combine, communicator_for,
                                      dispatch)
 from freescale_comm.planner import CostModel, RebalancePlan, plan_rebalance
@@ -161,6 +161,7 @@ class LoadBalancer:
             out.append(PlanAhead(plan, extras, costs))
         return out
 
+    @eager
     def dispatch(self, values: torch.Tensor, lengths: torch.Tensor, *, priority: int = 0) -> BalancedBatch:
         """Stage 1. Collective. `values`: rows of this rank's samples back to back; `lengths`:
         int64 rows per sample. Returns the balanced samples this rank now computes on."""
@@ -184,10 +185,12 @@ class LoadBalancer:
         res = dispatch(values, lengths, dest, group=self.group, priority=priority)
         return BalancedBatch(res.values, res.lengths, res.source_ranks, res.handle, plan)
 
+    @eager
     def combine(self, values: torch.Tensor, handle: DispatchHandle, *, priority: int = 0) -> torch.Tensor:
         """Stage 2: rows computed here go back to their home ranks, in their original order."""
         return combine(values, handle, priority=priority)
 
+    @eager
     def dispatch_bundle(self, sequences: Any, per_sample: Optional[dict[str, torch.Tensor]] = None, *,
                         lengths: Optional[torch.Tensor] = None, priority: int = 0,
                         _arguments: Optional[dict[str, Any]] = None) -> BalancedBundle:
@@ -273,6 +276,7 @@ class LoadBalancer:
                                sizes_differ_everywhere(plan.dest, all_costs, shares, follows_cost),
                                feature_grads, sample_grads)
 
+    @eager
     def combine_bundle(self, output: Any, bundle: BalancedBundle, *, priority: int = 0) -> Any:
         """Stage 2 for dispatch_bundle: sends `output` home. Tensors with one row per sample,
         JaggedTensors laid out as a feature, and dicts/lists/tuples of them (see
@@ -393,6 +397,7 @@ class _BalanceHooks:
         self._hooks = [module.register_forward_pre_hook(self._before, with_kwargs=True),
                        module.register_forward_hook(self._after, with_kwargs=True)]
 
+    @eager
     def _before(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         self._pending = [(ref, h) for ref, h in self._pending if ref() is not None]  # a forward that raised
         args = tuple(resolved(a) for a in args)  # TorchRec's lazy outputs: what they stand for
@@ -423,6 +428,7 @@ class _BalanceHooks:
         self._pending.append((weakref.ref(sequences), bundle))
         return (sequences, *new_args), new_kwargs
 
+    @eager
     def _after(self, module: torch.nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
         for i, (ref, home) in enumerate(self._pending):
             if args and ref() is args[0]:

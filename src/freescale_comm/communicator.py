@@ -13,7 +13,7 @@ import os
 import threading
 import weakref
 from collections.abc import Sequence
-from typing import Any, Optional, Union
+from typing import Any, Callable, Optional, TypeVar, Union
 
 import torch
 import torch.distributed as dist
@@ -82,6 +82,15 @@ def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
         return False
     a0, b0 = a.data_ptr(), b.data_ptr()
     return a0 < b0 + b.numel() * b.element_size() and b0 < a0 + a.numel() * a.element_size()
+
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def eager(fn: F) -> F:
+    """Marks a collective entry point that torch.compile runs eagerly (a graph break): Dynamo cannot
+    trace the process group and communicator objects it reaches (it raised on every rank)."""
+    return torch.compiler.disable(fn)  # type: ignore[return-value]
 
 
 def check_priority(priority: object) -> int:
@@ -233,6 +242,7 @@ class Communicator:
         """The group it was built on; None once that group is destroyed (or if built on a store)."""
         return self._group() if self._group is not None else None
 
+    @eager
     def all_to_all_single(
         self,
         output: torch.Tensor,

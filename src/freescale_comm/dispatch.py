@@ -20,7 +20,7 @@ from freescale_comm._capture import refuse_capture
 from freescale_comm._device_copy import to_device
 from freescale_comm._errors import refuse_differing_kinds
 from freescale_comm._output_cache import output_cache
-from freescale_comm.communicator import Communicator, check_priority
+from freescale_comm.communicator import Communicator, check_priority, eager
 
 _comms: "weakref.WeakKeyDictionary[Any, Communicator]" = weakref.WeakKeyDictionary()
 _comms_lock = threading.Lock()
@@ -203,6 +203,7 @@ class _Combine(torch.autograd.Function):
 Received = tuple[torch.Tensor, torch.Tensor]
 
 
+@eager
 def dispatch(values: torch.Tensor, lengths: torch.Tensor, dest_ranks: torch.Tensor, *,
              group: Optional[dist.ProcessGroup] = None, priority: int = 0) -> DispatchResult:
     """Sends sample i (rows lengths[:i].sum() ... + lengths[i] of `values`) to rank dest_ranks[i]
@@ -332,6 +333,7 @@ def _check_for_handle(values: object, handle: object, priority: object) -> tuple
     return values, priority
 
 
+@eager
 def combine(values: torch.Tensor, handle: DispatchHandle, *, priority: int = 0) -> torch.Tensor:
     """Returns rows of the samples a dispatch delivered here to their home ranks, in their
     original order: `values` holds one row-block per received sample (the dispatch's lengths;
@@ -350,6 +352,7 @@ def combine(values: torch.Tensor, handle: DispatchHandle, *, priority: int = 0) 
     return _Combine.apply(tracked(values, handle.grad), handle, priority)
 
 
+@eager
 def dispatch_like(values: torch.Tensor, handle: DispatchHandle, *, priority: int = 0,
                   grad: Optional[bool] = None) -> torch.Tensor:
     """Sends more rows the way an earlier dispatch sent its samples: `values` holds, in this
