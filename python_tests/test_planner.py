@@ -127,6 +127,17 @@ def test_balanced_ranks_move_nothing():
     assert plan.imbalance_before == plan.imbalance_after == 1.0
 
 
+def test_a_rank_within_tolerance_of_the_bound_sheds_nothing():
+    # Rank 0 holds two giants and 2,000 small samples. Once one giant moves, rank 0 ends 8e-5 above
+    # the lower bound, inside the default tolerance (1e-4). The planner shed every rank down to the
+    # bound all the same: 4,001 samples moved, 1.8x the bytes, for a gain below the tolerance.
+    small = np.full(2000, 100, dtype=np.int64)
+    lengths = [np.concatenate([[500_000, 500_000], small]), small.copy(), np.zeros(0, dtype=np.int64)]
+    plan = plan_rebalance(lengths, cost_model=CostModel(quadratic=1.0), bytes_per_item=1)
+    assert plan.moved_samples == 1 and plan.moved_bytes == 500_000, (plan.moved_samples, plan.moved_bytes)
+    assert plan.loads_after.max() <= plan.lower_bound * (1 + 1e-4)
+
+
 def test_one_straggler_sends_just_its_excess_and_the_others_keep_theirs():
     lengths = [np.array([3000] * 7)] + [np.array([3000] * 3)] * 3  # 16 equal samples, 4 per rank
     plan = plan_rebalance(lengths, cost_model=CM, bytes_per_item=1)

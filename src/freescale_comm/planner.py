@@ -288,7 +288,7 @@ class _Planner:
         items = self.items
         small = np.flatnonzero(~self.big)
         order = items.ordered(small, by_rank=True, dearest_first=True)
-        excess = np.maximum(loads - self.bound, 0.0)
+        excess = np.where(loads > self.good, loads - self.bound, 0.0)  # a rank within tolerance sheds nothing
         take = _within_rank_prefix(order, items, excess)
         shed = order[take]
         is_shed = np.zeros(items.cost.size, dtype=bool)
