@@ -11,6 +11,7 @@ import torch.distributed as dist
 
 import freescale_comm as fc
 from freescale_comm.backend import ProcessGroupFreescale, _NativeWork
+from freescale_comm.communicator import _close_all
 
 
 def _pair(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -465,3 +466,28 @@ def dict_split_sizes_are_refused(info) -> list[str]:
     dist.all_to_all_single(t, t.clone())
     out.append(f"after: {t.tolist()}")
     return out
+
+
+def pending_op_at_teardown(info, how: str) -> str:
+    """Rank 0 posts an async all_to_all and tears down while rank 1 is late to it:
+    destroy_process_group() of a freescale WORLD ("world") or of a freescale subgroup ("subgroup"),
+    or an fc.Communicator left open at interpreter exit ("exit"). Gloo lets the op finish: both
+    ranks get their bytes (the op failed, and the late healthy peer got a CommError)."""
+    send, recv = torch.full((2,), float(info.rank + 1)), torch.zeros(2)
+    if how == "exit":
+        comm = fc.Communicator()
+        if info.rank == 0:
+            work = comm.all_to_all_single(recv, send, async_op=True)
+            _close_all()  # the hook interpreter exit runs (multiprocessing's children skip atexit)
+            return f"{work.is_completed()} {recv.tolist()}"
+        time.sleep(1.5)
+        comm.all_to_all_single(recv, send)
+        return str(recv.tolist())
+    group = dist.new_group(backend="freescale") if how == "subgroup" else dist.group.WORLD
+    if info.rank == 0:
+        work = dist.all_to_all_single(recv, send, group=group, async_op=True)
+        dist.destroy_process_group(group if how == "subgroup" else None)
+        return f"{work.wait()} {recv.tolist()}"
+    time.sleep(1.5)
+    dist.all_to_all_single(recv, send, group=group)
+    return str(recv.tolist())

@@ -12,6 +12,7 @@ import torch.distributed as dist
 import freescale_comm as fc
 from freescale_comm.testing import run_ranks, spawn
 from backend_programs import (
+    pending_op_at_teardown,
     all_to_all_shapes_as_gloo,
     async_ops_and_priorities_interleave,
     barrier_honours_its_timeout,
@@ -155,3 +156,11 @@ def test_native_ops_appear_in_profiler_traces_with_priority_and_bytes():
                              "freescale:barrier priority=0 send=0B recv=0B"], names
         dispatch_and_combine = [n.split()[0] for n in names[4:]]
         assert "freescale:dispatch" in dispatch_and_combine and dispatch_and_combine[-1] == "freescale:combine", names
+
+
+@pytest.mark.parametrize("how", ["world", "subgroup", "exit"])
+def test_an_op_pending_at_teardown_finishes_as_gloos(how):
+    results = run_ranks(pending_op_at_teardown, 2, how, backend="freescale" if how == "world" else "gloo", timeout_s=60)
+    assert all(r.ok for r in results), results
+    assert results[0].value == "True [1.0, 2.0]", results
+    assert results[1].value == "[1.0, 2.0]", results

@@ -371,17 +371,22 @@ class ProcessGroupFreescale(dist.ProcessGroup):
 
     # --- lifetime -------------------------------------------------------------------------------
     def shutdown(self) -> None:
+        """destroy_process_group: ops still pending finish first (within the timeout), as gloo's."""
+        self._close(drain=True)
+
+    def abort(self) -> None:
+        """Pending ops fail at once (a thread stuck in one returns)."""
+        self._close(drain=False)
+
+    def _close(self, drain: bool) -> None:
         if self._comm is not None:
-            self._comm.close()
+            self._comm._close(drain)
         for inner in (self._cpu, self._cuda):
             if inner is not None and hasattr(inner, "shutdown"):
                 try:
                     inner.shutdown()
                 except Exception:  # noqa: BLE001 - best effort while tearing down
                     logger.debug("inner group shutdown failed", exc_info=True)
-
-    def abort(self) -> None:
-        self.shutdown()
 
 
 class _UnpackWork(_NativeWork):

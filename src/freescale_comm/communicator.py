@@ -11,6 +11,7 @@ import math
 import operator
 import os
 import threading
+import time
 import weakref
 from collections.abc import Sequence
 from typing import Any, Callable, Optional, TypeVar, Union
@@ -49,7 +50,7 @@ def _close_all() -> None:
     with _live_lock:
         communicators = list(_live)
     for comm in communicators:
-        comm.close()
+        comm._close(drain=True)  # ops posted before exit finish, as gloo's do
 
 
 def _group_timeout(group: dist.ProcessGroup) -> datetime.timedelta:
@@ -373,10 +374,17 @@ class Communicator:
         caller already waited for (Work.wait) are completed first, within the timeout: their
         bytes are on this GPU, but peers may still need this rank's receipt, and closing would
         fail them (a synchronized stream does not mean the op completed on the host)."""
+        self._close(drain=False)
+
+    def _close(self, drain: bool) -> None:
+        """close(); `drain`: every pending op is let finish first, all within one timeout, as gloo's
+        teardown lets its queued work finish (a peer late to an op this rank posted gets its
+        bytes, not a CommError): destroy_process_group and interpreter exit."""
         if self._forked_from is not None:
             return  # the parent's: left alone
-        for work in self._inflight:
-            work._complete_if_device_waited(self._timeout_ms / 1000)
+        deadline = time.monotonic() + self._timeout_ms / 1000
+        for work in list(self._inflight):
+            work._complete_before_close(max(deadline - time.monotonic(), 0.0), pending_too=drain)
         for core in self._cuda_cores.values():
             core.close()
         self._core.close()

@@ -91,16 +91,16 @@ class Work:
             return True
         return done.wait(seconds)
 
-    def _complete_if_device_waited(self, seconds: float) -> None:
-        """Before its communicator closes: an op a CUDA stream was made to wait for (wait()) is
-        driven to completion on the host, within `seconds`. Its failure is the caller's to see at
-        its next call, not here."""
-        if not self.device_waited or self._handle.is_completed():
+    def _complete_before_close(self, seconds: float, pending_too: bool) -> None:
+        """Before its communicator closes: the op is driven to completion on the host, within
+        `seconds`, where a CUDA stream was made to wait for it (wait()) or `pending_too`. Its
+        failure is the caller's to see at its next call, not here."""
+        if not (self.device_waited or pending_too) or self._handle.is_completed():
             return
         try:
             self._comm.wait(self._handle, seconds)
         except Exception:  # noqa: BLE001
-            logger.debug("an op waited for on CUDA failed while closing", exc_info=True)
+            logger.debug("an op failed while its communicator closed", exc_info=True)
 
     def _timed_out(self, timeout: Timeout, why: str) -> Exception:
         return comm_error(f"all_to_all op #{self.seq} did not complete within {timeout} ({why}; it goes on)", "TIMEOUT")
