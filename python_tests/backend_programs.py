@@ -4,6 +4,7 @@ compared with the same call on a gloo group of the same ranks."""
 from __future__ import annotations
 
 import datetime
+import threading
 import time
 
 import torch
@@ -486,8 +487,14 @@ def pending_op_at_teardown(info, how: str) -> str:
     group = dist.new_group(backend="freescale") if how == "subgroup" else dist.group.WORLD
     if info.rank == 0:
         work = dist.all_to_all_single(recv, send, group=group, async_op=True)
+        work.get_future()  # (completed on a completion thread)
         dist.destroy_process_group(group if how == "subgroup" else None)
-        return f"{work.wait()} {recv.tolist()}"
+        done = f"{work.wait()} {recv.tolist()}"
+        # and no completion thread stays behind (gloo's leave none: they lingered 30 s)
+        deadline = time.monotonic() + 2
+        while any(t.name == "freescale-completions" for t in threading.enumerate()) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        return done + ("" if time.monotonic() < deadline else " (a completion thread stayed)")
     time.sleep(1.5)
     dist.all_to_all_single(recv, send, group=group)
     return str(recv.tolist())

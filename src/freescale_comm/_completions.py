@@ -5,8 +5,8 @@ itself), but on a completion thread. Its then() callbacks run there and may bloc
 
 Invariant: a task never waits behind a blocked one. Tasks run in submission order on an idle
 thread; when none is idle a new one starts (so a callback waiting on a future that a later task
-completes always gets a thread). Threads leave after `_IDLE_EXIT_S` idle; a forked child starts
-with none."""
+completes always gets a thread). Threads leave after `_IDLE_EXIT_S` idle, or at once when a
+communicator closes (release_idle); a forked child starts with none."""
 
 from __future__ import annotations
 
@@ -46,6 +46,13 @@ def run_soon(task: Callable[[], None]) -> None:
             except ValueError:  # another thread took it
                 return
         task()
+
+
+def release_idle() -> None:
+    """Idle threads leave now rather than after `_IDLE_EXIT_S` (a communicator closed: torch's own
+    groups leave no thread behind once destroyed); a later task starts a new one."""
+    with _lock:
+        _ready.notify_all()  # woken with no task, a thread leaves (_serve)
 
 
 def running_here(owner: object) -> bool:

@@ -19,7 +19,7 @@ from typing import Any, Callable, Optional, TypeVar, Union
 import torch
 import torch.distributed as dist
 
-from freescale_comm import _core
+from freescale_comm import _completions, _core
 from freescale_comm._bootstrap import GroupBootstrap
 from freescale_comm._capture import refuse_capture
 from freescale_comm.work import Work
@@ -389,6 +389,7 @@ class Communicator:
             core.close()
         self._core.close()
         self._inflight.clear()
+        _completions.release_idle()
 
     @property
     def closed(self) -> bool:
