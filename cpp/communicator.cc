@@ -71,6 +71,15 @@ Communicator::~Communicator() {
   } catch (...) {
     // Destructors never throw; close() already failed every pending op.
   }
+  // A close() that threw before its join left the thread joinable: destroying it would end the
+  // process (std::terminate). closed_ is set, so the loop leaves once woken.
+  if (thread_.joinable() && !on_progress_thread()) {
+    try {
+      kick_progress_thread();
+      thread_.join();
+    } catch (...) {
+    }
+  }
 }
 
 std::shared_ptr<OpState> Communicator::all_to_all(const uint8_t* send, uint8_t* recv, AllToAllLayout layout,
@@ -147,6 +156,11 @@ void Communicator::raise_peer_failure(const std::vector<int>& needed) const {
 }
 
 void Communicator::close() {
+  if (on_progress_thread()) {  // (it cannot join itself; closed_ set first left it joinable: std::terminate)
+    throw Error(ErrorCode::kInvalidUsage,
+                "close() from a done-callback of the same communicator: callbacks run on the thread that drives its "
+                "progress, which cannot stop itself; close from another thread");
+  }
   bool was_broken;
   {
     std::lock_guard<std::mutex> lock(mu_);

@@ -498,3 +498,29 @@ def pending_op_at_teardown(info, how: str) -> str:
     time.sleep(1.5)
     dist.all_to_all_single(recv, send, group=group)
     return str(recv.tolist())
+
+
+def close_from_a_done_callback(info) -> str:
+    """Rank 0 closes its communicator from a raw done-callback (the progress thread): refused with
+    InvalidUsageError, and the process exits cleanly (join() on itself threw after the communicator
+    was marked closed, and destroying the still-joinable thread ended the process: std::terminate)."""
+    comm = fc.Communicator()
+    if info.rank == 1:
+        time.sleep(0.5)
+    work = comm.all_to_all_single(torch.empty(2), torch.arange(2.0) + info.rank, async_op=True)
+    seen = []
+
+    def close_here() -> None:
+        try:
+            comm._core.close()
+        except Exception as e:  # noqa: BLE001 - the test reads what was raised
+            seen.append(type(e).__name__)
+
+    if info.rank == 0:
+        work._handle.add_done_callback(close_here)
+        deadline = time.monotonic() + 5
+        while not seen and time.monotonic() < deadline:
+            time.sleep(0.01)
+    else:
+        work.wait()
+    return ",".join(seen)

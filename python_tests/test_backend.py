@@ -12,6 +12,7 @@ import torch.distributed as dist
 import freescale_comm as fc
 from freescale_comm.testing import run_ranks, spawn
 from backend_programs import (
+    close_from_a_done_callback,
     pending_op_at_teardown,
     all_to_all_shapes_as_gloo,
     async_ops_and_priorities_interleave,
@@ -164,3 +165,9 @@ def test_an_op_pending_at_teardown_finishes_as_gloos(how):
     assert all(r.ok for r in results), results
     assert results[0].value == "True [1.0, 2.0]", results
     assert results[1].value == "[1.0, 2.0]", results
+
+
+def test_closing_a_communicator_from_its_done_callback_is_refused_not_a_crash():
+    results = run_ranks(close_from_a_done_callback, 2, timeout_s=30, env={"FREESCALE_TIMEOUT_S": "5"})
+    assert [r.exitcode for r in results] == [0, 0] and all(r.ok for r in results), results
+    assert results[0].value == "InvalidUsageError", results
