@@ -72,9 +72,13 @@ Communicator::~Communicator() {
     // Destructors never throw; close() already failed every pending op.
   }
   // A close() that threw before its join left the thread joinable: destroying it would end the
-  // process (std::terminate). closed_ is set, so the loop leaves once woken.
+  // process (std::terminate). With closed_ set the loop leaves once woken.
   if (thread_.joinable() && !on_progress_thread()) {
     try {
+      {
+        std::lock_guard<std::mutex> lock(mu_);
+        closed_ = true;
+      }
       kick_progress_thread();
       thread_.join();
     } catch (...) {
@@ -156,7 +160,10 @@ void Communicator::raise_peer_failure(const std::vector<int>& needed) const {
 }
 
 void Communicator::close() {
-  if (on_progress_thread()) {  // (it cannot join itself; closed_ set first left it joinable: std::terminate)
+  // A done-callback runs on the thread driving progress: the progress thread (it cannot join
+  // itself; closed_ set first left it joinable: std::terminate) or a waiter holding progress_mu_
+  // (close() below takes it again: a hang). Both refuse, before anything changes.
+  if (on_progress_thread() || progress_mu_.held_by_this_thread()) {
     throw Error(ErrorCode::kInvalidUsage,
                 "close() from a done-callback of the same communicator: callbacks run on the thread that drives its "
                 "progress, which cannot stop itself; close from another thread");

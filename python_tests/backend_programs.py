@@ -500,10 +500,13 @@ def pending_op_at_teardown(info, how: str) -> str:
     return str(recv.tolist())
 
 
-def close_from_a_done_callback(info) -> str:
-    """Rank 0 closes its communicator from a raw done-callback (the progress thread): refused with
-    InvalidUsageError, and the process exits cleanly (join() on itself threw after the communicator
-    was marked closed, and destroying the still-joinable thread ended the process: std::terminate)."""
+def close_from_a_done_callback(info, where: str) -> str:
+    """Rank 0 closes its communicator from a raw done-callback, run by the thread driving progress:
+    the progress thread (where="progress") or a thread blocked in the core's wait, which drives it
+    (where="waiter"). Refused with InvalidUsageError, and the process exits cleanly. Before: on the
+    progress thread, join() on itself threw after the communicator was marked closed, and destroying
+    the still-joinable thread ended the process (std::terminate); on the waiter, close() took the
+    progress lock the waiter held: a hang."""
     comm = fc.Communicator()
     if info.rank == 1:
         time.sleep(0.5)
@@ -518,6 +521,8 @@ def close_from_a_done_callback(info) -> str:
 
     if info.rank == 0:
         work._handle.add_done_callback(close_here)
+        if where == "waiter":
+            comm._core.wait(work._handle, 5.0)
         deadline = time.monotonic() + 5
         while not seen and time.monotonic() < deadline:
             time.sleep(0.01)

@@ -167,7 +167,8 @@ def test_an_op_pending_at_teardown_finishes_as_gloos(how):
     assert results[1].value == "[1.0, 2.0]", results
 
 
-def test_closing_a_communicator_from_its_done_callback_is_refused_not_a_crash():
-    results = run_ranks(close_from_a_done_callback, 2, timeout_s=30, env={"FREESCALE_TIMEOUT_S": "5"})
+@pytest.mark.parametrize("where", ["progress", "waiter"])
+def test_closing_a_communicator_from_its_done_callback_is_refused_not_a_crash(where):
+    results = run_ranks(close_from_a_done_callback, 2, where, timeout_s=30, env={"FREESCALE_TIMEOUT_S": "5"})
     assert [r.exitcode for r in results] == [0, 0] and all(r.ok for r in results), results
     assert results[0].value == "InvalidUsageError", results

@@ -186,6 +186,57 @@ def test_ctrl_c_ends_a_blocked_wait():
     assert out0.strip() == "interrupted", out0
 
 
+DAEMON_AT_EXIT_PROGRAM = """
+import atexit, datetime, sys, threading, time
+import torch, torch.distributed as dist
+import freescale_comm as fc
+from freescale_comm import communicator
+rank = int(sys.argv[1])
+dist.init_process_group("gloo", init_method="tcp://127.0.0.1:" + sys.argv[2], rank=rank, world_size=2,
+                        timeout=datetime.timedelta(seconds=60))
+comm = fc.Communicator()
+if rank == 1:
+    time.sleep(30)  # never joins: rank 0's op stays pending
+    sys.exit(0)
+# Left out of the exit hooks (which close it and end every wait), the op stays pending while the
+# interpreter finalizes: a daemon thread's wait spans it for sure
+atexit.unregister(communicator._close_all)
+work = comm.all_to_all_single(torch.empty(2), torch.ones(2), async_op=True)
+waiting = threading.Event()
+threading.Thread(target=lambda: (waiting.set(), work.wait()), daemon=True).start()
+waiting.wait()
+time.sleep(0.3)
+
+
+class SlowTeardown:
+    def __del__(self):
+        time.sleep(1.0)  # freed as the interpreter finalizes: outlasts the waiter's 0.2 s slice
+
+
+keep = SlowTeardown()
+print("main done", flush=True)
+"""
+
+
+def test_a_daemon_thread_blocked_in_a_wait_as_the_interpreter_exits_ends_quietly():
+    """A daemon thread in Work.wait() while the interpreter finalizes is ended by CPython
+    (pthread_exit) when it retakes the GIL. It retook it in py::gil_scoped_release's destructor,
+    where that unwinding aborts the process: "terminate called without an active exception"."""
+    from freescale_comm.testing import free_port
+
+    port = str(free_port())
+    procs = [subprocess.Popen([sys.executable, "-c", DAEMON_AT_EXIT_PROGRAM, str(r), port], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for r in range(2)]
+    try:
+        out0, err0 = procs[0].communicate(timeout=60)
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+    assert (procs[0].returncode, out0.strip()) == (0, "main done"), err0[-2000:]
+    assert "terminate called" not in err0, err0[-2000:]
+
+
 def test_a_forked_child_leaves_its_parents_communicator_alone():
     from rank_programs import fork_after_communicator
 

@@ -2,6 +2,7 @@
 #include <pybind11/stl.h>
 
 #include "cpp/bindings/bindings.h"
+#include "cpp/bindings/without_gil.h"
 #include "cpp/build_info.h"
 #include "cpp/device_transports.h"
 
@@ -22,10 +23,10 @@ void register_build_info(py::module_& m) {
     return d;
   });
 #ifdef FREESCALE_WITH_NVSHMEM
-  m.def("nvshmem_library", &nvshmem_library_path, py::call_guard<py::gil_scoped_release>(),
+  m.def("nvshmem_library", [] { return without_gil(nvshmem_library_path); },
         "Loads NVSHMEM's host library (no GPU needed) and returns its path; UnsupportedError says why not.");
 #endif
-  m.def("cuda_device_count", &cuda_device_count, py::call_guard<py::gil_scoped_release>(),
+  m.def("cuda_device_count", [] { return without_gil(cuda_device_count); },
         "CUDA devices visible to this process (0 without CUDA support, driver or GPU).");
 }
 

@@ -11,6 +11,7 @@
 #include <thread>
 
 #include "cpp/bindings/bindings.h"
+#include "cpp/bindings/without_gil.h"
 #include "cpp/bootstrap.h"
 #include "cpp/communicator.h"
 #include "cpp/config.h"
@@ -92,12 +93,7 @@ bool wait_honouring_signals(std::chrono::microseconds timeout, WaitFor&& wait_fo
       slice = std::min(slice, std::max(std::chrono::microseconds(0),
                                        std::chrono::duration_cast<std::chrono::microseconds>(until - Clock::now())));
     }
-    bool done;
-    {
-      py::gil_scoped_release release;
-      done = wait_for(slice);
-    }
-    if (done) return true;
+    if (without_gil([&] { return wait_for(slice); })) return true;
     if (bounded && Clock::now() >= until) return false;
     if (PyErr_CheckSignals() != 0) throw py::error_already_set();
   }
@@ -189,9 +185,10 @@ void register_communicator(py::module_& m) {
              bool caller_waits, uintptr_t stream) {
             // Without the GIL: marking a CUDA stream blocks while its queue is full, and what
             // drains it may need the progress thread, which takes the GIL for done-callbacks.
-            py::gil_scoped_release release;
-            return c.all_to_all(reinterpret_cast<const uint8_t*>(send_ptr), reinterpret_cast<uint8_t*>(recv_ptr),
-                                std::move(layout), priority, caller_waits, stream);
+            return without_gil([&] {
+              return c.all_to_all(reinterpret_cast<const uint8_t*>(send_ptr), reinterpret_cast<uint8_t*>(recv_ptr),
+                                  std::move(layout), priority, caller_waits, stream);
+            });
           },
           py::arg("send_ptr"), py::arg("recv_ptr"), py::arg("layout"), py::arg("priority"),
           py::arg("caller_waits") = false, py::arg("stream") = 0,
@@ -217,12 +214,14 @@ void register_communicator(py::module_& m) {
           },
           py::arg("work"), py::arg("timeout_s") = py::none(),
           "Like Work.wait, but drives progress on the calling thread (GIL released; Ctrl-C honoured) while it waits.")
-      .def("raise_peer_failure", &Communicator::raise_peer_failure, py::arg("needed"),
-           py::call_guard<py::gil_scoped_release>(),
+      .def(
+          "raise_peer_failure",
+          [](const Communicator& c, const std::vector<int>& needed) { without_gil([&] { c.raise_peer_failure(needed); }); },
+          py::arg("needed"),
            "If a rank in `needed` died or closed its communicator, raises the CommError naming it; else returns. For "
            "collectives run outside the communicator (delegated to gloo); its own failures and peers' notices are not "
            "read. Takes no lock; never blocks on peers.")
-      .def("close", &Communicator::close, py::call_guard<py::gil_scoped_release>())
+      .def("close", [](Communicator& c) { without_gil([&] { c.close(); }); })
       .def(
           "abandon_after_fork",
           [](const std::shared_ptr<Communicator>& self) {

@@ -8,6 +8,7 @@
 #include <memory>
 
 #include "cpp/bindings/bindings.h"
+#include "cpp/bindings/without_gil.h"
 #include "cpp/jagged_layout.h"
 
 namespace py = pybind11;
@@ -32,9 +33,10 @@ void register_jagged(py::module_& m) {
   m.def(
       "plan_jagged_dispatch",
       [](uintptr_t lengths_ptr, uintptr_t dest_ptr, int64_t samples, int world) {
-        py::gil_scoped_release release;
-        return std::make_shared<JaggedPlan>(plan_jagged_dispatch(reinterpret_cast<const int64_t*>(lengths_ptr),
-                                                                 reinterpret_cast<const int64_t*>(dest_ptr), samples, world));
+        return without_gil([&] {
+          return std::make_shared<JaggedPlan>(plan_jagged_dispatch(reinterpret_cast<const int64_t*>(lengths_ptr),
+                                                                   reinterpret_cast<const int64_t*>(dest_ptr), samples, world));
+        });
       },
       py::arg("lengths_ptr"), py::arg("dest_ptr"), py::arg("samples"), py::arg("world"),
       "Plans sending sample i to rank dest[i] (int64 arrays of `samples` entries). ValueError names a bad entry.");

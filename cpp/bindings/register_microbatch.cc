@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "cpp/bindings/bindings.h"
+#include "cpp/bindings/without_gil.h"
 #include "cpp/errors.h"
 #include "cpp/microbatch_cluster.h"
 
@@ -50,11 +51,9 @@ void register_microbatch(py::module_& m) {
         in.micro_batches = micro_batches;
         in.mean = mean;
         in.balance_tolerance = balance_tolerance;
-        ClusterPlan plan;
-        {
-          py::gil_scoped_release release;  // the pipeline's worker plans while the caller computes
-          plan = cluster_greedy(in);       // (checks its input: ValueError once the GIL is back)
-        }
+        // the pipeline's worker plans while the caller computes (checks its input: ValueError once
+        // the GIL is back)
+        ClusterPlan plan = without_gil([&] { return cluster_greedy(in); });
         return py::make_tuple(py::array_t<int64_t>(plan.micro_batch.size(), plan.micro_batch.data()),
                               py::array_t<double>(plan.loads.size(), plan.loads.data()), plan.distinct_ids,
                               plan.cap_bound);
