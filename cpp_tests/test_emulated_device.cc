@@ -461,6 +461,29 @@ TEST(EmulatedDevice, CountsCopiesByExecutorAsTheDriverVersionAndTheBatchApiDecid
   }
 }
 
+// cudaMemcpyBatchAsync refuses the legacy NULL stream (cuda_runtime_api.h: "Must not be legacy
+// NULL stream"); per-copy cudaMemcpyAsync takes it. The transports batch on streams of their own.
+TEST(EmulatedDevice, BatchCopiesRefuseTheLegacyNullStreamAsTheRuntimeDoes) {
+  for (bool batch_api : {true, false}) {
+    SCOPED_TRACE(batch_api ? "batch API" : "per-copy fallback");
+    EmulatedDeviceOptions options;
+    options.batch_api = batch_api;
+    EmulatedDevice device(options);
+    auto* own = static_cast<uint8_t*>(device.device_alloc(64));
+    std::vector<uint8_t> tensor(64, 3);
+    CopyBatch batch;
+    batch.add(own, tensor.data(), 64);
+    if (batch_api) {
+      EXPECT_THROW(device.copy_batch(0, batch), Error);
+    } else {
+      device.copy_batch(0, batch);
+      device.synchronize(0);
+      EXPECT_EQ(own[63], 3);
+    }
+    device.device_free(own);
+  }
+}
+
 TEST(EmulatedDevice, TeardownEndsWaitsThatCanNeverBeSatisfied) {
   auto device = std::make_unique<EmulatedDevice>();
   Stream s = device->create_stream();

@@ -672,6 +672,9 @@ DriverCalls EmulatedDevice::driver_calls() const {
 
 void EmulatedDevice::copy_batch(Stream stream, const CopyBatch& batch) {
   if (batch.empty()) return;
+  if (options_.batch_api && stream == 0) {  // cuda_runtime_api.h: "Must not be legacy NULL stream."
+    throw Error(ErrorCode::kSystem, "emulated cudaMemcpyBatchAsync: cudaErrorInvalidValue (the legacy NULL stream)");
+  }
   size_t sm_copies = 0;
   {
     CopyCounts counted;
