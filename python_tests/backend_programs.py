@@ -529,3 +529,46 @@ def close_from_a_done_callback(info, where: str) -> str:
     else:
         work.wait()
     return ",".join(seen)
+
+
+def collectives_checked_in_detail_mode(info, case: str) -> str:
+    """Run with TORCH_DISTRIBUTED_DEBUG=DETAIL: torch's collective checks hold for a freescale group
+    as for gloo, native ops included ("agree": every op runs and is right; else ranks disagree on
+    the dtype of an all_reduce, delegated vs native ops, or two native ops). Before, torch skipped
+    them (it wraps no ProcessGroup subclass): a silent wrong sum, a timeout blaming a dead rank, a
+    size mismatch."""
+    x, rank = torch.ones(8), info.rank
+    try:
+        if case == "agree":
+            dist.all_reduce(x)
+            single = torch.empty(8)
+            dist.all_to_all_single(single, torch.full((8,), float(rank)))
+            parts = [torch.empty(4) for _ in range(2)]
+            dist.all_to_all(parts, [torch.full((4,), float(rank))] * 2)
+            dist.barrier()
+            return f"{x[0].item()} {single.tolist()} {[p[0].item() for p in parts]}"
+        if case == "dtype":
+            dist.all_reduce(x if rank == 0 else x.int())
+        elif case == "delegated_vs_native":
+            dist.all_reduce(x) if rank == 0 else dist.all_to_all_single(torch.empty(8), x)
+        elif case == "native_vs_native":
+            dist.all_to_all_single(torch.empty(8), x) if rank == 0 else dist.barrier()
+    except fc.CommError as e:
+        return f"CommError {e.code} {'Detected mismatch between collectives' in str(e)}"
+    return "no error"
+
+
+def delegated_vs_native_out_of_step(info) -> str:
+    """Rank 0 all_reduces (delegated to gloo) while rank 1 runs a native all_to_all_single (programs
+    out of step): rank 1 times out (FREESCALE_TIMEOUT_S) and leaves. Rank 0's error names rank 1
+    and says that its own op had failed first (TIMEOUT, caused by rank 0): before, only that it died."""
+    x = torch.ones(8)
+    try:
+        if info.rank == 0:
+            dist.all_reduce(x)
+        else:
+            dist.all_to_all_single(torch.empty(8), x)
+    except fc.CommError as e:
+        told = "an op of its own had failed (TIMEOUT, caused by rank 0)" in str(e)
+        return f"{e.code} culprit={e.culprit} told={told}" if info.rank == 0 else e.code
+    return "completed"

@@ -42,10 +42,14 @@ def _synchronous_step(tables: list[torch.Tensor], batch: list[list[torch.Tensor]
             at += ids.numel()
 
 
-def train_against_sync(info, kind: str, rate: float, steps: int, pipelined: bool) -> dict:
+def train_against_sync(info, kind: str, rate: float, steps: int, pipelined: bool, polls: str = "alike",
+                       forward_only: tuple[int, ...] = ()) -> dict:
     """Trains with PEC and, beside it, a fully synchronous reference of the whole table (every
     rank's batches are known here). Returns, per step, the largest difference between the rows
-    PEC returned and those the reference read, and that of the final shard."""
+    PEC returned and those the reference read, and that of the final shard. polls="alike": every
+    rank calls progress() after its prefetch; "differ": rank 0 polls after fetch() and after
+    backward() instead (a poll is local: where ranks call it may differ). forward_only: steps
+    without backward() (evaluation batches), no update in the reference either."""
     world, lr, dim = info.world_size, 0.5, 8
     sh = _sharding(kind, world)
     torch.manual_seed(0)
@@ -66,13 +70,20 @@ def train_against_sync(info, kind: str, rate: float, steps: int, pipelined: bool
     for step in range(steps):
         want = reference_rows(step, info.rank)
         max_err.append(float((rows - want).abs().max()))
+        rank0_elsewhere = polls == "differ" and info.rank == 0
+        if rank0_elsewhere:
+            pe.progress()
         if pipelined and step + 1 < steps:
             pe.prefetch(batches[step + 1][info.rank])
-            pe.progress()
-        pe.backward(_grads_for(rows, step))
+            if not rank0_elsewhere:
+                pe.progress()
+        if step not in forward_only:
+            pe.backward(_grads_for(rows, step))
+            if rank0_elsewhere:
+                pe.progress()
+            _synchronous_step(tables, batches[step], step, lr)
         if not pipelined and step + 1 < steps:
             pe.prefetch(batches[step + 1][info.rank])
-        _synchronous_step(tables, batches[step], step, lr)
         if step + 1 < steps:
             rows = pe.fetch()
     pe.flush()
@@ -175,3 +186,36 @@ def failing_update_raises_in_fetch(info) -> str:
 def collision_of(batches: list[list[np.ndarray]]) -> float:
     prev, cur = np.concatenate(batches[0]), np.concatenate(batches[1])
     return float(np.isin(cur, prev).mean())
+
+
+def parameter_shard(info) -> list[float]:
+    """An nn.Parameter shard (as nn.Embedding and TorchRec hold weights), SGD lr 0.25, each rank's
+    gradient 1 for rows 0 and 4: both rows end at -0.5, updated in place (index_add_ on a leaf that
+    requires grad raised in the runtime thread)."""
+    sh = pec.RowWiseSharding([8], 2)
+    weight = torch.nn.Parameter(torch.zeros(sh.shard_rows(info.rank), 1))
+    pe = pec.PrioritizedEmbedding(sh, weight, lr=0.25)
+    pe.prefetch(torch.tensor([0, 4]))
+    rows = pe.fetch()
+    pe.prefetch(torch.tensor([0, 4]))
+    pe.backward(torch.ones_like(rows))
+    rows = pe.fetch()
+    pe.flush()
+    pe.close()
+    return rows.flatten().tolist()
+
+
+def one_rank_wrong_weight(info) -> str:
+    """Rank 1's weight holds a row more than its shard: what each rank raises, and whether rank 1's
+    error came before its communicator was built."""
+    built = []
+    real = pec.Communicator
+    pec.Communicator = lambda *args, **kwargs: built.append(1) or real(*args, **kwargs)  # counts the builds
+    sh = pec.RowWiseSharding([8], 2)
+    weight = torch.zeros(sh.shard_rows(info.rank) + info.rank, 2)
+    try:
+        pec.PrioritizedEmbedding(sh, weight, lr=0.1)
+    except Exception as e:  # noqa: BLE001 - the test reads what was raised
+        when = "after" if built else "before"
+        return f"{type(e).__name__}: {e} {when}" if info.rank == 1 else f"{type(e).__name__}"
+    return "built"

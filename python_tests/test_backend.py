@@ -13,6 +13,7 @@ import freescale_comm as fc
 from freescale_comm.testing import run_ranks, spawn
 from backend_programs import (
     close_from_a_done_callback,
+    collectives_checked_in_detail_mode,
     pending_op_at_teardown,
     all_to_all_shapes_as_gloo,
     async_ops_and_priorities_interleave,
@@ -172,3 +173,14 @@ def test_closing_a_communicator_from_its_done_callback_is_refused_not_a_crash(wh
     results = run_ranks(close_from_a_done_callback, 2, where, timeout_s=30, env={"FREESCALE_TIMEOUT_S": "5"})
     assert [r.exitcode for r in results] == [0, 0] and all(r.ok for r in results), results
     assert results[0].value == "InvalidUsageError", results
+
+
+@pytest.mark.parametrize("case", ["agree", "dtype", "delegated_vs_native", "native_vs_native"])
+def test_torch_distributed_debug_detail_checks_collectives_as_for_gloo(case):
+    results = run_ranks(collectives_checked_in_detail_mode, 2, case, backend="freescale", timeout_s=60,
+                        env={"TORCH_DISTRIBUTED_DEBUG": "DETAIL", "FREESCALE_TIMEOUT_S": "10"})
+    if case == "agree":
+        assert [r.value for r in results] == [
+            "2.0 [0.0, 0.0, 0.0, 0.0, 1.0, 1.0, 1.0, 1.0] [0.0, 1.0]"] * 2, results
+    else:
+        assert [r.value for r in results] == ["CommError COMM_ERROR True"] * 2, results

@@ -85,6 +85,23 @@ def test_pec_reads_exactly_what_synchronous_training_reads(kind, rate):
         assert res["final_err"] <= 1e-6
 
 
+@pytest.mark.parametrize("rate", [0.0, 0.5])
+def test_pec_stays_synchronous_however_ranks_poll_and_with_forward_only_batches(rate):
+    """progress() is local: rank 0 polls after fetch() and backward(), the others after prefetch()
+    (it posted the held-back gradients, an AllToAll, wherever it ran first: crossed with a peer's
+    prefetch, a SIZE_MISMATCH or bytes read as the wrong message). A batch without backward()
+    (step 2) before one reading the rows an earlier batch updated: that update was still held back
+    (served stale)."""
+    steps = 6
+    for res in spawn(pec_programs.train_against_sync, 3, "row", rate, steps, True, "differ", (2,), backend="gloo"):
+        assert len(res["max_err"]) == steps
+        assert max(res["max_err"]) <= 1e-6 and res["final_err"] <= 1e-6, res
+
+
+def test_a_parameter_shard_updates_in_place_as_torch_optim_does():
+    assert spawn(pec_programs.parameter_shard, 2, backend="gloo") == [[-0.5, -0.5]] * 2
+
+
 def test_pec_without_pipelining_is_synchronous_too():
     for res in spawn(pec_programs.train_against_sync, 2, "row", 0.5, 4, False, backend="gloo"):
         assert max(res["max_err"]) <= 1e-6 and res["final_err"] <= 1e-6
@@ -114,6 +131,18 @@ def test_constructor_checks_arguments_before_any_communication():
         pec.PrioritizedEmbedding(sh, torch.zeros(4), lr=0.1)
     with pytest.raises(TypeError, match="sharding must be"):
         pec.PrioritizedEmbedding("rows", torch.zeros(4, 2), lr=0.1)
+    with pytest.raises(TypeError, match="update must be a callable"):
+        pec.PrioritizedEmbedding(sh, torch.zeros(4, 2), update=0.01)
+    with pytest.raises(ValueError, match="torch.int64"):
+        pec.PrioritizedEmbedding(sh, torch.zeros(4, 2, dtype=torch.int64), lr=0.1)
+
+
+def test_a_rank_whose_shard_does_not_fit_refuses_before_building_the_communicator():
+    """Only rank 1's weight has a row too many: it raises ValueError before any communication (its
+    peer then fails to build the communicator, within the timeout), not after the setup exchange."""
+    out = spawn(pec_programs.one_rank_wrong_weight, 2, backend="gloo", env={"FREESCALE_TIMEOUT_S": "10"})
+    assert out[1] == "ValueError: weight has 5 rows but rank 1's shard holds 4 (sharding.shard_rows(rank)) before"
+    assert out[0].startswith("CommError"), out
 
 
 # -- e2e modes and the sweep (on test_e2e's small config, fixed cost model included) ---------------

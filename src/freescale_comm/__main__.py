@@ -28,6 +28,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
     from freescale_comm.bench import cli
 
+    unwritable = cli._writable_outputs(argparse.Namespace(trace=args.out))
+    if unwritable:
+        p.error(unwritable.replace("--trace", "--out", 1))  # exit 2, before the measured run
+
     with tempfile.TemporaryDirectory() as tmp:
         measured = os.path.join(tmp, "e2e.json")
         flags = ["--no-progress"] if args.no_progress else []

@@ -22,6 +22,7 @@ import torch.distributed as dist
 from freescale_comm import _completions
 from freescale_comm._core import CommError
 from freescale_comm._errors import comm_error, gloo_timed_out
+from freescale_comm.work import c10d_wait_limit
 
 # A killed peer's sockets close a moment before /proc shows it gone (a zombie: the last steps of its
 # exit): gloo can report the closed connection first. Seconds a group's failures look for a cause,
@@ -110,12 +111,11 @@ class DelegatedWork(dist._Work):
             return self._explained
 
     def wait(self, timeout: Optional[datetime.timedelta] = None) -> bool:
-        # c10d's 0: no limit; a negative limit has run out already (gloo's wait raises unless done)
-        limited = timeout is not None and timeout != datetime.timedelta(0)
+        limit = c10d_wait_limit(timeout)
         try:
-            return self._inner_work.wait(timeout) if limited else self._inner_work.wait()
+            return self._inner_work.wait() if limit is None else self._inner_work.wait(limit)
         except RuntimeError as e:
-            if limited and _OWN_LIMIT in str(e):
+            if limit is not None and _OWN_LIMIT in str(e):
                 raise  # the caller's own limit ran out (the op may still complete): gloo's error, as gloo raises it
             raise_explained(e, self._explain(e))
 
@@ -183,12 +183,13 @@ class AllOfWork(dist._Work):
             self._futures = None  # done: waited for here
 
     def wait(self, timeout: Optional[datetime.timedelta] = None) -> bool:
-        """Waits for every part; a limit (c10d's 0: none; negative: run out) holds for the whole call."""
-        if timeout is None or timeout == datetime.timedelta(0):
+        """Waits for every part; a limit (c10d_wait_limit's) holds for the whole call."""
+        limit = c10d_wait_limit(timeout)
+        if limit is None:
             for w in self._works:
                 w.wait()
             return True
-        deadline = time.monotonic() + timeout.total_seconds()
+        deadline = time.monotonic() + limit.total_seconds()
         for w in self._works:
             left = deadline - time.monotonic()
             if left <= 0 and not w.is_completed():

@@ -15,19 +15,21 @@ import contextvars
 import dataclasses
 import datetime
 import logging
+import re
 import threading
 from collections.abc import Iterator, Sequence
 from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
+from torch.distributed.distributed_c10d import _create_process_group_wrapper
 
 from freescale_comm import _core
 from freescale_comm._bootstrap import StoreBootstrap
 from freescale_comm._delegated import AllOfWork, DelegatedWork, FailureSight, raise_explained
-from freescale_comm._errors import comm_error
+from freescale_comm._errors import comm_error, gloo_timed_out
 from freescale_comm.communicator import Communicator, check_priority
-from freescale_comm.work import Work
+from freescale_comm.work import Work, c10d_wait_limit
 
 logger = logging.getLogger("freescale_comm")
 
@@ -81,9 +83,8 @@ class _NativeWork(dist._Work):
         self._result = result
 
     def wait(self, timeout: Optional[datetime.timedelta] = None) -> bool:
-        # c10d passes timedelta(0) for "no timeout given"; a negative limit has run out (as gloo's)
-        seconds = None if timeout is None or timeout == datetime.timedelta(0) else max(timeout, datetime.timedelta(0))
-        return self._work.wait(seconds)
+        limit = c10d_wait_limit(timeout)
+        return self._work.wait(None if limit is None else max(limit, datetime.timedelta(0)))
 
     def is_completed(self) -> bool:
         return self._work.is_completed()
@@ -110,8 +111,8 @@ class _BarrierWork(_NativeWork):
         self._timeout = timeout
 
     def wait(self, timeout: Optional[datetime.timedelta] = None) -> bool:
-        given = timeout is not None and timeout != datetime.timedelta(0)
-        return super().wait(timeout if given else self._timeout)
+        limit = c10d_wait_limit(timeout)
+        return super().wait(self._timeout if limit is None else limit)
 
     def get_future(self) -> torch.futures.Future:
         def nothing(fut: torch.futures.Future) -> list[torch.Tensor]:
@@ -137,6 +138,12 @@ class ProcessGroupFreescale(dist.ProcessGroup):
             raise comm_error(f"setting up a freescale group: its inner gloo group's rendezvous failed within "
                              f"{timeout.total_seconds():g} s (a rank died or failed before building the group, or is "
                              f"late). gloo said: {e}", "TIMEOUT") from e
+        # TORCH_DISTRIBUTED_DEBUG=DETAIL: torch checks collectives only in the backends it wraps, and
+        # it wraps no ProcessGroup subclass (this one): wrap the inner gloo group here, and check
+        # native ops through it too (_checked_natively)
+        self._detail = dist.get_debug_level() == dist.DebugLevel.DETAIL
+        if self._detail:
+            self._cpu = _create_process_group_wrapper(self._cpu, "freescale", store, rank, size, timeout)
         self._cuda: Optional[dist.ProcessGroup] = None  # NCCL, built on first use
         self._cuda_lock = threading.Lock()
         self._comm: Optional[Communicator] = None
@@ -197,6 +204,24 @@ class ProcessGroupFreescale(dist.ProcessGroup):
         devices = {t.device.type for t in tensors}
         return devices == {"cpu"} or (devices == {"cuda"} and self._cuda_native)
 
+    def _check_native(self, op: str, barrier_options: Any = None) -> None:
+        """TORCH_DISTRIBUTED_DEBUG=DETAIL: before a native op (all_to_all_single, all_to_all or
+        barrier), torch's checks of the collective gloo runs for it, with no data (they compare the
+        op's kind and sequence number across ranks; all_to_all's sizes may differ). A mismatch, or a
+        rank that did not arrive, is a CommError on every rank that checked."""
+        if not self._detail:
+            return
+        empty = torch.empty(0)
+        try:
+            if op == "barrier":
+                self._cpu.barrier(barrier_options if barrier_options is not None else dist.BarrierOptions()).wait()
+            elif op == "all_to_all":
+                self._cpu.alltoall([empty] * self.size(), [empty] * self.size(), dist.AllToAllOptions()).wait()
+            else:
+                self._cpu.alltoall_base(empty, empty, [], [], dist.AllToAllOptions()).wait()
+        except RuntimeError as e:
+            raise _checks_failed(op, self._group_name_, e) from e
+
     def _native_cuda_failed(self, error: Exception) -> None:
         """The copy-engine setup (collective: it fails on every rank alike) could not serve this
         group, e.g. ranks on several nodes: NCCL moves CUDA tensors from now on."""
@@ -231,6 +256,7 @@ class ProcessGroupFreescale(dist.ProcessGroup):
                 output.dim() == 0 and input.dim() == 0:
             output, input = output.view(1), input.view(1)  # one rank's scalar, copied as gloo does (views: it lands)
         assert self._comm is not None
+        self._check_native("all_to_all_single")
         try:
             work = self._comm.all_to_all_single(output, input, output_split_sizes, input_split_sizes,
                                                 priority=self._op_priority(), async_op=True)
@@ -268,6 +294,7 @@ class ProcessGroupFreescale(dist.ProcessGroup):
         send = torch.cat([t.reshape(-1) for t in input_tensors]) if input_tensors else torch.empty(0)
         recv = torch.empty(sum(t.numel() for t in output_tensors), dtype=send.dtype, device=send.device)
         assert self._comm is not None
+        self._check_native("all_to_all")
         work = self._comm._all_to_all(recv, send, [t.numel() for t in output_tensors], [t.numel() for t in input_tensors],
                                       self._op_priority(), True, "all_to_all")
 
@@ -283,6 +310,7 @@ class ProcessGroupFreescale(dist.ProcessGroup):
     def barrier(self, opts: Any = None) -> dist.Work:
         if self._comm is None:
             return self._cpu.barrier(opts if opts is not None else dist.BarrierOptions())
+        self._check_native("barrier", opts)
         empty = torch.empty(0, dtype=torch.uint8)
         work = self._comm._all_to_all(empty, empty, [0] * self.size(), [0] * self.size(), self._op_priority(), True,
                                       "barrier")
@@ -304,6 +332,8 @@ class ProcessGroupFreescale(dist.ProcessGroup):
         try:
             work = call(inner)
         except RuntimeError as e:
+            if self._detail and _CHECKS_SAY in str(e):
+                raise _checks_failed(op, self._group_name_, e) from e
             raise_explained(e, sight.explain(e, op, needed, in_the_call=True))
         return DelegatedWork(work, lambda e: sight.explain(e, op, needed))
 
@@ -462,6 +492,19 @@ class ArgumentValueError(ValueError, RuntimeError):
 
 class ArgumentTypeError(TypeError, RuntimeError):
     """As ArgumentValueError, for a TypeError."""
+
+
+_CHECKS_SAY = "Detected mismatch between collectives"  # how torch's DETAIL checks start a mismatch
+
+
+def _checks_failed(op: str, group: str, error: RuntimeError) -> BaseException:
+    """torch's DETAIL checks' failure before `op`, as a CommError in torch's words: which ranks run
+    which collective (COMM_ERROR), or which did not arrive in time (TIMEOUT; the culprit if one)."""
+    late = re.search(r"Ranks? ([\d, ]+) failed to pass monitoredBarrier", str(error))
+    ranks = [int(r) for r in re.findall(r"\d+", late.group(1))] if late else []
+    return comm_error(f"{op} on freescale group {group!r}: TORCH_DISTRIBUTED_DEBUG=DETAIL's collective checks "
+                      f"failed: {error}", "TIMEOUT" if late or gloo_timed_out(error) else "COMM_ERROR",
+                      ranks[0] if len(ranks) == 1 else None)
 
 
 @contextlib.contextmanager

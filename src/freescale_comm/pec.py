@@ -152,17 +152,22 @@ class PrioritizedEmbedding:
             raise ValueError("pass exactly one of lr (plain SGD on weight) or update(rows, grads)")
         if not isinstance(weight, torch.Tensor) or weight.dim() != 2 or not weight.dtype.is_floating_point:
             raise ValueError("weight must be a 2-D floating tensor [shard rows, dim], got "
-                             f"{getattr(weight, 'shape', type(weight).__name__)}")
+                             + (f"{weight.dtype} {tuple(weight.shape)}" if isinstance(weight, torch.Tensor)
+                                else type(weight).__name__))
+        if update is not None and not callable(update):
+            raise TypeError(f"update must be a callable update(rows, grads), got {type(update).__name__}")
         for p in (high_priority, low_priority, deferred_priority):
             check_priority(p)
         self._update = update if update is not None else self._sgd(lr)
+        # local checks first: a rank that refuses its arguments must not leave its peers waiting
+        rank, world = dist.get_rank(group), dist.get_world_size(group)
+        if sharding.world != world:
+            raise ValueError(f"sharding is for {sharding.world} ranks but the group has {world}")
+        if weight.shape[0] != sharding.shard_rows(rank):
+            raise ValueError(f"weight has {weight.shape[0]} rows but rank {rank}'s shard holds "
+                             f"{sharding.shard_rows(rank)} (sharding.shard_rows(rank))")
         self._comm = Communicator(group)
         self.rank, self.world = self._comm.rank, self._comm.world_size
-        if sharding.world != self.world:
-            raise ValueError(f"sharding is for {sharding.world} ranks but the group has {self.world}")
-        if weight.shape[0] != sharding.shard_rows(self.rank):
-            raise ValueError(f"weight has {weight.shape[0]} rows but rank {self.rank}'s shard holds "
-                             f"{sharding.shard_rows(self.rank)} (sharding.shard_rows(rank))")
         self.sharding, self.weight = sharding, weight
         self.dim = weight.shape[1]
         self._high, self._low, self._deferred = high_priority, low_priority, deferred_priority
@@ -179,7 +184,8 @@ class PrioritizedEmbedding:
         self._serving: Optional[Work] = None
         self._serve_error: Optional[BaseException] = None
         self._deferred_updates: list[_Update] = []  # applied before the next NOL lookup
-        self._unsent_grads: Optional[tuple[_Batch, torch.Tensor]] = None  # NOL gradients, sent by progress()
+        # NOL gradients backward() held back: sent by the next prefetch() (or backward(), flush())
+        self._unsent_grads: Optional[tuple[_Batch, torch.Tensor]] = None
         self._backward_done = True
 
     def _sgd(self, lr: float) -> Callable[[torch.Tensor, torch.Tensor], None]:
@@ -187,7 +193,8 @@ class PrioritizedEmbedding:
             raise ValueError(f"lr must be a positive number, got {lr!r}")
 
         def sgd(rows: torch.Tensor, grads: torch.Tensor) -> None:
-            self.weight.index_add_(0, rows.to(self.weight.device), grads.to(self.weight.device), alpha=-lr)
+            with torch.no_grad():  # an nn.Parameter shard too, as torch.optim.SGD updates it
+                self.weight.index_add_(0, rows.to(self.weight.device), grads.to(self.weight.device), alpha=-lr)
 
         return sgd
 
@@ -204,6 +211,7 @@ class PrioritizedEmbedding:
     def _touched(self, n: int) -> torch.Tensor:
         return torch.zeros(n, self.dim, dtype=self.weight.dtype)
 
+    @torch.no_grad()
     def _lookup(self, rows: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.Tensor:
         if out is not None and self.weight.device == out.device:
             return torch.index_select(self.weight, 0, rows, out=out)
@@ -224,8 +232,9 @@ class PrioritizedEmbedding:
     # -- the pipeline ------------------------------------------------------------------------------
     def prefetch(self, ids: IdsPerTable) -> None:
         """Starts fetching the next batch: `ids`, one int tensor per table (any shape, flattened in
-        order; a single tensor for one table). Sends its id counts at low priority and returns;
-        progress() and fetch() move the rest."""
+        order; a single tensor for one table). Sends its id counts at low priority, then the
+        gradients the last backward() held back (deferred), and returns; progress() and fetch()
+        move the rest."""
         if self._next is not None:
             raise RuntimeError("prefetch() called twice: fetch() the prefetched batch first")
         checked = self.sharding.check_ids(ids)
@@ -237,13 +246,16 @@ class PrioritizedEmbedding:
         self._counts_in = torch.empty(self.world, dtype=torch.int64)
         self._a2a("counts", self._counts_in, torch.tensor(send, dtype=torch.int64), [1] * self.world,
                   [1] * self.world, self._low)
+        # Here, a point every rank reaches in the same order: a progress() poll is not (where and how
+        # often ranks poll differs), and an op it posted crossed its peers' ops (ops match in order).
+        self._send_deferred_grads()
         self._stage = 1
 
     def progress(self, block: bool = False) -> bool:
         """Advances the prefetch as far as arrived messages allow (waits for them if `block`);
-        True once the next batch's NOL rows are in place. Call it between compute chunks."""
-        if self._serving is None:  # else after the OL rows were sent (program order)
-            self._send_deferred_grads()  # off the critical path: they overlap this compute
+        True once the next batch's NOL rows are in place. Call it between compute chunks, as often
+        as you like: ranks may poll at different places and counts. (What it posts follows the
+        prefetch's own messages in an order every rank keeps.)"""
         return self._advance(block)
 
     def _advance(self, block: bool, until: int = 5) -> bool:
@@ -329,11 +341,11 @@ class PrioritizedEmbedding:
     def backward(self, grads: torch.Tensor) -> None:
         """Sends the gradients of the rows fetch() last returned ([ids, dim], the caller's order) to
         their owners: those the prefetched batch reads again now, at high priority; the others by
-        the first progress() after the next fetch() (or flush()), at the lowest (deferred). Without
-        a prefetched batch, all now. Once the high-priority ones arrived, the runtime's thread
+        the next prefetch() (or backward(), flush()), at the lowest (deferred). Without a
+        prefetched batch, all now. Once the high-priority ones arrived, the runtime's thread
         applies them and sends the prefetched batch's OL rows: work done between backward() and
         fetch() (the dense all-reduce) hides that round trip. `update` may thus run on that thread.
-        `grads` is not copied: leave it unchanged until that progress() or flush() returns."""
+        `grads` is not copied: leave it unchanged until that prefetch(), backward() or flush() returns."""
         cur = self._current
         if cur is None or self._backward_done:
             raise RuntimeError("backward() needs a fetched batch whose gradients were not sent yet: call fetch() first")
@@ -341,7 +353,7 @@ class PrioritizedEmbedding:
             raise ValueError(f"grads must be a tensor [{cur.size}, {self.dim}] (one row per id fetched), got "
                              f"{getattr(grads, 'shape', type(grads).__name__)}")
         grads = grads.detach().to(device="cpu", dtype=self.weight.dtype)
-        self._send_deferred_grads()  # an earlier batch's, if no progress() ran since (one slot)
+        self._send_deferred_grads()  # an earlier batch's, if no prefetch() ran since (one slot)
         self._advance(block=True, until=4)  # the flags say which gradients go first
         if cur.at_grad_ol is None:  # nothing prefetched: every gradient is needed before the next read
             cur.at_grad_ol, cur.at_grad_nol, cur.any_grad_ol = cur.order, cur.order[:0], True
@@ -353,7 +365,8 @@ class PrioritizedEmbedding:
             send = grads.index_select(0, cur.at_grad_ol) if cur.ol_grads_out is None else \
                 torch.index_select(grads, 0, cur.at_grad_ol, out=cur.ol_grads_out)
             update.work = self._a2a("ol_grads", update.grads, send, recv, cur.grad_ol_counts, self._high)
-        self._unsent_grads = (cur, grads)
+        # (nothing prefetched: all went now, none held back; every rank knows it alike)
+        self._unsent_grads = (cur, grads) if self._next is not None else None
         self._backward_done = True
         if update.work is None:
             self._serve_ol(update)

@@ -28,6 +28,12 @@ def _timeout_seconds(timeout: Timeout) -> Optional[float]:
     return float(timeout)
 
 
+def c10d_wait_limit(timeout: Optional[datetime.timedelta]) -> Optional[datetime.timedelta]:
+    """The limit a c10d Work.wait(timeout) sets: None for none (c10d passes timedelta(0) when the
+    caller gave none); a negative one has run out already (gloo's wait raises unless done)."""
+    return None if timeout is None or timeout == datetime.timedelta(0) else timeout
+
+
 class Work:
     """Returned by every collective. Keeps the tensors it reads and writes alive until done."""
 

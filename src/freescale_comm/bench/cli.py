@@ -3,23 +3,84 @@
 from __future__ import annotations
 
 import argparse
+import math
+import os
 import platform
 import sys
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 from freescale_comm.bench import trace
 from freescale_comm.bench.placement import DEFAULT_MEASURED_RANKS, default_ranks
 
 
 def _size(text: str) -> int:
+    """Bytes (or a count) such as 4K, 1M, 65536: finite, >= 0."""
     units = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30}
     t = text.strip().lower().rstrip("ib")
     scale = units.get(t[-1:], 1)
     number = t[:-1] if t[-1:] in units else t
     try:
-        return int(float(number) * scale)
-    except ValueError:
+        value = int(float(number) * scale)
+    except (ValueError, OverflowError):  # (inf, nan: OverflowError / ValueError)
         raise argparse.ArgumentTypeError(f"not a size: {text!r} (examples: 4K, 1M, 65536)") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"a size must be >= 0, got {text!r}")
+    return value
+
+
+def _count(low: int) -> Callable[[str], int]:
+    """An integer flag's type: at least `low` (argparse refuses the rest, before anything runs)."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"must be >= {low}, got {value}")
+        return value
+
+    return parse
+
+
+def _finite(low: float, *, above: bool = False) -> Callable[[str], float]:
+    """A float flag's type: finite and >= `low` (> `low` if `above`)."""
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+        if not math.isfinite(value) or value < low or (above and value == low):
+            raise argparse.ArgumentTypeError(f"must be a finite number {'>' if above else '>='} {low:g}, got {text!r}")
+        return value
+
+    return parse
+
+
+def _writable_outputs(args: argparse.Namespace) -> Optional[str]:
+    """Why an output of `args` cannot be written (--json / --plot: a file; --trace: a directory, made
+    with its parents), checked before the benchmark runs so a typo loses no results; None if all can."""
+    for flag in ("json", "plot", "trace"):
+        path = getattr(args, flag, None)
+        if not path:
+            continue
+        path = os.path.abspath(path)
+        if flag == "trace":
+            if os.path.exists(path) and not os.path.isdir(path):
+                return f"--trace {path}: exists and is not a directory"
+            where = path
+            while not os.path.exists(where):  # the first ancestor that exists must take new entries
+                where = os.path.dirname(where)
+        else:
+            if os.path.isdir(path):
+                return f"--{flag} {path}: is a directory (give a file name)"
+            where = os.path.dirname(path)
+            if not os.path.isdir(where):
+                return f"--{flag} {path}: directory {where} does not exist"
+        if not os.path.isdir(where) or not os.access(where, os.W_OK | os.X_OK):
+            return f"--{flag} {path}: {where} is not a writable directory"
+    return None
 
 
 def _outputs(p: argparse.ArgumentParser, *, trace: bool = False, progress: bool = True,
@@ -41,21 +102,21 @@ def _parser() -> argparse.ArgumentParser:
     a.add_argument("--transport", choices=("host", "ce", "nvshmem"), default="host",
                    help="host: CPU tensors (default); ce / nvshmem: CUDA tensors on that transport")
     a.add_argument("--sizes", type=_size, nargs="+", help="bytes per rank (default 4K ... 64M)")
-    a.add_argument("--iters", type=int, default=None, help="timed iterations per case (default: by size)")
-    a.add_argument("--warmup", type=int, default=10, help="untimed iterations per case")
+    a.add_argument("--iters", type=_count(1), default=None, help="timed iterations per case (default: by size)")
+    a.add_argument("--warmup", type=_count(0), default=10, help="untimed iterations per case")
     _outputs(a)
     d = sub.add_parser("dispatch", help="fc.dispatch + fc.combine of jagged samples vs a pure-PyTorch + gloo reference")
     d.add_argument("--ranks", type=int, default=4, help="processes on this host (default 4)")
     d.add_argument("--rows", type=_size, default=1 << 20, help="rows across all ranks (default 1M)")
     d.add_argument("--dim", type=int, default=128, help="float32 values per row (default 128)")
-    d.add_argument("--iters", type=int, default=5, help="timed iterations (default 5)")
-    d.add_argument("--warmup", type=int, default=2, help="untimed iterations")
+    d.add_argument("--iters", type=_count(1), default=5, help="timed iterations (default 5)")
+    d.add_argument("--warmup", type=_count(0), default=2, help="untimed iterations")
     _outputs(d)
     so = sub.add_parser("soak", help="N ranks x M random all_to_all_single ops (11 dtypes, 0..max bytes per peer, "
                                      "priorities, async waits out of order, strided inputs), every byte checked")
     so.add_argument("--ranks", type=int, default=4, help="processes on this host (default 4)")
     so.add_argument("--ops", type=int, default=2000, help="ops per rank (default 2000)")
-    so.add_argument("--seed", type=int, default=0, help="seed of the op list (the same on every rank)")
+    so.add_argument("--seed", type=_count(0), default=0, help="seed of the op list (the same on every rank)")
     so.add_argument("--max-bytes", type=_size, default=1 << 20, help="largest block one rank sends another (default 1M)")
     so.add_argument("--window", type=int, default=80, help="async ops in flight at most (default 80)")
     _outputs(so, progress=False)
@@ -64,7 +125,7 @@ def _parser() -> argparse.ArgumentParser:
     pl.add_argument("--samples", type=int, default=64, help="samples per rank (default 64)")
     pl.add_argument("--workload", default="kuairand",
                     help="kuairand | ml20m | zipf | heavy_zipf, several comma-separated, or all (default kuairand)")
-    pl.add_argument("--seed", type=int, default=0, help="workload seed (the first of a sweep)")
+    pl.add_argument("--seed", type=_count(0), default=0, help="workload seed (the first of a sweep)")
     pl.add_argument("--seeds", type=int, default=1, help="seeds to sweep; the table gives each figure's worst case")
     pl.add_argument("--repeats", type=int, default=20, help="plans timed per method; the median is reported")
     pl.add_argument("--bytes-per-item", type=int, default=512, help="bytes of one embedded item (default 128 float32)")
@@ -75,7 +136,7 @@ def _parser() -> argparse.ArgumentParser:
     mb.add_argument("--micro-batches", type=int, nargs="+", default=[2, 4, 8], help="micro-batch counts (default 2 4 8)")
     mb.add_argument("--workload", nargs="+", default=["interests", "zipf"], help="interests and/or zipf (default both)")
     mb.add_argument("--scale", type=float, default=1 / 64, help="kuairand lengths scaled by this (default 1/64)")
-    mb.add_argument("--seed", type=int, default=0, help="workload seed")
+    mb.add_argument("--seed", type=_count(0), default=0, help="workload seed")
     mb.add_argument("--repeats", type=int, default=5, help="plans timed; the median is reported (default 5)")
     _outputs(mb, progress=False)
     e = sub.add_parser("e2e", help="HSTU-like training step on N local ranks: vanilla vs balance, overlap, PEC and their mixes")
@@ -105,13 +166,14 @@ def _parser() -> argparse.ArgumentParser:
     si.add_argument("--samples", type=int, default=64, help="samples per rank and step (default 64)")
     si.add_argument("--workload", default="kuairand", help="kuairand | ml20m | zipf (default kuairand)")
     si.add_argument("--steps", type=int, default=3, help="steps simulated (default 3)")
-    si.add_argument("--seed", type=int, default=0, help="workload seed")
+    si.add_argument("--seed", type=_count(0), default=0, help="workload seed")
     si.add_argument("--groups", type=int, default=4, help="pipeline groups of the overlapped modes (default 4)")
-    si.add_argument("--bandwidth-gbps", type=float, default=50.0, help="AllToAll bandwidth per rank, GB/s (default 50)")
-    si.add_argument("--latency-us", type=float, default=20.0, help="latency per collective, µs (default 20)")
+    si.add_argument("--bandwidth-gbps", type=_finite(0, above=True), default=50.0,
+                    help="AllToAll bandwidth per rank, GB/s (default 50)")
+    si.add_argument("--latency-us", type=_finite(0), default=20.0, help="latency per collective, µs (default 20)")
     si.add_argument("--bytes-per-item", type=int, default=512, help="bytes of one embedded item (default 512)")
     si.add_argument("--dense-bytes", type=_size, default=16 << 20, help="dense gradient bytes all-reduced per step")
-    si.add_argument("--plan-us-per-sample", type=float, default=0.5, help="planner time per sample of the world, µs")
+    si.add_argument("--plan-us-per-sample", type=_finite(0), default=0.5, help="planner time per sample of the world, µs")
     si.add_argument("--calibration", metavar="E2E_JSON",
                     help="use the cost model fitted by a measured run (the --json of freescale-bench e2e); "
                          "default: HSTU FLOPs (4 layers, 4 heads x 128) at 300 TFLOP/s")
@@ -309,7 +371,7 @@ def _pec_sweep_args(ps: argparse.ArgumentParser) -> None:
     _step_args(ps, dim=256, layers=1, steps=3, length_scale=1 / 12)
     ps.add_argument("--rates", type=float, nargs="+", default=[0.0, 0.1, 0.2, 0.4, 0.6, 0.8, 1.0],
                     help="collision rates in [0, 1] (default 0 0.1 0.2 0.4 0.6 0.8 1)")
-    ps.add_argument("--seed", type=int, default=0, help="data and weight seed")
+    ps.add_argument("--seed", type=_count(0), default=0, help="data and weight seed")
     ps.add_argument("--plot", metavar="PNG", default="pec-sweep.png", help="where to draw the sweep (default pec-sweep.png)")
     _outputs(ps)
 
@@ -353,7 +415,7 @@ def _e2e_args(e: argparse.ArgumentParser) -> None:
     e.add_argument("--collision-rate", type=float, default=None,
                    help="ids with this share read at the step before (default: uniform random ids)")
     e.add_argument("--modes", nargs="+", default=list(_modes()), help="modes to run (default all)")
-    e.add_argument("--seed", type=int, default=0, help="data and weight seed")
+    e.add_argument("--seed", type=_count(0), default=0, help="data and weight seed")
     e.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="where the dense tower computes")
     _outputs(e, trace=True, json_help="also write the rows (and the fitted cost model) as JSON")
 
@@ -469,7 +531,11 @@ def _simulate_nestpipe(args: argparse.Namespace, p: Any) -> int:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    args = _parser().parse_args(argv)
+    parser = _parser()
+    args = parser.parse_args(argv)
+    unwritable = _writable_outputs(args)
+    if unwritable:
+        parser.error(unwritable)  # exit 2, before anything runs
     if args.bench == "alltoall" and args.transport != "host":
         return run_alltoall_cuda(args)
     if args.bench == "alltoall":
@@ -485,6 +551,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print("\n".join(alltoall.goal_summary(rows)))
         if args.json:
             write_json(args.json, "alltoall", rows, ranks=args.ranks)
+        if _fails_on_wrong("alltoall", rows):
+            return 1
     elif args.bench == "dispatch":
         from freescale_comm.bench import dispatch
         from freescale_comm.bench.report import bandwidth_table, write_json
@@ -497,6 +565,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(dispatch.summary(rows))
         if args.json:
             write_json(args.json, "dispatch", rows, ranks=args.ranks, rows_total=args.rows, dim=args.dim)
+        if _fails_on_wrong("dispatch", rows):
+            return 1
     elif args.bench == "soak":
         from freescale_comm.bench import soak
         from freescale_comm.bench.report import write_json

@@ -16,6 +16,8 @@ Every step starts with the ranks aligned (e2e puts a barrier there).
 
 from __future__ import annotations
 
+import math
+
 from dataclasses import dataclass, field, replace
 from typing import Optional, Sequence
 
@@ -66,8 +68,13 @@ class SimParams:
             raise ValueError("need ranks >= 2, samples >= 1, steps >= 1, groups >= 1")
         if self.workload not in workloads.WORKLOADS:
             raise ValueError(f"workload must be one of {sorted(workloads.WORKLOADS)}")
-        if self.bandwidth_gbps <= 0 or self.latency_us < 0 or self.bytes_per_item < 1 or self.id_bytes < 1:
-            raise ValueError("need bandwidth_gbps > 0, latency_us >= 0, bytes_per_item and id_bytes >= 1")
+        rates = (self.bandwidth_gbps, self.latency_us, self.lookup_ns_per_item, self.plan_us_per_sample)
+        if not all(math.isfinite(x) for x in rates) or self.bandwidth_gbps <= 0 or self.latency_us < 0 or \
+                self.lookup_ns_per_item < 0 or self.plan_us_per_sample < 0:
+            raise ValueError("need finite bandwidth_gbps > 0, latency_us >= 0, lookup_ns_per_item >= 0 and "
+                             "plan_us_per_sample >= 0")
+        if self.bytes_per_item < 1 or self.id_bytes < 1 or self.dense_bytes < 0:
+            raise ValueError("need bytes_per_item and id_bytes >= 1, dense_bytes >= 0")
         unknown = [m for m in self.modes if m not in MODES]
         if unknown or not self.modes:
             raise ValueError(f"modes must be a non-empty subset of {list(MODES)} (got {list(self.modes)})")
@@ -80,6 +87,8 @@ def fabric_schedule(ready: Sequence[float], duration: Sequence[float], priority:
     n = len(ready)
     left = np.asarray(duration, dtype=np.float64).copy()
     ready_a = np.asarray(ready, dtype=np.float64)
+    if not (np.isfinite(left).all() and np.isfinite(ready_a).all() and (left >= 0).all()):
+        raise ValueError("fabric_schedule needs finite ready times and finite durations >= 0")  # else: no end
     done = np.full(n, np.nan)
     todo = set(range(n))
     t = float(ready_a.min()) if n else 0.0
