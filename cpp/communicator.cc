@@ -155,8 +155,22 @@ void Communicator::raise_peer_failure(const std::vector<int>& needed) const {
   if (!lost) return;
   // Notices are this communicator's own failures, perhaps long reported: one would outrank the
   // death that broke the other group's collective (root_cause.h) and name a rank uninvolved in it.
+  // The cause's own notice still says why it left: its op had failed first (e.g. timed out in an
+  // all_to_all while this rank ran a delegated collective: programs out of step), not a crash.
+  const std::vector<PeerSight> noticed = sight;
   for (PeerSight& s : sight) s.aborted = false;
-  throw_root_cause(find_root_cause(sight, rank_), rank_, [this](int r) { return transport_->peer_pid(r); });
+  const RootCause cause = find_root_cause(sight, rank_);
+  try {
+    throw_root_cause(cause, rank_, [this](int r) { return transport_->peer_pid(r); });
+  } catch (const CommError& e) {
+    if (cause.rank < 0 || !noticed[static_cast<size_t>(cause.rank)].aborted) throw;
+    const PeerSight& own = noticed[static_cast<size_t>(cause.rank)];
+    const std::string by = own.culprit >= 0 ? ", caused by rank " + std::to_string(own.culprit) : "";
+    throw CommError(e.code(),
+                    e.message() + "; before it left, an op of its own had failed (" + error_code_name(own.code) + by +
+                        "): ranks that call different collectives fail so",
+                    e.culprit());
+  }
 }
 
 void Communicator::close() {

@@ -13,6 +13,7 @@ import freescale_comm as fc
 from freescale_comm.testing import run_ranks, spawn
 from backend_programs import (
     close_from_a_done_callback,
+    delegated_vs_native_out_of_step,
     collectives_checked_in_detail_mode,
     pending_op_at_teardown,
     all_to_all_shapes_as_gloo,
@@ -184,3 +185,14 @@ def test_torch_distributed_debug_detail_checks_collectives_as_for_gloo(case):
             "2.0 [0.0, 0.0, 0.0, 0.0, 1.0, 1.0, 1.0, 1.0] [0.0, 1.0]"] * 2, results
     else:
         assert [r.value for r in results] == ["CommError COMM_ERROR True"] * 2, results
+
+
+def test_a_peer_that_left_after_its_own_op_failed_is_not_only_said_to_have_died():
+    """Rank 0 in a delegated all_reduce, rank 1 in a native all_to_all (programs out of step): rank 1
+    times out and leaves. Rank 0 names rank 1, and that its op had timed out waiting on rank 0
+    (before: only 'rank 1 died', a crash that never happened)."""
+    results = run_ranks(delegated_vs_native_out_of_step, 2, backend="freescale", timeout_s=60,
+                        env={"FREESCALE_TIMEOUT_S": "3"})
+    assert results[1].value == "TIMEOUT", results
+    code, culprit, told = results[0].value.split()
+    assert code in ("PEER_DIED", "COMM_ERROR") and (culprit, told) == ("culprit=1", "told=True"), results
