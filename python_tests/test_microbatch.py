@@ -172,7 +172,7 @@ def test_samples_sharing_ids_end_in_one_micro_batch():
 
 
 @pytest.mark.parametrize("args,message", [
-    ((np.array([1, 2]), np.array([2]), 0), "micro_batches must be an int >= 1"),
+    ((np.array([1, 2]), np.array([2]), 0), "micro_batches must be an int in \\[1, 1024\\]"),
     ((np.array([1, 2]), np.array([3]), 2), "lengths sum to 3, but there are 2 ids"),
     ((np.array([1.5]), np.array([1]), 2), "ids must be a 1-D integer array"),
     ((np.array([1]), np.array([-1, 2]), 2), "lengths must be a 1-D array of ints >= 0"),
@@ -202,3 +202,14 @@ def test_the_microbatch_benchmark_writes_a_row_per_workload_count_and_split(tmp_
         assert by[("interests", m, "clustered")]["distinct_ids"] < by[("interests", m, "random")]["distinct_ids"]
         assert by[("interests", m, "clustered")]["distinct_ids"] < by[("interests", m, "contiguous")]["distinct_ids"]
     assert main(["microbatch", "--micro-batches", "0"]) == 2
+
+
+def test_micro_batch_counts_beyond_the_bound_are_refused():
+    """The placement keeps a flag per (distinct id, micro-batch): 200,000 micro-batches of 4 samples
+    took 4 GiB before (2,000,000: about 40 GB); 2**31 failed in pybind's argument conversion."""
+    ids, lengths = np.arange(8), np.array([2, 2, 2, 2])
+    for m in (fc.microbatch.MAX_MICRO_BATCHES + 1, 2**31):
+        with pytest.raises(ValueError, match="micro_batches must be an int in"):
+            cluster_microbatches(ids, lengths, m)
+    plan = cluster_microbatches(ids, lengths, 8)  # more micro-batches than samples: some stay empty
+    assert sorted(np.bincount(plan.micro_batch, minlength=8).tolist()) == [0, 0, 0, 0, 1, 1, 1, 1]

@@ -275,3 +275,17 @@ def test_bad_arguments_name_themselves(bad, match):
     lengths = args.pop("lengths_per_rank")
     with pytest.raises((ValueError, TypeError), match=match):
         plan_rebalance(lengths, **args)
+
+
+def test_planner_inputs_out_of_range_are_refused_by_name():
+    """Before: uint64 lengths >= 2**63 planned with a negative moved_bytes; a NaN length reached
+    LAPACK (which printed to stdout); lpt_bins(cost, 0) raised IndexError."""
+    from freescale_comm.planner import lpt_bins
+
+    with pytest.raises(ValueError, match=r"lengths_per_rank\[0\] has a length above"):
+        plan_rebalance([np.array([2**63], dtype=np.uint64), np.array([1], dtype=np.uint64)],
+                       cost_model=CostModel(0, 1, 0))
+    with pytest.raises(ValueError, match="finite lengths"):
+        CostModel.fit([1.0, float("nan"), 3.0], [1.0, 2.0, 3.0])
+    with pytest.raises(ValueError, match="world must be an int >= 1"):
+        lpt_bins(np.ones(3), 0)

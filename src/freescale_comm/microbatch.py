@@ -68,9 +68,14 @@ def _sorted_unique(values: np.ndarray) -> np.ndarray:
     return ordered[keep]
 
 
+# The placement keeps a flag per (distinct id, micro-batch): memory grows with their product.
+MAX_MICRO_BATCHES = 1024
+
+
 def _check(ids: object, lengths: object, micro_batches: object, costs: object) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    if not isinstance(micro_batches, (int, np.integer)) or isinstance(micro_batches, bool) or micro_batches < 1:
-        raise ValueError(f"micro_batches must be an int >= 1, got {micro_batches!r}")
+    if not isinstance(micro_batches, (int, np.integer)) or isinstance(micro_batches, bool) or \
+            not 1 <= micro_batches <= MAX_MICRO_BATCHES:
+        raise ValueError(f"micro_batches must be an int in [1, {MAX_MICRO_BATCHES}], got {micro_batches!r}")
     ids = np.asarray(ids)
     lengths = np.asarray(lengths)
     if ids.ndim != 1 or not np.issubdtype(ids.dtype, np.integer):

@@ -93,8 +93,8 @@ class CostModel:
         t = np.asarray(seconds, dtype=np.float64).ravel()
         if L.size != t.size:
             raise ValueError(f"lengths has {L.size} entries but seconds has {t.size}; give one time per length")
-        if L.size < 2 or not np.all(np.isfinite(t)) or np.any(L < 0):
-            raise ValueError("CostModel.fit needs >= 2 finite timings at lengths >= 0")
+        if L.size < 2 or not np.all(np.isfinite(t)) or not np.all(np.isfinite(L)) or np.any(L < 0):
+            raise ValueError("CostModel.fit needs >= 2 finite timings (seconds) at finite lengths >= 0")
         columns = np.stack([L * L, L, np.ones_like(L)], axis=1)
         scale = np.maximum(np.abs(columns).max(axis=0), 1e-300)  # conditioning: L² spans decades
         best: tuple[float, np.ndarray] | None = None
@@ -151,6 +151,8 @@ def _check_lengths(lengths_per_rank: Sequence[np.ndarray | Sequence[int]]) -> li
             raise ValueError(f"lengths_per_rank[{r}] must be a 1-D array of integer lengths, got shape {a.shape} dtype {a.dtype}")
         if a.size and a.min() < 0:
             raise ValueError(f"lengths_per_rank[{r}] has a negative length ({int(a.min())})")
+        if a.size and int(a.max()) > np.iinfo(np.int64).max:  # (an unsigned array's)
+            raise ValueError(f"lengths_per_rank[{r}] has a length above 2**63 - 1 ({int(a.max())})")
         out.append(a.astype(np.int64, copy=False))
     return out
 
@@ -405,6 +407,8 @@ def _polish(cost: np.ndarray, holder: np.ndarray, loads: np.ndarray, good_enough
 def lpt_bins(cost: np.ndarray, world: int) -> np.ndarray:
     """Longest Processing Time from scratch: every sample, dearest first (ties: lower index), to
     the least loaded of `world` bins (ties: lower bin). int64 [n]: each sample's bin."""
+    if isinstance(world, bool) or not isinstance(world, (int, np.integer)) or world < 1:
+        raise ValueError(f"world must be an int >= 1, got {world!r}")
     order = np.lexsort((np.arange(cost.size), -cost))
     bins = np.empty(cost.size, dtype=np.int64)
     heap = [(0.0, b) for b in range(world)]
