@@ -22,7 +22,6 @@ from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
-from torch.distributed.distributed_c10d import _create_process_group_wrapper
 
 from freescale_comm import _core
 from freescale_comm._bootstrap import StoreBootstrap
@@ -139,10 +138,12 @@ class ProcessGroupFreescale(dist.ProcessGroup):
                              f"{timeout.total_seconds():g} s (a rank died or failed before building the group, or is "
                              f"late). gloo said: {e}", "TIMEOUT") from e
         # TORCH_DISTRIBUTED_DEBUG=DETAIL: torch checks collectives only in the backends it wraps, and
-        # it wraps no ProcessGroup subclass (this one): wrap the inner gloo group here, and check
-        # native ops through it too (_checked_natively)
+        # it wraps no ProcessGroup subclass (this one): wrap the inner gloo group here (CPU tensors'
+        # delegated ops), and check native ops through it too (_check_native)
         self._detail = dist.get_debug_level() == dist.DebugLevel.DETAIL
         if self._detail:
+            from torch.distributed.distributed_c10d import _create_process_group_wrapper  # (private: only here)
+
             self._cpu = _create_process_group_wrapper(self._cpu, "freescale", store, rank, size, timeout)
         self._cuda: Optional[dist.ProcessGroup] = None  # NCCL, built on first use
         self._cuda_lock = threading.Lock()
