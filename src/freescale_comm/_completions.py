@@ -24,6 +24,7 @@ _lock = threading.Lock()
 _ready = threading.Condition(_lock)
 _tasks: collections.deque[Callable[[], None]] = collections.deque()
 _idle = 0  # threads waiting for a task (under _lock)
+_releases = 0  # release_idle() calls so far (under _lock): a thread busy during one leaves once idle
 _running = threading.local()  # .tasks: the completions this thread is running now (a stack)
 
 
@@ -51,7 +52,9 @@ def run_soon(task: Callable[[], None]) -> None:
 def release_idle() -> None:
     """Idle threads leave now rather than after `_IDLE_EXIT_S` (a communicator closed: torch's own
     groups leave no thread behind once destroyed); a later task starts a new one."""
+    global _releases
     with _lock:
+        _releases += 1
         _ready.notify_all()  # woken with no task, a thread leaves (_serve)
 
 
@@ -78,15 +81,18 @@ def run_soon_for(owner: object, task: Callable[[], None]) -> None:
 
 def _serve() -> None:
     global _idle
+    with _lock:
+        seen = _releases
     while True:
         with _lock:
-            if not _tasks:
+            if not _tasks and seen == _releases:  # (a release while it ran a task: it leaves now)
                 _ready.wait(_IDLE_EXIT_S)
             if not _tasks:
                 _idle -= 1
                 return
             task = _tasks.popleft()
             _idle -= 1
+            seen = _releases
         try:
             task()
         except BaseException:  # noqa: BLE001 - a task's errors are its own; the thread serves on
@@ -97,11 +103,12 @@ def _serve() -> None:
 
 def _reset_after_fork() -> None:
     """The parent's threads do not exist in a forked child; nor does their lock's holder."""
-    global _lock, _ready, _tasks, _idle, _running
+    global _lock, _ready, _tasks, _idle, _running, _releases
     _lock = threading.Lock()
     _ready = threading.Condition(_lock)
     _tasks = collections.deque()
     _idle = 0
+    _releases = 0
     _running = threading.local()
 
 
