@@ -87,7 +87,7 @@ Communicator::~Communicator() {
 }
 
 std::shared_ptr<OpState> Communicator::all_to_all(const uint8_t* send, uint8_t* recv, AllToAllLayout layout,
-                                                  int priority, bool caller_waits, uintptr_t stream) {
+                                                  int priority, bool caller_waits, uintptr_t stream, OpKind kind) {
   validate_alltoallv(layout, world_);
   // Outside the lock: marking a CUDA stream can block while its queue is full, and what drains
   // that queue may need the progress thread, which takes mu_.
@@ -123,7 +123,7 @@ std::shared_ptr<OpState> Communicator::all_to_all(const uint8_t* send, uint8_t* 
       throw CommError(code, "the communicator failed earlier and cannot run more ops: " + why, culprit);
     }
     auto deadline = Clock::now() + capped_timeout_ms(config_.timeout_ms);
-    op = std::make_shared<OpState>(next_seq_, priority, send, recv, std::move(layout), deadline);
+    op = std::make_shared<OpState>(next_seq_, priority, send, recv, std::move(layout), deadline, kind);
     op->stream = stream;
     transport_->on_submit(*op, mark);
     ++next_seq_;
@@ -166,9 +166,10 @@ void Communicator::raise_peer_failure(const std::vector<int>& needed) const {
     if (cause.rank < 0 || !noticed[static_cast<size_t>(cause.rank)].aborted) throw;
     const PeerSight& own = noticed[static_cast<size_t>(cause.rank)];
     const std::string by = own.culprit >= 0 ? ", caused by rank " + std::to_string(own.culprit) : "";
+    const std::string said = own.why.empty() ? "" : "; it said: " + own.why;
     throw CommError(e.code(),
                     e.message() + "; before it left, an op of its own had failed (" + error_code_name(own.code) + by +
-                        "): ranks that call different collectives fail so",
+                        "): ranks that call different collectives fail so" + said,
                     e.culprit());
   }
 }
@@ -346,7 +347,7 @@ void Communicator::fail_all(ErrorCode code, const std::string& message, int culp
     }
     leftover.swap(submissions_);
   }
-  transport_->abort(code, culprit);
+  transport_->abort(code, culprit, message);
   transport_->quiesce();  // before the ops fail: their buffers are the callers' once they do
   scheduler_.drain();
   for (auto& op : waiting_) active_.push_back(op);

@@ -53,8 +53,10 @@ class Communicator {
   // CommError if the communicator is broken, before queuing anything. Never blocks on peers.
   // caller_waits: the caller calls wait() on it next, so the progress thread is not woken for it.
   // stream: for CUDA buffers, the caller's stream: the transfer starts after what it holds now.
+  // kind: what the caller runs; a peer running a kind this one cannot meet fails the op (OpKind).
   std::shared_ptr<OpState> all_to_all(const uint8_t* send, uint8_t* recv, AllToAllLayout layout, int priority,
-                                      bool caller_waits = false, uintptr_t stream = 0);
+                                      bool caller_waits = false, uintptr_t stream = 0,
+                                      OpKind kind = OpKind::kAllToAllSingle);
   // Lets peers write this rank's receive blocks that lie in [ptr, ptr + bytes), a device buffer
   // (ce transport), directly: no staging copy, and none within this GPU. Local (no peer takes
   // part); the buffer must outlive the communicator. Returns its index. kUnsupported elsewhere.

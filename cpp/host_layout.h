@@ -1,7 +1,7 @@
 // The layout of one rank's shared segment in the host transport. The owner writes its outgoing
 // rings (owner -> peer); each peer reads its ring and advances its tail there.
 //
-//   [RankControl][ReceivedWindow][Registration x kMaxRegistrations][RecvTarget x kOpWindow x world]
+//   [RankControl][ReceivedWindow][AbortNotice][Registration x kMaxRegistrations][RecvTarget x kOpWindow x world]
 //   [RingControl x world][slots of ring 0]...[slots of ring world-1]
 //   the owner's own ring has no slots (self-copies go direct).
 #pragma once
@@ -14,9 +14,10 @@
 
 namespace freescale {
 
-// "FSCSHM03": RingControl carries head_enqueued / tail_enqueued, the segment registrations and
-// receive targets, SlotHeader flags (a peer of an older build fails at setup).
-inline constexpr uint64_t kHostSegmentMagic = 0x46534353484d3033ull;
+// "FSCSHM04": RingControl carries head_enqueued / tail_enqueued, the segment registrations and
+// receive targets, SlotHeader flags and op kind, the abort notice's text (a peer of an older build
+// fails at setup).
+inline constexpr uint64_t kHostSegmentMagic = 0x46534353484d3034ull;
 
 enum RankState : uint32_t { kRankRunning = 0, kRankClosed = 1, kRankAborted = 2 };
 
@@ -40,6 +41,15 @@ struct alignas(64) ReceivedWindow {
 };
 static_assert(sizeof(ReceivedWindow) == 8 * kOpWindow, "ReceivedWindow crosses processes");
 
+// Why the owner aborted, in its own words (NUL-terminated, cut to fit): written once, before
+// RankControl::state becomes kRankAborted (release), so a peer that read that state (acquire)
+// reads it whole. Peers add it to the PEER_ABORTED they raise.
+inline constexpr size_t kAbortWhyBytes = 512;
+struct alignas(64) AbortNotice {
+  char why[kAbortWhyBytes];
+};
+static_assert(sizeof(AbortNotice) == kAbortWhyBytes, "AbortNotice crosses processes");
+
 struct alignas(64) RingControl {
   std::atomic<uint64_t> head;  // slots written by the owner (sender); only increases
   // Device transports: slots whose write (and the device's head update after it) the owner's host
@@ -60,7 +70,8 @@ struct alignas(64) SlotHeader {
   uint64_t bytes;   // payload bytes in this slot
   uint64_t total;   // bytes of the whole transfer, as the sender counts them
   uint64_t flags;   // kSlotDirect or 0
-  char pad[24];
+  uint32_t kind;    // the sender's OpKind for this op
+  char pad[20];
 };
 
 // Device transports: a buffer of the owner's that peers may write directly (its allocation's IPC
@@ -96,12 +107,16 @@ struct HostSegmentLayout {
   // Whole pages, so the segment can be registered with CUDA as it is.
   size_t num_bytes() const {
     size_t used = rings_offset() + sizeof(RingControl) * world + slot_stride() * slots_per_ring * (world - 1);
-    static_assert(sizeof(RankControl) % 64 == 0 && sizeof(ReceivedWindow) % 64 == 0, "64-byte sections");
+    static_assert(sizeof(RankControl) % 64 == 0 && sizeof(ReceivedWindow) % 64 == 0 && sizeof(AbortNotice) % 64 == 0,
+                  "64-byte sections");
     return (used + 4095) / 4096 * 4096;
   }
   RankControl* control(void* base) const { return static_cast<RankControl*>(base); }
   ReceivedWindow* received(void* base) const {
     return reinterpret_cast<ReceivedWindow*>(static_cast<char*>(base) + sizeof(RankControl));
+  }
+  AbortNotice* abort_notice(void* base) const {
+    return reinterpret_cast<AbortNotice*>(static_cast<char*>(base) + sizeof(RankControl) + sizeof(ReceivedWindow));
   }
   Registration* registration(void* base, int index) const {
     return reinterpret_cast<Registration*>(static_cast<char*>(base) + registrations_offset()) + index;
@@ -123,7 +138,7 @@ struct HostSegmentLayout {
 
  private:
   static uint64_t round_up(uint64_t bytes) { return (bytes + 63) / 64 * 64; }
-  static size_t registrations_offset() { return sizeof(RankControl) + sizeof(ReceivedWindow); }
+  static size_t registrations_offset() { return sizeof(RankControl) + sizeof(ReceivedWindow) + sizeof(AbortNotice); }
   size_t rings_offset() const {
     return registrations_offset() + sizeof(Registration) * kMaxRegistrations +
            round_up(sizeof(RecvTarget) * kOpWindow * static_cast<uint64_t>(world));

@@ -157,6 +157,7 @@ void HostTransport::send_chunk(const Transfer& t, const Chunk& c) {
   header.offset = c.offset;
   header.bytes = c.bytes;
   header.total = t.bytes;
+  header.kind = static_cast<uint32_t>(t.op->kind);
   const OpState& op = *t.op;
   const uint64_t block_start = op.layout.send_offsets[t.peer];
   if (t.peer == rank_) {
@@ -223,12 +224,21 @@ void HostTransport::deliver(int src, const SlotHeader& h, const uint8_t* payload
                                                " has not posted (were collectives issued in a different order?)");
   }
   OpState& op = *it->second;
+  const uint32_t mine = static_cast<uint32_t>(op.kind);
+  if (!op_kinds_meet(h.kind, mine)) {
+    throw CommError(ErrorCode::kCommError,
+                    "op #" + std::to_string(h.seq) + ": rank " + std::to_string(rank_) + " runs " + op_kind_name(mine) +
+                        " where rank " + std::to_string(src) + " runs " + op_kind_name(h.kind) +
+                        " (were collectives issued in a different order, or one skipped on a rank?)",
+                    src);
+  }
   uint64_t expected = op.layout.recv_bytes[src];
   if (h.total != expected) {
+    const std::string theirs = h.kind == mine ? "" : " (its " + op_kind_name(h.kind) + ")";
     throw CommError(ErrorCode::kSizeMismatch,
-                    "all_to_all op #" + std::to_string(h.seq) + ": rank " + std::to_string(rank_) + " expected " +
-                        std::to_string(expected) + " bytes from rank " + std::to_string(src) + ", which sends " +
-                        std::to_string(h.total) + " bytes: " + kSizesDisagree,
+                    op_kind_name(mine) + " op #" + std::to_string(h.seq) + ": rank " + std::to_string(rank_) +
+                        " expected " + std::to_string(expected) + " bytes from rank " + std::to_string(src) +
+                        ", which sends " + std::to_string(h.total) + " bytes" + theirs + ": " + kSizesDisagree,
                     src);
   }
   // recv_done counts accepted bytes (landing may lag: recv_finished says when all landed).
@@ -325,6 +335,11 @@ std::vector<PeerSight> HostTransport::peer_sight() const {
     if (sight[p].aborted) {
       sight[p].code = static_cast<ErrorCode>(control->abort_code.load());
       sight[p].culprit = control->abort_culprit.load();
+      // Written before the state (release, read above with acquire), never again.
+      char why[kAbortWhyBytes];
+      std::memcpy(why, peers_[p].layout.abort_notice(peers_[p].segment.data())->why, sizeof why);
+      why[sizeof why - 1] = '\0';
+      sight[p].why = why;
     }
   }
   return sight;
@@ -355,8 +370,13 @@ void HostTransport::wait_for_activity(uint32_t epoch, std::chrono::microseconds 
 
 void HostTransport::wake() { peers_[rank_].control()->doorbell.ring(); }
 
-void HostTransport::abort(ErrorCode code, int culprit) {
+void HostTransport::abort(ErrorCode code, int culprit, const std::string& why) {
   RankControl* control = peers_[rank_].control();
+  if (control->state.load(std::memory_order_relaxed) == kRankAborted) return;  // the first notice stays (peers read it)
+  AbortNotice* notice = peers_[rank_].layout.abort_notice(peers_[rank_].segment.data());
+  const size_t n = std::min(why.size(), kAbortWhyBytes - 1);
+  std::memcpy(notice->why, why.data(), n);
+  notice->why[n] = '\0';
   control->abort_code.store(static_cast<int32_t>(code));
   control->abort_culprit.store(culprit);
   control->state.store(kRankAborted, std::memory_order_release);

@@ -44,7 +44,7 @@ class HostTransport : public Transport {
   uint32_t activity_epoch() const override;
   void wait_for_activity(uint32_t epoch, std::chrono::microseconds timeout) override;
   void wake() override;
-  void abort(ErrorCode code, int culprit) override;
+  void abort(ErrorCode code, int culprit, const std::string& why) override;
   void close() override;
 
  protected:

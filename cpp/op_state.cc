@@ -1,13 +1,36 @@
 #include "cpp/op_state.h"
 
+#include <string>
 #include <utility>
 
 namespace freescale {
+namespace {
+
+// Indexed by OpKind's value; the names users call the ops by.
+constexpr const char* kOpKindNames[] = {nullptr, "all_to_all_single", "all_to_all", "barrier", "dispatch", "combine"};
+constexpr uint32_t kOpKindCount = sizeof(kOpKindNames) / sizeof(kOpKindNames[0]);
+
+}  // namespace
+
+std::string op_kind_name(uint32_t kind) {
+  if (kind > 0 && kind < kOpKindCount) return kOpKindNames[kind];
+  return "op kind " + std::to_string(kind);
+}
+
+OpKind op_kind_from_name(const std::string& name) {
+  std::string known;
+  for (uint32_t k = 1; k < kOpKindCount; ++k) {
+    if (name == kOpKindNames[k]) return static_cast<OpKind>(k);
+    known += std::string(k > 1 ? ", " : "") + kOpKindNames[k];
+  }
+  throw InvalidArgument("kind must be one of " + known + ", got '" + name + "'");
+}
 
 OpState::OpState(uint64_t seq_, int priority_, const uint8_t* send_, uint8_t* recv_,
-                 AllToAllLayout layout_, Clock::time_point deadline_)
+                 AllToAllLayout layout_, Clock::time_point deadline_, OpKind kind_)
     : seq(seq_),
       priority(priority_),
+      kind(kind_),
       send(send_),
       recv(recv_),
       layout(std::move(layout_)),

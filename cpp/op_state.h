@@ -18,16 +18,31 @@ namespace freescale {
 
 using Clock = std::chrono::steady_clock;
 
+// What the caller ran as this AllToAllv, carried in every chunk header so that ranks running
+// different collectives at one sequence number learn it from the first header. Byte AllToAlls of
+// any kind may meet (gloo completes an all_to_all against an all_to_all_single); a barrier meets
+// only a barrier. Values cross processes: append, never renumber.
+enum class OpKind : uint32_t { kAllToAllSingle = 1, kAllToAll = 2, kBarrier = 3, kDispatch = 4, kCombine = 5 };
+// "all_to_all_single", ...; "op kind N" for a value no build of ours writes.
+std::string op_kind_name(uint32_t kind);
+// The kind named `name` (as op_kind_name spells it); InvalidArgument naming the known ones otherwise.
+OpKind op_kind_from_name(const std::string& name);
+// True if a rank running `a` and one running `b` at the same sequence number can complete it.
+inline bool op_kinds_meet(uint32_t a, uint32_t b) {
+  return (a == static_cast<uint32_t>(OpKind::kBarrier)) == (b == static_cast<uint32_t>(OpKind::kBarrier));
+}
+
 class OpState {
  public:
   // send/recv: base pointers the layout's offsets are relative to. Parts: one send and one
   // receive per rank (self included), plus one "every rank received its part" confirmation, so
   // the op completes after 2 * world + 1 part_done() calls.
   OpState(uint64_t seq, int priority, const uint8_t* send, uint8_t* recv, AllToAllLayout layout,
-          Clock::time_point deadline);
+          Clock::time_point deadline, OpKind kind = OpKind::kAllToAllSingle);
 
   const uint64_t seq;               // per-communicator sequence number (program order)
   const int priority;               // larger = sooner
+  const OpKind kind;                // what the caller ran (chunk headers carry it)
   const uint8_t* const send;        // send buffer base
   uint8_t* const recv;              // recv buffer base
   const AllToAllLayout layout;      // byte counts and offsets per peer

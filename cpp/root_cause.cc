@@ -25,9 +25,9 @@ RootCause follow_notice(const std::vector<PeerSight>& peers, int p, int me) {
       continue;
     }
     if (points && !peers[c].aborted && (s.code == ErrorCode::kPeerDied || peers[c].died)) {
-      return RootCause{Kind::kDeath, c, ErrorCode::kPeerDied, c, p};
+      return RootCause{Kind::kDeath, c, ErrorCode::kPeerDied, c, p, {}};
     }
-    return RootCause{Kind::kNotice, p, s.code, c, -1};
+    return RootCause{Kind::kNotice, p, s.code, c, -1, s.why};
   }
 }
 
@@ -40,11 +40,12 @@ int weight(const RootCause& r) {
   return r.code == ErrorCode::kTimeout ? 1 : 0;
 }
 
-[[noreturn]] void throw_peer_abort(int aborter, ErrorCode code, int culprit, int me) {
+[[noreturn]] void throw_peer_abort(int aborter, ErrorCode code, int culprit, int me, const std::string& why) {
   std::string because = culprit >= 0 ? ", caused by rank " + std::to_string(culprit) : "";
+  std::string said = why.empty() ? "" : "; rank " + std::to_string(aborter) + " said: " + why;
   throw CommError(ErrorCode::kPeerAborted, "rank " + std::to_string(aborter) + " aborted the communicator (" +
                                                error_code_name(code) + because + "), so rank " + std::to_string(me) +
-                                               " fails too",
+                                               " fails too" + said,
                   culprit >= 0 ? culprit : aborter);
 }
 
@@ -61,9 +62,9 @@ RootCause find_root_cause(const std::vector<PeerSight>& peers, int me) {
     if (s.aborted) {
       causes.push_back(follow_notice(peers, p, me));
     } else if (s.closed) {  // its notice that it left, which wins over its later exit
-      if (s.needed) causes.push_back(RootCause{Kind::kClosed, p, ErrorCode::kCommError, p, -1});
+      if (s.needed) causes.push_back(RootCause{Kind::kClosed, p, ErrorCode::kCommError, p, -1, {}});
     } else if (s.died && (s.needed || any_notice)) {
-      causes.push_back(RootCause{Kind::kDeath, p, ErrorCode::kPeerDied, p, -1});
+      causes.push_back(RootCause{Kind::kDeath, p, ErrorCode::kPeerDied, p, -1, {}});
     }
   }
   if (causes.empty()) return RootCause{};
@@ -87,7 +88,7 @@ void throw_root_cause(const RootCause& cause, int me, const std::function<int(in
       throw CommError(ErrorCode::kCommError, who + " closed its communicator while an op that needs it was pending",
                       cause.rank);
     case Kind::kNotice:
-      throw_peer_abort(cause.rank, cause.code, cause.culprit, me);
+      throw_peer_abort(cause.rank, cause.code, cause.culprit, me, cause.why);
   }
 }
 

@@ -22,6 +22,7 @@ struct PeerSight {
   bool aborted = false;  // it left an abort notice: `code`, because of `culprit` (-1 unknown)
   ErrorCode code = ErrorCode::kCommError;
   int culprit = -1;
+  std::string why;       // aborted: its own message, where the transport carries it (else empty)
   bool needed = false;   // a pending op of this rank needs it
 };
 
@@ -32,6 +33,7 @@ struct RootCause {
   ErrorCode code = ErrorCode::kCommError;  // kNotice: the notice's code
   int culprit = -1;  // kNotice: the notice's culprit
   int witness = -1;  // kDeath: the rank whose notice reported the death (-1: seen here)
+  std::string why;   // kNotice: the aborter's own message (empty if not carried)
 };
 
 // The first cause among `peers` ([world], seen by rank `me`); kNone if nothing is wrong yet.

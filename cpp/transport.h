@@ -85,8 +85,9 @@ class Transport {
 
   // Tells peers this rank failed with `code` because of rank `culprit` (-1: unknown) / left
   // cleanly. Peers raise the root cause: kPeerDied naming the culprit if it died, else
-  // kPeerAborted naming this rank, the code and the culprit.
-  virtual void abort(ErrorCode code, int culprit) = 0;
+  // kPeerAborted naming this rank, the code and the culprit, and `why` (this rank's own message)
+  // where the transport can carry text. The first abort's notice stays.
+  virtual void abort(ErrorCode code, int culprit, const std::string& why) = 0;
   virtual void close() = 0;
   // Called before pending ops fail (a failure, or close() with ops pending): returns once no
   // work this transport queued can still read or write a caller's buffer, so a failed op's

@@ -170,6 +170,59 @@ TEST(HostTransport, SplitsThatDisagreeFailOnEveryRank) {
   expect_all_ok(outcomes);
 }
 
+TEST(HostTransport, ABarrierAgainstAnotherKindOfOpFailsNamingBothKindsOnEveryRank) {
+  // Rank 0 runs a barrier (an AllToAllv of no bytes) where ranks 1 and 2 run an all_to_all_single
+  // that sends rank 0 nothing either: the chunk headers' kinds differ, so a rank that reads one
+  // fails naming both (before: completed silently, or a SIZE_MISMATCH about sizes), and a rank that
+  // learns it from another's abort notice reads the same words there.
+  auto outcomes = run_forked_ranks(3, [](int rank, Bootstrap& bootstrap) -> std::string {
+    Communicator comm(bootstrap, small_config(/*timeout_ms=*/20000));
+    std::vector<std::vector<uint64_t>> counts{{0, 0, 0}, {0, 0, 8}, {0, 8, 0}};
+    Exchange x(counts, rank);
+    const OpKind kind = rank == 0 ? OpKind::kBarrier : OpKind::kAllToAllSingle;
+    auto op = comm.all_to_all(x.send.data(), x.recv.data(), x.layout, 0, true, 0, kind);
+    try {
+      comm.wait(op, std::chrono::microseconds(-1));
+      return "no error";
+    } catch (const CommError& e) {
+      const std::string what = e.what();
+      const bool named = what.find(" runs barrier") != std::string::npos &&
+                         what.find(" runs all_to_all_single") != std::string::npos;
+      const bool code = e.code() == ErrorCode::kCommError || e.code() == ErrorCode::kPeerAborted;
+      return named && code ? "" : "rank " + std::to_string(rank) + ": " + what;
+    }
+  });
+  expect_all_ok(outcomes);
+}
+
+TEST(HostTransport, ByteAllToAllsOfDifferentKindsMeetAsGloosDo) {
+  // gloo completes an all_to_all against an all_to_all_single; so do dispatch and combine, which
+  // are byte AllToAlls too. Only the kind named in a mismatch differs.
+  auto outcomes = run_forked_ranks(2, [](int rank, Bootstrap& bootstrap) -> std::string {
+    Communicator comm(bootstrap, small_config());
+    std::vector<std::vector<uint64_t>> counts{{16, 24}, {8, 32}};
+    Exchange x(counts, rank);
+    const OpKind kind = rank == 0 ? OpKind::kAllToAll : OpKind::kDispatch;
+    comm.wait(comm.all_to_all(x.send.data(), x.recv.data(), x.layout, 0, true, 0, kind), std::chrono::microseconds(-1));
+    return x.check(rank);
+  });
+  expect_all_ok(outcomes);
+}
+
+TEST(HostTransport, OpKindNamesRoundTripAndUnknownOnesAreRefusedNamingTheKnown) {
+  for (const char* name : {"all_to_all_single", "all_to_all", "barrier", "dispatch", "combine"}) {
+    EXPECT_EQ(op_kind_name(static_cast<uint32_t>(op_kind_from_name(name))), name);
+  }
+  EXPECT_EQ(op_kind_name(99), "op kind 99");
+  try {
+    op_kind_from_name("broadcast");
+    FAIL() << "no error";
+  } catch (const InvalidArgument& e) {
+    EXPECT_NE(std::string(e.what()).find("kind must be one of all_to_all_single, all_to_all, barrier"), std::string::npos)
+        << e.what();
+  }
+}
+
 TEST(HostTransport, KilledPeerFailsEverySurvivorWithPeerDied) {
   auto outcomes = run_forked_ranks(4, [](int rank, Bootstrap& bootstrap) -> std::string {
     Communicator comm(bootstrap, small_config(/*timeout_ms=*/60000));
@@ -238,8 +291,11 @@ TEST(HostTransportRootCause, EverySurvivorNamesTheMismatchWhenTheRankThatSawItEx
   auto check = [](int rank, const CommError& e) -> std::string {
     const std::string what = e.what();
     if (rank == 1) return e.code() == ErrorCode::kSizeMismatch ? "" : "rank 1 did not see the mismatch: " + what;
+    // ... and how, in rank 1's words from its notice (before: the code and the culprit only).
     bool named = e.code() == ErrorCode::kPeerAborted && what.find("rank 1 aborted") != std::string::npos &&
-                 what.find("SIZE_MISMATCH, caused by rank 0") != std::string::npos && e.culprit() == 0;
+                 what.find("SIZE_MISMATCH, caused by rank 0") != std::string::npos && e.culprit() == 0 &&
+                 what.find("rank 1 said: all_to_all_single op #0: rank 1 expected 300 bytes from rank 0, which sends 200") !=
+                     std::string::npos;
     return named ? "" : "wrong root cause: " + what;
   };
   for (int round = 0; round < kExitAtOnceRounds; ++round) {

@@ -88,6 +88,19 @@ TEST(RootCause, ChainsOfNoticesEndAtTheFirstCause) {
   EXPECT_EQ(find_root_cause(peers, 3).rank, 1);
 }
 
+TEST(RootCause, TheAbortersOwnWordsAtTheEndOfAChainReachEverySurvivor) {
+  // Rank 1 saw the mismatch and said how; rank 2 only relayed it. A survivor reads rank 1's words
+  // (before: only the code and the culprit, so it could not tell which sizes disagreed).
+  std::vector<PeerSight> peers(4);
+  peers[1] = notice(ErrorCode::kSizeMismatch, 0, /*died=*/true);
+  peers[1].why = "rank 1 expected 300 bytes from rank 0, which sends 200";
+  peers[2] = notice(ErrorCode::kPeerAborted, 1);
+  peers[2].why = "rank 1 aborted the communicator";
+  EXPECT_EQ(message_of(find_root_cause(peers, 3), 3),
+            "PEER_ABORTED culprit 0: rank 1 aborted the communicator (SIZE_MISMATCH, caused by rank 0), so rank 3 "
+            "fails too; rank 1 said: rank 1 expected 300 bytes from rank 0, which sends 200");
+}
+
 TEST(RootCause, CyclesOfNoticesEnd) {
   std::vector<PeerSight> peers(3);
   peers[1] = notice(ErrorCode::kPeerDied, 2, true);

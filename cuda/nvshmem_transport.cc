@@ -106,7 +106,10 @@ class NvshmemTransport final : public Transport {
   uint32_t activity_epoch() const override { return epoch_.load(std::memory_order_acquire); }
   void wait_for_activity(uint32_t epoch, std::chrono::microseconds timeout) override;
   void wake() override;
-  void abort(ErrorCode code, int culprit) override { notify_peers(nvshmem_abort_notice(code, culprit)); }
+  // The notice is one symmetric word (code and culprit): `why` stays with this rank's own error.
+  void abort(ErrorCode code, int culprit, const std::string& /*why*/) override {
+    notify_peers(nvshmem_abort_notice(code, culprit));
+  }
   // Our streams run out and our signals land before the notice: a peer that sees us closed and
   // reads its signal words afresh finds everything we sent (check_peers).
   void close() override;

@@ -558,6 +558,29 @@ def collectives_checked_in_detail_mode(info, case: str) -> str:
     return "no error"
 
 
+def native_ops_of_different_kinds(info, case: str) -> str:
+    """Without DETAIL checks, rank 1 runs another native op than rank 0 at the same point:
+    "barrier": an all_to_all_single against a barrier fails on both ranks naming both ops (before:
+    SIZE_MISMATCH, a message about split sizes; gloo times out); "list_vs_single": an all_to_all
+    against an all_to_all_single completes, as under gloo."""
+    rank = info.rank
+    try:
+        if case == "barrier":
+            dist.all_to_all_single(torch.empty(8), torch.ones(8)) if rank == 0 else dist.barrier()
+            return "no error"
+        if rank == 0:
+            parts = [torch.empty(4) for _ in range(2)]
+            dist.all_to_all(parts, [torch.full((4,), 10.0 * rank + peer) for peer in range(2)])
+            return str([p.tolist() for p in parts])
+        single = torch.empty(8)
+        dist.all_to_all_single(single, torch.tensor([10.0] * 4 + [11.0] * 4))
+        return str([single[:4].tolist(), single[4:].tolist()])
+    except fc.CommError as e:  # seen in a chunk header here, or read in the peer's abort notice
+        named = "rank 0 runs all_to_all_single where rank 1 runs barrier" in str(e) or \
+            "rank 1 runs barrier where rank 0 runs all_to_all_single" in str(e)
+        return f"CommError {e.code in ('COMM_ERROR', 'PEER_ABORTED')} {named}"
+
+
 def delegated_vs_native_out_of_step(info) -> str:
     """Rank 0 all_reduces (delegated to gloo) while rank 1 runs a native all_to_all_single (programs
     out of step): rank 1 times out (FREESCALE_TIMEOUT_S) and leaves. Rank 0's error names rank 1

@@ -15,6 +15,7 @@ from backend_programs import (
     close_from_a_done_callback,
     delegated_vs_native_out_of_step,
     collectives_checked_in_detail_mode,
+    native_ops_of_different_kinds,
     pending_op_at_teardown,
     all_to_all_shapes_as_gloo,
     async_ops_and_priorities_interleave,
@@ -185,6 +186,18 @@ def test_torch_distributed_debug_detail_checks_collectives_as_for_gloo(case):
             "2.0 [0.0, 0.0, 0.0, 0.0, 1.0, 1.0, 1.0, 1.0] [0.0, 1.0]"] * 2, results
     else:
         assert [r.value for r in results] == ["CommError COMM_ERROR True"] * 2, results
+
+
+def test_native_ops_of_different_kinds_fail_naming_both_or_meet_as_under_gloo():
+    """Chunk headers carry the op's kind: a barrier against an all_to_all_single is a CommError on
+    both ranks naming both (it was a SIZE_MISMATCH about split sizes; the rank that learns it from
+    the other's abort notice reads its words there); list and single forms meet."""
+    results = run_ranks(native_ops_of_different_kinds, 2, "barrier", backend="freescale", timeout_s=60,
+                        env={"FREESCALE_TIMEOUT_S": "10"})
+    assert [r.value for r in results] == ["CommError True True"] * 2, results
+    results = run_ranks(native_ops_of_different_kinds, 2, "list_vs_single", backend="freescale", timeout_s=60)
+    assert [r.value for r in results] == ["[[0.0, 0.0, 0.0, 0.0], [10.0, 10.0, 10.0, 10.0]]",
+                                          "[[1.0, 1.0, 1.0, 1.0], [11.0, 11.0, 11.0, 11.0]]"], results
 
 
 def test_a_peer_that_left_after_its_own_op_failed_is_not_only_said_to_have_died():

@@ -57,7 +57,7 @@ def test_an_all_to_all_of_another_gpus_tensors_under_capture_is_refused_before_a
     comm = Communicator.__new__(Communicator)
     comm._core_for = lambda device: pytest.fail("the op reached its transport under capture")
     with pytest.raises(fc.InvalidUsageError, match="all_to_all"):
-        comm._submit_now(FakeTensor(1), FakeTensor(1), layout=None, priority=0, async_op=True)
+        comm._submit_now(FakeTensor(1), FakeTensor(1), layout=None, priority=0, async_op=True, op_name="all_to_all_single")
 
 
 def test_work_wait_under_capture_is_refused(monkeypatch):

@@ -182,19 +182,22 @@ void register_communicator(py::module_& m) {
       .def(
           "all_to_all",
           [](Communicator& c, uintptr_t send_ptr, uintptr_t recv_ptr, AllToAllLayout layout, int priority,
-             bool caller_waits, uintptr_t stream) {
+             bool caller_waits, uintptr_t stream, const std::string& kind) {
+            const OpKind op_kind = op_kind_from_name(kind);  // refused before anything is queued
             // Without the GIL: marking a CUDA stream blocks while its queue is full, and what
             // drains it may need the progress thread, which takes the GIL for done-callbacks.
             return without_gil([&] {
               return c.all_to_all(reinterpret_cast<const uint8_t*>(send_ptr), reinterpret_cast<uint8_t*>(recv_ptr),
-                                  std::move(layout), priority, caller_waits, stream);
+                                  std::move(layout), priority, caller_waits, stream, op_kind);
             });
           },
           py::arg("send_ptr"), py::arg("recv_ptr"), py::arg("layout"), py::arg("priority"),
-          py::arg("caller_waits") = false, py::arg("stream") = 0,
+          py::arg("caller_waits") = false, py::arg("stream") = 0, py::arg("kind") = "all_to_all_single",
           "Queues an AllToAllv of bytes; the buffers must outlive the returned Work. caller_waits: "
           "the caller calls wait() next, which drives it (the progress thread is not woken). stream: "
-          "CUDA buffers' stream (cudaStream_t as int): the transfer starts after its current work.")
+          "CUDA buffers' stream (cudaStream_t as int): the transfer starts after its current work. kind: "
+          "what the caller runs (all_to_all_single, all_to_all, barrier, dispatch, combine); a peer that "
+          "runs a barrier against any other kind fails the op on both, naming both.")
       .def(
           "stream_wait",
           [](Communicator& c, const std::shared_ptr<OpState>& op, uintptr_t stream, std::optional<double> timeout_s) {

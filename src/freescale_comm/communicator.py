@@ -332,22 +332,24 @@ class Communicator:
         completion named by `op_name`, its priority and bytes."""
         self._check_not_forked()
         if not torch.autograd.profiler._is_profiler_enabled:
-            return self._submit_now(output, input, layout, priority, async_op)
+            return self._submit_now(output, input, layout, priority, async_op, op_name)
         name = f"freescale:{op_name} priority={priority} send={sum(layout.send_bytes)}B recv={sum(layout.recv_bytes)}B"
         with torch.autograd.profiler.record_function(name) as op_range:
-            work = self._submit_now(output, input, layout, priority, True)
+            work = self._submit_now(output, input, layout, priority, True, op_name)
             op_range._call_end_callbacks_on_future(work.get_future())  # the range ends when the op does
         if not async_op:
             work.wait()
         return work
 
-    def _submit_now(self, output: torch.Tensor, input: torch.Tensor, layout: Any, priority: int, async_op: bool) -> Work:
+    def _submit_now(self, output: torch.Tensor, input: torch.Tensor, layout: Any, priority: int, async_op: bool,
+                    op_name: str) -> Work:
         cuda = input.device.type == "cuda"
         if cuda:
             refuse_capture(input.device, "all_to_all")  # before anything is queued (peers are not affected)
         core = self._core_for(input.device)
         stream = torch.cuda.current_stream(input.device).cuda_stream if cuda else 0
-        handle = core.all_to_all(input.data_ptr(), output.data_ptr(), layout, priority, not async_op and not cuda, stream)
+        handle = core.all_to_all(input.data_ptr(), output.data_ptr(), layout, priority, not async_op and not cuda, stream,
+                                 op_name)  # the kind peers check theirs against
         work = Work(core, handle, [output], keepalive=(input, output), device=input.device if cuda else None)
         if async_op or cuda:  # tensors stay referenced until the op completed on the host
             self._inflight = [w for w in self._inflight if not w.is_completed()]
