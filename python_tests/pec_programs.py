@@ -205,6 +205,27 @@ def parameter_shard(info) -> list[float]:
     return rows.flatten().tolist()
 
 
+def tensor_lr(info) -> list[list[float]]:
+    """lr as a one-element tensor, as torch.optim takes it, read at each update: 0.25 for the first
+    update (each rank's gradient 1 for rows 0 and 4: both rows at -0.5), then set in place to 0.5
+    as a scheduler would (-1.5). It was refused ("lr must be a positive number")."""
+    sh = pec.RowWiseSharding([8], 2)
+    lr = torch.tensor(0.25)
+    pe = pec.PrioritizedEmbedding(sh, torch.zeros(sh.shard_rows(info.rank), 1), lr=lr)
+    seen = []
+    pe.prefetch(torch.tensor([0, 4]))
+    rows = pe.fetch()
+    for new_lr in (0.25, 0.5):
+        lr.fill_(new_lr)
+        pe.prefetch(torch.tensor([0, 4]))
+        pe.backward(torch.ones_like(rows))
+        rows = pe.fetch()
+        seen.append(rows.flatten().tolist())
+    pe.flush()
+    pe.close()
+    return seen
+
+
 def one_rank_wrong_weight(info) -> str:
     """Rank 1's weight holds a row more than its shard: what each rank raises, and whether rank 1's
     error came before its communicator was built."""

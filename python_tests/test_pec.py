@@ -102,6 +102,18 @@ def test_a_parameter_shard_updates_in_place_as_torch_optim_does():
     assert spawn(pec_programs.parameter_shard, 2, backend="gloo") == [[-0.5, -0.5]] * 2
 
 
+def test_ids_not_held_in_a_list_are_refused_naming_the_form():
+    """prefetch(None) raised "object of type 'NoneType' has no len()"; a dict's keys were read as ids."""
+    sh = pec.RowWiseSharding([8, 5], 2)
+    for bad in (None, {"a": torch.tensor([1]), "b": torch.tensor([2])}, 3):
+        with pytest.raises(TypeError, match=r"ids must be a list or tuple of int tensors, one per table \(2\)"):
+            sh.check_ids(bad)
+
+
+def test_lr_may_be_a_tensor_read_at_each_update_as_torch_optim_reads_it():
+    assert spawn(pec_programs.tensor_lr, 2, backend="gloo") == [[[-0.5, -0.5], [-1.5, -1.5]]] * 2
+
+
 def test_pec_without_pipelining_is_synchronous_too():
     for res in spawn(pec_programs.train_against_sync, 2, "row", 0.5, 4, False, backend="gloo"):
         assert max(res["max_err"]) <= 1e-6 and res["final_err"] <= 1e-6
@@ -135,6 +147,12 @@ def test_constructor_checks_arguments_before_any_communication():
         pec.PrioritizedEmbedding(sh, torch.zeros(4, 2), update=0.01)
     with pytest.raises(ValueError, match="torch.int64"):
         pec.PrioritizedEmbedding(sh, torch.zeros(4, 2, dtype=torch.int64), lr=0.1)
+    # lr NaN trained every row to NaN; a string was a ValueError
+    for bad in (float("nan"), float("inf"), 0, -0.1, torch.tensor([0.1, 0.2]), torch.tensor(float("nan"))):
+        with pytest.raises(ValueError, match="lr "):
+            pec.PrioritizedEmbedding(sh, torch.zeros(4, 2), lr=bad)
+    with pytest.raises(TypeError, match="lr must be a positive number"):
+        pec.PrioritizedEmbedding(sh, torch.zeros(4, 2), lr="0.1")
 
 
 def test_a_rank_whose_shard_does_not_fit_refuses_before_building_the_communicator():

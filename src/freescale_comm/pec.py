@@ -31,9 +31,10 @@ gradients and OL rows (high priority, skipped when no owner has any); NOL gradie
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Callable, Optional
+from typing import Callable, Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -142,7 +143,7 @@ class PrioritizedEmbedding:
     `high_priority` serves OL gradients and rows, `low_priority` the next batch's ids and NOL
     rows, `deferred_priority` the NOL gradients."""
 
-    def __init__(self, sharding: Sharding, weight: torch.Tensor, *, lr: Optional[float] = None,
+    def __init__(self, sharding: Sharding, weight: torch.Tensor, *, lr: Optional[Union[float, torch.Tensor]] = None,
                  update: Optional[Callable[[torch.Tensor, torch.Tensor], None]] = None,
                  group: Optional[dist.ProcessGroup] = None, high_priority: int = 100, low_priority: int = 0,
                  deferred_priority: int = -10) -> None:
@@ -188,13 +189,24 @@ class PrioritizedEmbedding:
         self._unsent_grads: Optional[tuple[_Batch, torch.Tensor]] = None
         self._backward_done = True
 
-    def _sgd(self, lr: float) -> Callable[[torch.Tensor, torch.Tensor], None]:
-        if isinstance(lr, bool) or not isinstance(lr, (int, float)) or lr <= 0:
-            raise ValueError(f"lr must be a positive number, got {lr!r}")
+    def _sgd(self, lr: Union[float, torch.Tensor]) -> Callable[[torch.Tensor, torch.Tensor], None]:
+        # As torch.optim.SGD: a number, or a one-element tensor read at each update (a scheduler may
+        # change it in place); positive and finite (NaN trained every row to NaN).
+        if isinstance(lr, torch.Tensor):
+            if lr.numel() != 1 or lr.is_complex() or lr.dtype == torch.bool or lr.requires_grad:
+                raise ValueError(f"lr as a tensor must hold one real number and not require grad, got "
+                                 f"{lr.dtype} {tuple(lr.shape)}{' requiring grad' if lr.requires_grad else ''}")
+            value = float(lr)
+        elif isinstance(lr, bool) or not isinstance(lr, (int, float)):
+            raise TypeError(f"lr must be a positive number (or a one-element tensor), got {type(lr).__name__}")
+        else:
+            value = float(lr)
+        if not math.isfinite(value) or value <= 0:
+            raise ValueError(f"lr must be a positive finite number, got {value}")
 
         def sgd(rows: torch.Tensor, grads: torch.Tensor) -> None:
             with torch.no_grad():  # an nn.Parameter shard too, as torch.optim.SGD updates it
-                self.weight.index_add_(0, rows.to(self.weight.device), grads.to(self.weight.device), alpha=-lr)
+                self.weight.index_add_(0, rows.to(self.weight.device), grads.to(self.weight.device), alpha=-float(lr))
 
         return sgd
 

@@ -72,6 +72,9 @@ class Sharding:
         """`ids` as one int64 CPU tensor per table, range-checked (ValueError/TypeError naming the table)."""
         if isinstance(ids, torch.Tensor):
             ids = [ids]
+        if not isinstance(ids, (list, tuple)):
+            raise TypeError(f"{name} must be a list or tuple of int tensors, one per table ({self.tables}), or one "
+                            f"tensor for one table; got {type(ids).__name__}")
         if len(ids) != self.tables:
             raise ValueError(f"{name} must hold one id tensor per table ({self.tables}), got {len(ids)}")
         out = []
