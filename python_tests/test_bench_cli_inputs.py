@@ -21,6 +21,10 @@ from freescale_comm.bench import cli, simulate
     (["alltoall", "--sizes", "inf"], "--sizes"),                    # OverflowError
     (["planner", "--seed", "-1"], "--seed"),                        # numpy's ValueError traceback
     (["e2e", "--seed", "-1"], "--seed"),                            # ... in every spawned rank
+    (["e2e", "--ranks", "100000"], "--ranks"),                      # spawned ranks for hours
+    (["torchrec-pec", "--ranks", "100000"], "--ranks"),
+    (["soak", "--ranks", "1"], "--ranks"),
+    (["simulate", "--nestpipe", "--collision", "nan"], "--collision"),
 ])
 def test_bad_flags_are_refused_before_anything_runs(argv, flag, capsys):
     with pytest.raises(SystemExit) as exit_:
@@ -54,3 +58,26 @@ def test_the_fabric_model_refuses_durations_that_never_end():
     with pytest.raises(ValueError, match="finite"):
         simulate.SimParams(bandwidth_gbps=math.nan).check()
     assert np.allclose(simulate.fabric_schedule([0.0, 0.0], [1.0, 2.0], [0, 1]), [3.0, 2.0])
+
+
+def test_spawning_benchmarks_take_at_most_a_few_ranks_per_usable_core(monkeypatch, capsys):
+    monkeypatch.setattr(cli, "usable_cores", lambda: [0, 1, 2, 3])
+    assert cli._local_ranks(2)("16") == 16
+    with pytest.raises(SystemExit) as exit_:
+        demo_main(["demo", "--ranks", "17"])
+    assert exit_.value.code == 2
+    assert "at most 16 processes on this host (4 per usable core, 4 here), got 17" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, named", [
+    (["simulate", "--nestpipe", "--ranks", "8"], "--ranks"),      # ran 256 and 1536 ranks anyway
+    (["simulate", "--nestpipe", "--modes", "vanilla"], "--modes"),  # ran every NestPipe mode anyway
+    (["simulate", "--nestpipe", "--calibration", "x.json"], "--calibration"),
+    (["simulate", "--collision", "0.3"], "--collision"),          # no effect without --nestpipe
+    (["simulate", "--nestpipe-ranks", "8"], "--nestpipe-ranks"),
+    (["simulate", "--nestpipe", "--collision", "2"], "--collision"),
+    (["torchrec-pec", "--nestpipe", "--pipelines", "pec"], "--pipelines"),  # --nestpipe was ignored
+])
+def test_flags_that_would_be_ignored_are_refused_naming_them(argv, named, capsys):
+    assert cli.main(argv) == 2
+    assert named in capsys.readouterr().err

@@ -17,16 +17,16 @@ from typing import Optional, Sequence
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
+    from freescale_comm.bench import cli
+
     p = argparse.ArgumentParser(prog="python -m freescale_comm", description="freescale_comm's demo")
     sub = p.add_subparsers(dest="command", required=True)
     d = sub.add_parser("demo", help="measured e2e step on local ranks (one per core, 2 to 4), traces and plots, then the 256-rank simulation")
-    d.add_argument("--ranks", type=int, default=None,
+    d.add_argument("--ranks", type=cli._local_ranks(2), default=None,
                    help="local ranks of the measured run (default: one per usable CPU core, 2 to 4)")
     d.add_argument("--out", default="freescale-demo", help="directory for trace.json and the PNGs")
     d.add_argument("--no-progress", action="store_true", help="no progress bar")
     args = p.parse_args(argv)
-
-    from freescale_comm.bench import cli
 
     unwritable = cli._writable_outputs(argparse.Namespace(trace=args.out))
     if unwritable:

@@ -10,7 +10,12 @@ import sys
 from typing import Any, Callable, Optional, Sequence
 
 from freescale_comm.bench import trace
-from freescale_comm.bench.placement import DEFAULT_MEASURED_RANKS, default_ranks
+from freescale_comm.bench.placement import DEFAULT_MEASURED_RANKS, default_ranks, usable_cores
+
+# Processes one host may spawn for a benchmark: per usable core, and at least this many in all.
+# Beyond them a run is hours of spawning (each rank imports torch), not a measurement.
+MAX_LOCAL_RANKS_PER_CORE = 4
+MIN_LOCAL_RANKS_CAP = 8
 
 
 def _size(text: str) -> int:
@@ -38,6 +43,24 @@ def _count(low: int) -> Callable[[str], int]:
             raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
         if value < low:
             raise argparse.ArgumentTypeError(f"must be >= {low}, got {value}")
+        return value
+
+    return parse
+
+
+def _local_ranks(low: int) -> Callable[[str], int]:
+    """--ranks of a benchmark that spawns its ranks here: at least `low`, at most
+    MAX_LOCAL_RANKS_PER_CORE per usable core (MIN_LOCAL_RANKS_CAP at least)."""
+    at_least = _count(low)
+
+    def parse(text: str) -> int:
+        value = at_least(text)
+        cores = len(usable_cores())
+        most = max(MIN_LOCAL_RANKS_CAP, MAX_LOCAL_RANKS_PER_CORE * cores)
+        if value > most:
+            raise argparse.ArgumentTypeError(
+                f"at most {most} processes on this host ({MAX_LOCAL_RANKS_PER_CORE} per usable core, {cores} here), "
+                f"got {value}; freescale-bench simulate models thousands of ranks")
         return value
 
     return parse
@@ -98,15 +121,18 @@ def _parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="bench", required=True)
     a = sub.add_parser("alltoall", help="all_to_all_single: on CPU, host transport vs gloo vs the memcpy limit; "
                                         "with --transport ce|nvshmem, CUDA tensors vs an SM copy")
-    a.add_argument("--ranks", type=int, default=4, help="processes on this host (default 4; with CUDA: sharing GPU 0)")
+    a.add_argument("--ranks", type=_local_ranks(2), default=4,
+                   help="processes on this host (default 4; with CUDA: sharing GPU 0)")
     a.add_argument("--transport", choices=("host", "ce", "nvshmem"), default="host",
                    help="host: CPU tensors (default); ce / nvshmem: CUDA tensors on that transport")
-    a.add_argument("--sizes", type=_size, nargs="+", help="bytes per rank (default 4K ... 64M)")
-    a.add_argument("--iters", type=_count(1), default=None, help="timed iterations per case (default: by size)")
+    a.add_argument("--sizes", type=_size, nargs="+", help="bytes per rank (default: host 4K ... 64M; ce / nvshmem "
+                   "1M ... 256M)")
+    a.add_argument("--iters", type=_count(1), default=None, help="timed iterations per case (default: host by size; "
+                   "ce / nvshmem 20)")
     a.add_argument("--warmup", type=_count(0), default=10, help="untimed iterations per case")
     _outputs(a)
     d = sub.add_parser("dispatch", help="fc.dispatch + fc.combine of jagged samples vs a pure-PyTorch + gloo reference")
-    d.add_argument("--ranks", type=int, default=4, help="processes on this host (default 4)")
+    d.add_argument("--ranks", type=_local_ranks(2), default=4, help="processes on this host (default 4)")
     d.add_argument("--rows", type=_size, default=1 << 20, help="rows across all ranks (default 1M)")
     d.add_argument("--dim", type=int, default=128, help="float32 values per row (default 128)")
     d.add_argument("--iters", type=_count(1), default=5, help="timed iterations (default 5)")
@@ -114,7 +140,7 @@ def _parser() -> argparse.ArgumentParser:
     _outputs(d)
     so = sub.add_parser("soak", help="N ranks x M random all_to_all_single ops (11 dtypes, 0..max bytes per peer, "
                                      "priorities, async waits out of order, strided inputs), every byte checked")
-    so.add_argument("--ranks", type=int, default=4, help="processes on this host (default 4)")
+    so.add_argument("--ranks", type=_local_ranks(2), default=4, help="processes on this host (default 4)")
     so.add_argument("--ops", type=int, default=2000, help="ops per rank (default 2000)")
     so.add_argument("--seed", type=_count(0), default=0, help="seed of the op list (the same on every rank)")
     so.add_argument("--max-bytes", type=_size, default=1 << 20, help="largest block one rank sends another (default 1M)")
@@ -146,7 +172,7 @@ def _parser() -> argparse.ArgumentParser:
     tp = sub.add_parser("torchrec-pec", help="a TorchRec DMP model on N CPU ranks: TrainPipelineSparseDist, "
                         "TrainPipelineSemiSync, TorchRec's TrainPipelinePEC (if installed) and fc.TrainPipelinePEC "
                         "vs collision rate")
-    tp.add_argument("--ranks", type=int, default=4, help="ranks (default 4)")
+    tp.add_argument("--ranks", type=_local_ranks(2), default=4, help="processes on this host (default 4)")
     tp.add_argument("--rates", type=float, nargs="+", default=[0.0, 0.25, 0.5, 0.75, 1.0],
                     help="collision rates in [0, 1] (default 0 0.25 0.5 0.75 1)")
     tp.add_argument("--steps", type=int, default=8, help="measured steps per pipeline and rate (default 8)")
@@ -162,7 +188,7 @@ def _parser() -> argparse.ArgumentParser:
     tp.add_argument("--plot", metavar="PNG", default="torchrec-pec.png", help="where to draw (default torchrec-pec.png)")
     _outputs(tp, progress=False)
     si = sub.add_parser("simulate", help="the e2e step at scale (up to 4096 ranks) on a cost + network model")
-    si.add_argument("--ranks", type=int, default=256, help="ranks (default 256, at most 4096)")
+    si.add_argument("--ranks", type=int, default=None, help="ranks (default 256, at most 4096)")
     si.add_argument("--samples", type=int, default=64, help="samples per rank and step (default 64)")
     si.add_argument("--workload", default="kuairand", help="kuairand | ml20m | zipf (default kuairand)")
     si.add_argument("--steps", type=int, default=3, help="steps simulated (default 3)")
@@ -177,12 +203,12 @@ def _parser() -> argparse.ArgumentParser:
     si.add_argument("--calibration", metavar="E2E_JSON",
                     help="use the cost model fitted by a measured run (the --json of freescale-bench e2e); "
                          "default: HSTU FLOPs (4 layers, 4 heads x 128) at 300 TFLOP/s")
-    si.add_argument("--modes", nargs="+", default=list(_modes(simulated=True)), help="modes to simulate (default all)")
+    si.add_argument("--modes", nargs="+", default=None, help="modes to simulate (default all)")
     si.add_argument("--nestpipe", action="store_true", help="instead: fc.TrainPipelinePEC's modes (sync, pec, dbp, "
                     "fwp1/2/4/8, nestpipe) at each of --nestpipe-ranks, with scaling efficiency (an analytic "
                     "steady-state step: freescale_comm/bench/simulate_nestpipe.py)")
-    si.add_argument("--nestpipe-ranks", type=int, nargs="+", default=[256, 1536], help="ranks (default 256 1536)")
-    si.add_argument("--collision", type=float, default=0.5, help="--nestpipe: share of rows the batch before read "
+    si.add_argument("--nestpipe-ranks", type=int, nargs="+", default=None, help="--nestpipe: ranks (default 256 1536)")
+    si.add_argument("--collision", type=_finite(0), default=None, help="--nestpipe: share of rows the batch before read "
                     "(default 0.5)")
     _outputs(si, trace=True, progress=False)
     la = sub.add_parser("layout", help="CUDA: fc.dispatch's layout work (counts + gather) at training sizes: the Triton "
@@ -203,7 +229,7 @@ def _parser() -> argparse.ArgumentParser:
 def _overlap_args(o: argparse.ArgumentParser) -> None:
     from freescale_comm.bench import overlap
 
-    o.add_argument("--ranks", type=int, default=2, help="processes sharing GPU 0 (default 2)")
+    o.add_argument("--ranks", type=_local_ranks(1), default=2, help="processes sharing GPU 0 (default 2)")
     o.add_argument("--transport", choices=overlap.TRANSPORTS, default="ce", help="freescale's transport (default ce)")
     o.add_argument("--sizes", type=_size, nargs="+", default=overlap.DEFAULT_SIZES,
                    help="bytes per rank of the overlapped AllToAll (default 64M 128M 256M)")
@@ -343,7 +369,7 @@ def _modes(simulated: bool = False) -> tuple[str, ...]:
 def _step_args(e: argparse.ArgumentParser, dim: int = 64, layers: int = 2, steps: int = 8,
                length_scale: float = 1 / 16) -> None:
     """The training step's shape, shared by e2e and pec-sweep."""
-    e.add_argument("--ranks", type=int, default=None,
+    e.add_argument("--ranks", type=_local_ranks(2), default=None,
                    help="processes on this host, each on a CPU core of its own (default: one per usable core, "
                         f"2 to {DEFAULT_MEASURED_RANKS}; here {default_ranks()})")
     _pin_arg(e)
@@ -462,15 +488,25 @@ def run_simulate(args: argparse.Namespace) -> int:
     from freescale_comm.bench import simulate
     from freescale_comm.bench.report import bubble_summary, step_table, write_json
 
-    p = simulate.SimParams(ranks=args.ranks, samples=args.samples, workload=args.workload, steps=args.steps,
-                           seed=args.seed, modes=tuple(args.modes), groups=args.groups,
+    # Flags of the other form would be silently ignored: refused instead (exit 2, before running).
+    other = ([f for f, v in (("--ranks", args.ranks), ("--modes", args.modes), ("--trace", args.trace),
+                             ("--calibration", args.calibration)) if v is not None] if args.nestpipe else
+             [f for f, v in (("--nestpipe-ranks", args.nestpipe_ranks), ("--collision", args.collision)) if v is not None])
+    if other:
+        why = ("--nestpipe simulates its own modes at each of --nestpipe-ranks" if args.nestpipe else
+               "these apply only with --nestpipe")
+        print(f"freescale-bench simulate: {', '.join(other)}: {why}", file=sys.stderr)
+        return 2
+    modes = _modes(simulated=True) if args.modes is None else args.modes
+    p = simulate.SimParams(ranks=256 if args.ranks is None else args.ranks, samples=args.samples,
+                           workload=args.workload, steps=args.steps, seed=args.seed, modes=tuple(modes), groups=args.groups,
                            bandwidth_gbps=args.bandwidth_gbps, latency_us=args.latency_us,
                            bytes_per_item=args.bytes_per_item, dense_bytes=args.dense_bytes,
                            plan_us_per_sample=args.plan_us_per_sample)
     if args.nestpipe:
         return _simulate_nestpipe(args, p)
     try:
-        if args.ranks > 4096:
+        if p.ranks > 4096:
             raise ValueError("ranks must be at most 4096")
         if args.calibration:
             with open(args.calibration) as f:
@@ -503,22 +539,26 @@ def _simulate_nestpipe(args: argparse.Namespace, p: Any) -> int:
     from freescale_comm.bench.report import write_json
 
     rows = []
+    all_ranks = [256, 1536] if args.nestpipe_ranks is None else args.nestpipe_ranks
+    collision = 0.5 if args.collision is None else args.collision
     try:
-        if any(not 2 <= w <= 4096 for w in args.nestpipe_ranks):
-            raise ValueError(f"--nestpipe-ranks must lie in [2, 4096], got {args.nestpipe_ranks}")
-        for ranks in args.nestpipe_ranks:
+        if any(not 2 <= w <= 4096 for w in all_ranks):
+            raise ValueError(f"--nestpipe-ranks must lie in [2, 4096], got {all_ranks}")
+        if collision > 1:
+            raise ValueError(f"--collision must lie in [0, 1], got {collision:g}")
+        for ranks in all_ranks:
             q = dataclasses.replace(p, ranks=ranks)
             q.check()
-            rows += sn.run(q, list(sn.NESTPIPE_MODES), args.collision)
+            rows += sn.run(q, list(sn.NESTPIPE_MODES), collision)
     except ValueError as err:
         print(f"freescale-bench simulate: {err}", file=sys.stderr)
         return 2
     cm = p.cost_model
     print(sn.table(rows, f"simulate --nestpipe (SIMULATED, an analytic model, not a measurement): {p.samples} samples "
-                         f"per rank, {p.workload}, collision {args.collision:g}; cost {cm.quadratic:.3g}·L² + "
+                         f"per rank, {p.workload}, collision {collision:g}; cost {cm.quadratic:.3g}·L² + "
                          f"{cm.linear:.3g}·L + {cm.constant:.3g} s; {p.bandwidth_gbps:g} GB/s, {p.latency_us:g} µs; "
                          f"ms per step, mean of {p.steps}"))
-    for ranks in args.nestpipe_ranks:
+    for ranks in all_ranks:
         mine = {r["mode"]: r for r in rows if r["ranks"] == ranks}
         best = min(mine.values(), key=lambda r: r["step_ms"])
         print(f"{ranks} ranks: fastest {best['mode']} ({best['step_ms']:.2f} ms, scaling efficiency "
@@ -526,7 +566,7 @@ def _simulate_nestpipe(args: argparse.Namespace, p: Any) -> int:
               f"{mine['fwp1']['exposed_ms']:.2f} (simulated)")
     if args.json:
         write_json(args.json, "simulate-nestpipe", rows,
-                   params={**dataclasses.asdict(p), "cost_model": dataclasses.asdict(cm), "collision": args.collision})
+                   params={**dataclasses.asdict(p), "cost_model": dataclasses.asdict(cm), "collision": collision})
     return 0
 
 
@@ -641,6 +681,9 @@ def run_torchrec_pec(args: argparse.Namespace) -> int:
         return 2
     from freescale_comm.bench.report import write_json
 
+    if args.nestpipe and args.pipelines:
+        print("freescale-bench torchrec-pec: --nestpipe names its own pipelines: drop it or --pipelines", file=sys.stderr)
+        return 2
     cfg = tp.PipelineBenchConfig(ranks=args.ranks, rates=tuple(args.rates), steps=args.steps, warmup=args.warmup,
                                  rounds=args.rounds, samples=args.samples, pin_cores=not args.no_pin,
                                  pipelines=tuple(args.pipelines or (("sparse_dist", "pec") + tp.NESTPIPE if args.nestpipe
