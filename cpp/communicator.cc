@@ -207,7 +207,11 @@ void Communicator::close() {
   // Peers learn this rank closed before its callers see their ops fail: a process that exits
   // right after that error is then named as having closed, not as dead (root_cause.h).
   if (!was_broken) transport_->close();
-  for (auto& op : active_) op->fail(ErrorCode::kCommError, "the communicator was closed while op #" + std::to_string(op->seq) + " was pending");
+  const std::string abandoned = abandoned_note();
+  for (auto& op : active_) {
+    op->fail(ErrorCode::kCommError,
+             "the communicator was closed while op #" + std::to_string(op->seq) + " was pending" + abandoned);
+  }
   active_.clear();
   scheduler_.drain();
 }
@@ -335,6 +339,12 @@ void Communicator::check_health(Clock::time_point now) {
   }
 }
 
+std::string Communicator::abandoned_note() const {
+  if (!transport_->device_work_abandoned()) return "";
+  return " (device copies queued for it did not run out within the timeout and cannot be cancelled: they may "
+         "still read or write its buffers, which must never be freed; the Python layer keeps them alive)";
+}
+
 void Communicator::fail_all(ErrorCode code, const std::string& message, int culprit) {
   std::deque<std::shared_ptr<OpState>> leftover;
   {
@@ -353,7 +363,8 @@ void Communicator::fail_all(ErrorCode code, const std::string& message, int culp
   for (auto& op : waiting_) active_.push_back(op);
   for (auto& op : leftover) active_.push_back(op);
   waiting_.clear();
-  for (auto& op : active_) op->fail(code, message, culprit);
+  const std::string abandoned = abandoned_note();
+  for (auto& op : active_) op->fail(code, message + abandoned, culprit);
   active_.clear();
 }
 

@@ -83,6 +83,10 @@ class Communicator {
   // Idempotent. Call without holding locks the progress thread's callbacks need (the GIL).
   void close();
   bool closed() const;
+  // True once a failure or close() gave up on device work of this communicator (a copy stuck
+  // behind work it cannot see end): the buffers of ops failed since may still be read or written
+  // by the device and must never be freed or reused. Any thread.
+  bool device_work_abandoned() const { return transport_->device_work_abandoned(); }
   // True on this communicator's own progress thread (where it must not be destroyed: the
   // destructor joins that thread).
   bool on_progress_thread() const { return std::this_thread::get_id() == thread_.get_id(); }
@@ -101,6 +105,8 @@ class Communicator {
   bool send_round();
   void check_health(Clock::time_point now);
   void fail_all(ErrorCode code, const std::string& message, int culprit);
+  // What a failed op's message adds when device work was abandoned (device_work_abandoned), else "".
+  std::string abandoned_note() const;
 
   int rank_;
   int world_;

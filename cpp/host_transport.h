@@ -96,6 +96,11 @@ class HostTransport : public Transport {
   bool ops_pending() const { return !posted_.empty(); }
   // seq -> posted, not yet completed ops.
   const std::map<uint64_t, std::shared_ptr<OpState>>& posted_ops() const { return posted_; }
+  // Keeps every rank's segment mapped for the life of the process (names dropped): a device
+  // transport whose stuck device work may still touch them. Only from the destructor's path.
+  void leak_segments() {
+    for (Peer& p : peers_) p.segment.leak();
+  }
   // The control segments (ours: p == rank_), for registering them with a device.
   void* segment_base(int p) const { return peers_[p].segment.data(); }
   size_t segment_bytes(int p) const { return peers_[p].layout.num_bytes(); }

@@ -142,6 +142,12 @@ void ShmSegment::unlink() {
   }
 }
 
+void ShmSegment::leak() {
+  unlink();
+  data_ = nullptr;  // never unmapped
+  size_ = 0;
+}
+
 void ShmSegment::release() {
   unlink();
   if (data_ != nullptr) munmap(data_, size_);

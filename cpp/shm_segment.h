@@ -26,6 +26,9 @@ class ShmSegment {
   // Once every peer attached: drops the name / the descriptor peers opened it by (owner only;
   // idempotent). The mapping stays valid.
   void unlink();
+  // Drops the name (unlink()) but keeps the mapping for the life of the process: for memory a
+  // device may still read or write (registered with CUDA, a stuck copy queued on it).
+  void leak();
   void* data() const { return data_; }
   size_t size() const { return size_; }
   const std::string& name() const { return name_; }

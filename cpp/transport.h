@@ -88,6 +88,10 @@ class Transport {
   // kPeerAborted naming this rank, the code and the culprit, and `why` (this rank's own message)
   // where the transport can carry text. The first abort's notice stays.
   virtual void abort(ErrorCode code, int culprit, const std::string& why) = 0;
+  // True once quiesce() gave up on device work (a stream that did not run out within its limit,
+  // a peer's copies into our buffers still pending): an op failed since may still have its
+  // buffers read or written, so they must never be freed or reused. Any thread after quiesce().
+  virtual bool device_work_abandoned() const { return false; }
   virtual void close() = 0;
   // Called before pending ops fail (a failure, or close() with ops pending): returns once no
   // work this transport queued can still read or write a caller's buffer, so a failed op's

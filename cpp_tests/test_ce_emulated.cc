@@ -4,6 +4,7 @@
 #include <signal.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cstring>
 #include <mutex>
@@ -586,6 +587,63 @@ TEST(CeEmulatedFailures, NothingWritesAFailedOpsOutputAfterItReportsTheFailure) 
     if (how == FailBy::kClose) EXPECT_EQ(outcomes[1].exit_code, 0) << outcomes[1].message;
     EXPECT_TRUE(testing::leftover_segments(outcomes).empty());
   }
+}
+
+// A lane stuck behind work it cannot see end (a user's stream on the one hardware queue waits on a
+// host word: design.md §4) cannot be cancelled: close() gives up on it after the timeout. Before,
+// the failed op's output was called the caller's (its copies went on landing in it: in Python,
+// in memory the caching allocator had handed out again), and the control segments were unmapped
+// while still registered with CUDA (a new communicator on the device failed at setup:
+// cudaErrorHostMemoryAlreadyRegistered). Now the communicator says the device work was
+// abandoned, the op's error says its buffers must never be freed, and the segments stay mapped.
+TEST(CeEmulatedFailures, AnAbandonedLaneIsSaidAndWhatItTouchesStaysMapped) {
+  auto outcomes = run_forked_ranks(2, [](int rank, Bootstrap& bootstrap) -> std::string {
+    EmulatedDeviceOptions options = testing::slow_on_rank_0(rank);
+    options.hardware_queues = 1;
+    EmulatedDevice device(options);
+    Stream user = device.create_stream();
+    auto comm = ce_communicator(bootstrap, small_config(/*timeout_ms=*/2000), device);
+    Exchange x(testing::one_way_counts(), rank);  // rank 1 sends rank 0 8 MiB
+    auto op = comm->all_to_all(x.send.data(), x.recv.data(), x.layout, 0, false);
+    std::string result;
+    static uint64_t flag = 0;  // the user's stream waits for this host word
+    if (rank == 1) {
+      try {
+        comm->wait(op, std::chrono::microseconds(-1));
+      } catch (const CommError&) {  // rank 0 closed
+      }
+    } else {
+      const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+      auto landed = [&] { return std::any_of(x.recv.begin(), x.recv.end(), [](uint8_t b) { return b != 0xEE; }); };
+      while (!landed() && std::chrono::steady_clock::now() < until) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+      if (!landed()) return "setup: nothing landed";
+      device.wait_value64(user, reinterpret_cast<DevicePtr>(&flag), 1, WaitCmp::kGeq);
+      std::this_thread::sleep_for(std::chrono::milliseconds(200));  // more landings queue behind it
+      comm->close();
+      if (!comm->device_work_abandoned()) result += "device_work_abandoned() is false; ";
+      try {
+        op->rethrow_if_failed();
+        result += "the op did not fail; ";
+      } catch (const CommError& e) {
+        if (std::string(e.what()).find("must never be freed") == std::string::npos) result += "its error: " + std::string(e.what());
+      }
+    }
+    __atomic_store_n(&flag, 1, __ATOMIC_RELEASE);  // the user's wait ends: the stuck copies run
+    comm.reset();
+    bootstrap.allgather("");
+    try {
+      auto again = ce_communicator(bootstrap, small_config(/*timeout_ms=*/5000), device);
+      Exchange y(uniform_counts(2, 4096), rank);
+      again->wait(again->all_to_all(y.send.data(), y.recv.data(), y.layout, 0, true), std::chrono::seconds(10));
+      result += y.check(rank);
+      if (again->device_work_abandoned()) result += "a new communicator says abandoned; ";
+    } catch (const std::exception& e) {
+      result += "a new communicator on the device failed: " + std::string(e.what());
+    }
+    return result;
+  }, std::chrono::seconds(90));
+  expect_all_ok(outcomes);
+  EXPECT_TRUE(testing::leftover_segments(outcomes).empty());
 }
 
 }  // namespace

@@ -137,6 +137,7 @@ class CeTransport final : public HostTransport {
   void check_peers() override;
   // The lanes hold copies and counter writes only, the join stream waits on lanes' events: all drain.
   void quiesce() override;
+  bool device_work_abandoned() const override { return stuck_ || peer_writes_abandoned_; }
 
  protected:
   void fill_slot(int peer, uint64_t index, SlotHeader* slot, const OpState& op, uint64_t offset, uint64_t bytes) override;
@@ -253,7 +254,11 @@ class CeTransport final : public HostTransport {
   std::unordered_set<uint64_t> enqueued_;  // posted ops whose copies are all enqueued. Progress thread only.
   // Counter -> the highest value a lane was made to wait for (release_waits). Progress thread only.
   std::map<const std::atomic<uint64_t>*, std::pair<int, uint64_t>> awaited_;  // -> (writer's rank, value)
-  bool stuck_ = false;  // quiesce() left a lane waiting: what it may still touch is never freed
+  // quiesce() left a lane waiting: what it may still touch is never freed (its segments, arenas,
+  // streams; the failed ops' buffers: device_work_abandoned). Written by quiesce(), read anywhere.
+  std::atomic<bool> stuck_{false};
+  // quiesce() stopped waiting for a live peer's copies into our registered buffers.
+  std::atomic<bool> peer_writes_abandoned_{false};
   // Our registered buffers (register_buffer: any thread; before_post: progress thread).
   struct Registered {
     uint8_t* ptr;
@@ -386,7 +391,10 @@ void CeTransport::release() noexcept {
     }
   };
   quiesce();
-  if (stuck_) return;  // a lane may still copy from or to the arenas and write the counters: keep all
+  if (stuck_) {  // a lane may still copy from or to the arenas and write the counters: keep all,
+    leak_segments();  // the control segments too (registered, and the counters live there)
+    return;
+  }
   for (Lane& lane : lanes_) {
     for (const Lane::Flush& f : lane.in_flight) quietly([&] { ops_.destroy_event(f.event); });
     lane.in_flight.clear();
@@ -432,17 +440,20 @@ void CeTransport::quiesce() {
   const auto deadline = std::chrono::steady_clock::now() + std::min(timeout_, kQuiesceAtMost);
   std::vector<Stream> streams{join_};
   for (const Lane& lane : lanes_) streams.push_back(lane.stream);
-  stuck_ = !drain_streams(ops_, streams, deadline, nullptr, [this] { release_waits(); }).empty() || stuck_;
+  if (!drain_streams(ops_, streams, deadline, nullptr, [this] { release_waits(); }).empty()) stuck_ = true;
   // Chunks peers copy straight into our registered buffers: each is followed on the peer's lane
   // by its head write, so our buffers are the callers' again once every live peer's head reached
   // what it enqueued.
   for (int p = 0; p < world_; ++p) {
     if (p == rank_) continue;
     const RingControl* ring = ring_of(p, rank_);
-    while (!peer_gone(p) && ring->head.load(std::memory_order_acquire) < ring->head_enqueued.load(std::memory_order_acquire) &&
-           std::chrono::steady_clock::now() < deadline) {
+    auto behind = [&] {
+      return !peer_gone(p) && ring->head.load(std::memory_order_acquire) < ring->head_enqueued.load(std::memory_order_acquire);
+    };
+    while (behind() && std::chrono::steady_clock::now() < deadline) {
       std::this_thread::sleep_for(std::chrono::microseconds(200));
     }
+    if (behind()) peer_writes_abandoned_ = true;
   }
   if (stuck_) gate_.leak();  // a waiting lane's flush events, and the join stream's, stay valid
 }

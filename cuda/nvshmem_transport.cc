@@ -115,6 +115,7 @@ class NvshmemTransport final : public Transport {
   void close() override;
   // Nothing more is enqueued; every stream of ours holds copies, puts and SETs only, so it runs out.
   void quiesce() override { settle_streams(); }
+  bool device_work_abandoned() const override { return stuck_; }
 
  private:
   struct RecvChunk {  // a chunk expected on a pair-lane, in FIFO order
@@ -246,7 +247,8 @@ class NvshmemTransport final : public Transport {
 
   // Progress thread only.
   bool settled_ = false;           // quiesced: nothing more is enqueued
-  bool stuck_ = false;             // a stream did not run out within settle_limit_ (later settles do not wait)
+  // A stream did not run out within settle_limit_ (later settles do not wait). Read anywhere.
+  std::atomic<bool> stuck_{false};
   std::chrono::milliseconds settle_limit_{kSettleAtMost};
   std::optional<Event> watching_;  // the mirror copy in flight
   uint64_t mirror_copies_ = 0;     // completed mirror copies (the mirror shows copy #mirror_copies_)
@@ -594,7 +596,7 @@ bool NvshmemTransport::settle_streams() {
   ProgressScope guard(ops_, device_, std::nothrow);
   bool failed = false;
   const bool ran_out = drain_streams(ops_, all_streams(), settle_deadline(), &failed).empty();
-  stuck_ = stuck_ || !ran_out;
+  if (!ran_out) stuck_ = true;
   return ran_out && !failed;
 }
 

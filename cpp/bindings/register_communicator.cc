@@ -172,6 +172,9 @@ void register_communicator(py::module_& m) {
       .def_property_readonly("size", &Communicator::size)
       .def_property_readonly("transport", &Communicator::transport_name)
       .def_property_readonly("data_path", &Communicator::data_path)
+      .def_property_readonly("device_work_abandoned", &Communicator::device_work_abandoned,
+                             "True once a failure or close() gave up on device copies of this communicator that "
+                             "could not be cancelled: buffers of ops failed since must never be freed")
       .def_property_readonly("config", &Communicator::config)
       .def(
           "register_buffer",

@@ -352,11 +352,21 @@ class Communicator:
                                  op_name)  # the kind peers check theirs against
         work = Work(core, handle, [output], keepalive=(input, output), device=input.device if cuda else None)
         if async_op or cuda:  # tensors stay referenced until the op completed on the host
-            self._inflight = [w for w in self._inflight if not w.is_completed()]
+            self._forget_completed()
             self._inflight.append(work)
         if not async_op:
             work.wait()
         return work
+
+    def _forget_completed(self) -> None:
+        """Drops completed ops from _inflight (their tensors settled: Work._settle_buffers)."""
+        keep = []
+        for work in self._inflight:
+            if work.is_completed():
+                work._settle_buffers()
+            else:
+                keep.append(work)
+        self._inflight = keep
 
     def _abandon_after_fork(self) -> None:
         self._forked_from = self._owner_pid
@@ -390,6 +400,8 @@ class Communicator:
         for core in self._cuda_cores.values():
             core.close()
         self._core.close()
+        for work in self._inflight:  # failed by the close: abandoned device copies keep their tensors
+            work._settle_buffers()
         self._inflight.clear()
         _completions.release_idle()
 

@@ -34,6 +34,13 @@ def c10d_wait_limit(timeout: Optional[datetime.timedelta]) -> Optional[datetime.
     return None if timeout is None or timeout == datetime.timedelta(0) else timeout
 
 
+# Tensors of ops that failed after their communicator gave up on device copies it could not cancel
+# (_core.Communicator.device_work_abandoned): the device may still read or write them, so they are
+# kept for the life of the process (a leak, bounded by those ops) instead of going back to the
+# caching allocator, which would hand their blocks to new tensors under the stuck copies.
+_ABANDONED_BUFFERS: list[tuple[Any, ...]] = []
+
+
 class Work:
     """Returned by every collective. Keeps the tensors it reads and writes alive until done."""
 
@@ -81,6 +88,13 @@ class Work:
             raise self._timed_out(timeout, "the op completed; its future's callbacks are still running")
         self._keepalive = None
         return True
+
+    def _settle_buffers(self) -> None:
+        """The op is done or its communicator closed: its tensors go to the process-lifetime list if
+        it failed after device work was abandoned (they may still be written), else nothing changes
+        (they are freed with this Work)."""
+        if self._keepalive is not None and self._handle.failed() and self._comm.device_work_abandoned:
+            _ABANDONED_BUFFERS.append(self._keepalive)
 
     def wait_for_callbacks(self) -> None:
         """Blocks the CPU until the op is done on this rank and its future's callbacks ran (on CUDA
