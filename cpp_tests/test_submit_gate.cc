@@ -51,5 +51,19 @@ TEST(SubmitGate, AnEventIsBackInThePoolOnceItIsSeenDoneAndNotBefore) {
   EXPECT_EQ(gate.take_event(), ev);
 }
 
+// reserve() made its events one by one; one failing left the ones before it made and owned by
+// nobody (a leak on the ce transport's setup path).
+TEST(SubmitGate, AReservationThatRunsOutOfEventsDestroysTheOnesItMade) {
+  EmulatedDeviceOptions options;
+  options.max_events = 3;  // the fourth cudaEventCreate fails
+  EmulatedDevice device(options);
+  {
+    SubmitGate gate(device, 0);
+    EXPECT_THROW(gate.reserve(8), Error);
+    EXPECT_EQ(device.live_events(), 0u);
+  }
+  EXPECT_EQ(device.live_events(), 0u);
+}
+
 }  // namespace
 }  // namespace freescale

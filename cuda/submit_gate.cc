@@ -36,7 +36,17 @@ Event SubmitGate::take_event() {
 
 void SubmitGate::reserve(size_t n) {
   std::vector<Event> made;
-  for (size_t i = 0; i < n; ++i) made.push_back(ops_.create_event());
+  try {
+    for (size_t i = 0; i < n; ++i) made.push_back(ops_.create_event());
+  } catch (...) {  // none reserved: the ones made so far go back
+    for (Event ev : made) {
+      try {
+        ops_.destroy_event(ev);
+      } catch (...) {
+      }
+    }
+    throw;
+  }
   std::lock_guard<std::mutex> lock(mu_);
   spare_.insert(spare_.end(), made.begin(), made.end());
   reserved_ += n;

@@ -475,6 +475,11 @@ size_t EmulatedDevice::live_streams() const {
   return streams_.size();
 }
 
+size_t EmulatedDevice::live_events() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return events_.size();
+}
+
 size_t EmulatedDevice::live_allocations() const {
   std::lock_guard<std::mutex> lock(mu_);
   return allocations_.size() + host_blocks_.size() + registered_.size() + shareables_.size();
@@ -532,6 +537,7 @@ Event EmulatedDevice::create_event() {
   check_no_fault("cudaEventCreate");
   block_creation_while_waiting();
   std::lock_guard<std::mutex> lock(mu_);
+  if (events_.size() >= options_.max_events) throw Error(ErrorCode::kSystem, "emulated cudaEventCreate: cudaErrorMemoryAllocation");
   Event h = next_handle_++;
   events_[h] = std::make_shared<EventState>();
   return h;

@@ -98,6 +98,10 @@ struct EmulatedDeviceOptions {
   // every stream of the device, a user's included; one still busy after this long would hang a
   // GPU: the call throws kInternal saying so.
   std::chrono::milliseconds hang_report_after{5000};
+  // Events alive at once (inter-process ones too); creating one more fails as cudaEventCreate
+  // does when the device runs out (cudaErrorMemoryAllocation): for error paths that must give
+  // back what they made.
+  size_t max_events = SIZE_MAX;
 };
 
 // Who executes a copy (design.md §4): a copy engine, or an SM copy kernel.
@@ -211,9 +215,10 @@ class EmulatedDevice final : public DeviceOps {
   void spin_until(const std::function<bool()>& ready, bool is_stream_wait = true);
   // The next task queued on `stream` fails with `message` instead of running.
   void fail_next_task(Stream stream, const std::string& message);
-  // Streams created and not destroyed; device allocations, mapped host blocks and registrations
-  // alive; IPC mappings open.
+  // Streams created and not destroyed; events likewise; device allocations, mapped host blocks
+  // and registrations alive; IPC mappings open.
   size_t live_streams() const;
+  size_t live_events() const;
   size_t live_allocations() const;
   // Pending operations on `stream` (not counting the running one).
   size_t queued(Stream stream);
