@@ -325,6 +325,46 @@ def load_state(info, steps: int, save_at: int, load_mid_run_at: int) -> dict:
     return {**_diff(runs["sparse_dist"], runs["pec"]), "refused": refused}
 
 
+def dropped_pipelines(info, steps: int) -> dict:
+    """A pipeline dropped mid-epoch without close(), then an epoch on a new one: as TorchRec's (the
+    dropped one's read-ahead never trains; its deferred gradients apply). Before, the new one was
+    refused ("already driven ... close() that one first": the old one, kept alive by its hooks, could
+    not be reached). Then a pipeline trained to StopIteration and dropped with its model, unclosed:
+    both are freed and its worker thread ends (before, the module registry held the pipeline, and
+    through it the model, for the life of the process)."""
+    import gc
+    import threading
+    import weakref
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    train = make_batches(steps, world, 0.5, seed=61)
+    runs = {}
+    for name in ("sparse_dist", "pec"):
+        dmp, opt = build(dist.group.WORLD, "rowwise_adagrad")
+        pipe = _pipe(name, dmp, opt)
+        feed = iter([b[rank] for b in train])
+        outputs = [pipe.progress(feed).clone() for _ in range(steps // 2)]
+        del pipe  # mid-epoch, not closed
+        pipe = _pipe(name, dmp, opt)
+        outputs += _epoch(pipe, iter([b[rank] for b in train]))
+        runs[name] = {"outputs": outputs, "state": _state(dmp, opt)}
+        _close(pipe)
+    out = _diff(runs["sparse_dist"], runs["pec"])
+    dmp, opt = build(dist.group.WORLD, "sgd")
+    pipe = _pipe("pec", dmp, opt)
+    out["trained"] = len(_epoch(pipe, iter([b[rank] for b in train])))
+    model = weakref.ref(dmp)
+    del dmp, opt, pipe  # not closed
+    gc.collect()
+    for _ in range(100):  # the worker thread ends once its executor is collected
+        if not any(t.name.startswith("freescale-pec") for t in threading.enumerate()):
+            break
+        threading.Event().wait(0.05)
+    out["model_freed"] = model() is None
+    out["pec_threads"] = sorted(t.name for t in threading.enumerate() if t.name.startswith("freescale-pec"))
+    return out
+
+
 def training_loop_patterns(info) -> dict:
     """Each pattern on 2 ranks, tiny model, few steps (see the functions above)."""
     return {"epochs": no_execute_all_epochs(info, 3, 4), "train_eval_train": train_eval_epochs(info, 4),
@@ -332,4 +372,4 @@ def training_loop_patterns(info) -> dict:
             "data_error": data_error_then_checkpoint(info, 8, 3, 0.5),
             "optimizer_first": optimizer_state_mid_run(info, 8, 5), "load": load_state(info, 6, 2, 3),
             "property_batches": property_batches(info, 3), "fixed_count": fixed_count_epochs(info, 3, 3),
-            "torchrec_eval": torchrec_eval_mid_epoch(info, 4)}
+            "torchrec_eval": torchrec_eval_mid_epoch(info, 4), "dropped": dropped_pipelines(info, 4)}

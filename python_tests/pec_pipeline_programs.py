@@ -431,7 +431,7 @@ def refusals(info) -> dict:
     out["priorities"] = _expect(ValueError, fc.TrainPipelinePEC, dmp, opt, torch.device("cpu"), high_priority=0, low_priority=5)
     out["balance_name"] = _expect(ValueError, fc.TrainPipelinePEC, dmp, opt, torch.device("cpu"), balance={"nope": None})
     out["balance_cost"] = _expect(TypeError, fc.TrainPipelinePEC, dmp, opt, torch.device("cpu"), balance={"head": 1.0})
-    for bad_micro in (0, True, 2.5):
+    for bad_micro in (0, True, 2.5, 5000):  # 5000: accepted, then refused by every rank's first progress()
         out[f"micro_batches={bad_micro!r}"] = _expect(ValueError, fc.TrainPipelinePEC, dmp, opt, torch.device("cpu"),
                                                       micro_batches=bad_micro)
     out["prefetch"] = _expect(ValueError, fc.TrainPipelinePEC, dmp, opt, torch.device("cpu"), prefetch="early")
@@ -441,6 +441,10 @@ def refusals(info) -> dict:
                                       next_micro_priority=10, micro_gradient_priority=20)
     out["split_batch"] = _expect(TypeError, fc.TrainPipelinePEC, dmp, opt, torch.device("cpu"), micro_batches=2,
                                  split_batch=5)
+    # accepted, then a bare "'int' object is not callable" at the first progress()
+    out["sparse_inputs"] = _expect(TypeError, fc.TrainPipelinePEC, dmp, opt, torch.device("cpu"), sparse_inputs=3)
+    # the message named no argument
+    out["priority_type"] = _expect(TypeError, fc.TrainPipelinePEC, dmp, opt, torch.device("cpu"), high_priority="100")
     # a batch the micro-batch cut cannot handle (labels one longer than the batch): a ValueError naming it
     uncuttable = [Batch(b.pooled, b.sequence, torch.cat([b.label, b.label[:1]])) for b in make_batches(2, world, 0.5)[0]]
     pipe = fc.TrainPipelinePEC(dmp, opt, torch.device("cpu"), group=pg, micro_batches=2)

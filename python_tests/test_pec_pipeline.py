@@ -78,8 +78,10 @@ def test_what_the_pipeline_cannot_prioritize_is_refused_clearly():
         assert "DistributedModelParallel" in out["not_dmp"], out
         assert "high_priority > low_priority" in out["priorities"], out
         assert "'nope'" in out["balance_name"] and "CostModel" in out["balance_cost"], out
-        for bad in ("0", "True", "2.5"):
-            assert "micro_batches must be an int >= 1" in out[f"micro_batches={bad}"], out
+        for bad in ("0", "True", "2.5", "5000"):
+            assert "micro_batches must be an int in [1, 1024]" in out[f"micro_batches={bad}"], out
+        assert "sparse_inputs must be callable" in out["sparse_inputs"], out
+        assert "high_priority must be an int" in out["priority_type"], out
         assert "prefetch must be one of 'pec', 'dual_buffer', 'ids'" in out["prefetch"], out
         assert "next_micro_priority > micro_gradient_priority" in out["micro_priorities"], out
         assert "split_batch must be callable" in out["split_batch"], out

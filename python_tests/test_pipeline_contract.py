@@ -44,6 +44,10 @@ def test_the_pipeline_behaves_as_sparse_dist_in_a_training_loop():
         assert "training forward outside TrainPipelinePEC.progress" in (evals["refused"] or ""), evals["refused"]
         # the dropped pipeline, closed by the new one, says so when called again
         assert "a new TrainPipelinePEC was built on the same model" in evals["refused"], evals["refused"]
+        # a pipeline dropped mid-epoch gives way to a new one; one dropped unclosed with its model frees both
+        dropped = out["dropped"]
+        assert dropped["n_outputs"] == (2 + 4,) * 2 and dropped["outputs"] == dropped["state_max"] == 0.0, dropped
+        assert dropped["trained"] == 4 and dropped["model_freed"] and dropped["pec_threads"] == [], dropped
         for n, diff in out["short_loaders"].items():
             assert diff["n_outputs"] == (2 * n, 2 * n) and diff["outputs"] == diff["state_max"] == 0.0, (n, diff)
 

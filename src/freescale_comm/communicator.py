@@ -94,12 +94,12 @@ def eager(fn: F) -> F:
     return torch.compiler.disable(fn)  # type: ignore[return-value]
 
 
-def check_priority(priority: object) -> int:
-    """`priority` as an int32 (larger = sooner); TypeError / ValueError otherwise."""
+def check_priority(priority: object, name: str = "priority") -> int:
+    """`priority` (the argument `name`) as an int32 (larger = sooner); TypeError / ValueError otherwise."""
     if isinstance(priority, bool) or not isinstance(priority, int):
-        raise TypeError(f"priority must be an int (larger = sooner), got {priority!r}")
+        raise TypeError(f"{name} must be an int (larger = sooner), got {priority!r}")
     if not -(2**31) <= priority < 2**31:
-        raise ValueError(f"priority must fit in 32 bits, got {priority}")
+        raise ValueError(f"{name} must fit in 32 bits, got {priority}")
     return priority
 
 

@@ -157,8 +157,9 @@ class PrioritizedEmbedding:
                                 else type(weight).__name__))
         if update is not None and not callable(update):
             raise TypeError(f"update must be a callable update(rows, grads), got {type(update).__name__}")
-        for p in (high_priority, low_priority, deferred_priority):
-            check_priority(p)
+        for name, p in (("high_priority", high_priority), ("low_priority", low_priority),
+                        ("deferred_priority", deferred_priority)):
+            check_priority(p, name)
         self._update = update if update is not None else self._sgd(lr)
         # local checks first: a rank that refuses its arguments must not leave its peers waiting
         rank, world = dist.get_rank(group), dist.get_world_size(group)

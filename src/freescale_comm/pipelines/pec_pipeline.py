@@ -39,6 +39,7 @@ from torch import nn
 
 from freescale_comm.balancer import PlannedSequences, balance as fc_balance
 from freescale_comm.communicator import Communicator, check_priority
+from freescale_comm.microbatch import MAX_MICRO_BATCHES
 from freescale_comm.pipelines import _streams
 from freescale_comm.pipelines._catalog import build_catalog, sharded_modules
 from freescale_comm.pipelines._embeddings import accumulate_gradients, micro_leaves, module_output, route, route_micro
@@ -48,8 +49,15 @@ from freescale_comm.pipelines._plans_ahead import Plans, plan_ahead
 from freescale_comm.pipelines._sparse_inputs import find_sparse_inputs, reader
 from freescale_comm.planner import CostModel
 
-# the sharded modules a live TrainPipelinePEC drives (one pipeline per module at a time)
-_driven: "weakref.WeakKeyDictionary[nn.Module, Any]" = weakref.WeakKeyDictionary()
+# the sharded modules a live TrainPipelinePEC drives (one pipeline per module at a time), to a weak
+# reference to it: a strong one kept the pipeline, and through it the module (the key), for the
+# life of the process once both were dropped
+_driven: "weakref.WeakKeyDictionary[nn.Module, weakref.ref]" = weakref.WeakKeyDictionary()
+
+
+def _driver_of(module: nn.Module) -> Optional["TrainPipelinePEC"]:
+    ref = _driven.get(module)
+    return ref() if ref is not None else None
 
 logger = logging.getLogger("freescale_comm")
 
@@ -136,8 +144,10 @@ class TrainPipelinePEC(Generic[In, Out]):
                  merge_output: Optional[Callable[[list[Any], list[torch.Tensor]], Any]] = None) -> None:
         if not hasattr(model, "plan") or not hasattr(model, "module"):
             raise TypeError(f"model must be a torchrec DistributedModelParallel, got {type(model).__name__}")
-        for p in (high_priority, next_micro_priority, micro_gradient_priority, low_priority, deferred_priority):
-            check_priority(p)
+        for name, p in (("high_priority", high_priority), ("next_micro_priority", next_micro_priority),
+                        ("micro_gradient_priority", micro_gradient_priority), ("low_priority", low_priority),
+                        ("deferred_priority", deferred_priority)):
+            check_priority(p, name)
         if not high_priority > low_priority > deferred_priority:
             raise ValueError("priorities must satisfy high_priority > low_priority > deferred_priority, got "
                              f"{high_priority}, {low_priority}, {deferred_priority}")
@@ -148,12 +158,16 @@ class TrainPipelinePEC(Generic[In, Out]):
         if prefetch not in PREFETCH:
             raise ValueError(f"prefetch must be one of {', '.join(map(repr, PREFETCH))}, got {prefetch!r}")
         if micro_batches is not None and (isinstance(micro_batches, bool) or not isinstance(micro_batches, int)
-                                          or micro_batches < 1):
-            raise ValueError(f"micro_batches must be an int >= 1 (or None: whole batches), got {micro_batches!r}")
+                                          or not 1 <= micro_batches <= MAX_MICRO_BATCHES):
+            raise ValueError(f"micro_batches must be an int in [1, {MAX_MICRO_BATCHES}] (or None: whole batches), got "
+                             f"{micro_batches!r}")
         if loss_reduction not in ("sum", "mean"):
             raise ValueError(f"loss_reduction must be 'sum' or 'mean' (how the model reduces its loss over samples), "
                              f"got {loss_reduction!r}")
         self._loss_scale = loss_reduction == "mean"
+        if sparse_inputs is not None and not callable(sparse_inputs):
+            raise TypeError(f"sparse_inputs must be callable batch -> {{sharded module fqn: its input}}, got "
+                            f"{type(sparse_inputs).__name__}")
         if split_batch is not None and not callable(split_batch):
             raise TypeError(f"split_batch must be callable (batch, samples) -> micro-batch, got {type(split_batch).__name__}")
         if merge_output is not None and not callable(merge_output):
@@ -171,20 +185,22 @@ class TrainPipelinePEC(Generic[In, Out]):
             raise ValueError(f"group has {world} ranks but the model is sharded over {dist.get_world_size(model_group)}: "
                              "pass the model's sharding group (or leave group=None)")
         self._catalog = build_catalog(model.module, model.plan, rank)
-        # a pipeline left idle on these modules (its data ran out, or it failed) is closed here, as a
-        # TrainPipelineSparseDist made per epoch is dropped; one with batches in flight is refused
+        # a pipeline left on these modules is closed here, as a TrainPipelineSparseDist made per epoch
+        # is dropped: idle (its data ran out, or it failed), or with batches in flight (their deferred
+        # gradients apply, as its close() does; its read-ahead is dropped, as a dropped TorchRec
+        # pipeline's prefetched batches are). Every rank builds the new one at the same point, so
+        # what the close sends, every rank sends. (Its hooks kept a pipeline dropped mid-epoch alive,
+        # and it refused the new one: "close() that one first", with nothing left to close.)
         others: dict[int, Any] = {}  # id -> the other pipeline
         for info in self._catalog.modules:
-            other = _driven.get(info.module)
-            if other is None:
-                continue
-            if other._batch is not None and other._failure is None:
-                raise ValueError(f"sharded module {info.fqn!r} is already driven by another TrainPipelinePEC that "
-                                 "holds batches in flight: close() that one first")
-            others[id(other)] = other
+            other = _driver_of(info.module)
+            if other is not None:
+                others[id(other)] = other
         for other in others.values():
+            busy = other._batch is not None and other._failure is None and not other._closed
             other.close()
-            other._closed_why = "a new TrainPipelinePEC was built on the same model, which closed this idle one"
+            other._closed_why = (f"a new TrainPipelinePEC was built on the same model, which closed this "
+                                 f"{'one (its batches in flight were flushed)' if busy else 'idle one'}")
         modules = dict(sharded_modules(model.module))
         self._read_inputs = sparse_inputs if sparse_inputs is not None else \
             reader(find_sparse_inputs(model.module, modules))
@@ -265,7 +281,7 @@ class TrainPipelinePEC(Generic[In, Out]):
         self._forwards = {info.fqn: self._forward_of(info) for info in self._catalog.modules}
         self._driving_now = False
         for info in self._catalog.modules:
-            _driven[info.module] = self
+            _driven[info.module] = weakref.ref(self)
             self._hooks.append(info.module.register_forward_pre_hook(
                 lambda module, args, fqn=info.fqn: self._forward_elsewhere(module, fqn)))
             # a checkpoint sees every update, as after TrainPipelineSparseDist's steps
@@ -681,7 +697,7 @@ class TrainPipelinePEC(Generic[In, Out]):
                 if vars(holder).get(name) is method:
                     del vars(holder)[name]
             for info in self._catalog.modules:
-                if _driven.get(info.module) is self:
+                if _driver_of(info.module) is self:
                     del _driven[info.module]
             for hooks in self._balanced:
                 hooks.remove()
