@@ -325,6 +325,38 @@ def load_state(info, steps: int, save_at: int, load_mid_run_at: int) -> dict:
     return {**_diff(runs["sparse_dist"], runs["pec"]), "refused": refused}
 
 
+def load_through_the_inner_module(info, steps: int) -> dict:
+    """dmp.module.load_state_dict mid-run, on a model whose dense head comes before its sharded
+    modules: refused before anything loads. Before, the head had loaded when the sharded modules'
+    hooks refused (a half-loaded model), as only they and the DMP wrapper were guarded."""
+    from pec_pipeline_programs import Model
+
+    class HeadFirst(Model):
+        def __init__(self, *args, **kwargs) -> None:
+            super().__init__(*args, **kwargs)
+            self._modules = {"head": self._modules["head"], **self._modules}  # (a plain dict)
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    dmp, opt = build(dist.group.WORLD, "sgd", model_cls=HeadFirst)
+    pipe = _pipe("pec", dmp, opt)
+    feed = iter([b[rank] for b in make_batches(steps, world, 0.5, seed=29)])
+    for _ in range(2):
+        pipe.progress(feed)
+    state = dmp.module.state_dict()
+    head = [k for k in state if k.startswith("head.")]
+    before = {k: state[k].clone() for k in head}
+    changed = {k: v + 1 for k, v in before.items()}
+    try:
+        dmp.module.load_state_dict({**state, **changed})
+        refused = None
+    except RuntimeError as e:
+        refused = str(e)
+    after = dmp.module.state_dict()
+    pipe.close()
+    return {"refused": refused, "head_keys": len(head),
+            "head_changed": [k for k in head if not torch.equal(after[k], before[k])]}
+
+
 def dropped_pipelines(info, steps: int) -> dict:
     """A pipeline dropped mid-epoch without close(), then an epoch on a new one: as TorchRec's (the
     dropped one's read-ahead never trains; its deferred gradients apply). Before, the new one was
@@ -372,4 +404,5 @@ def training_loop_patterns(info) -> dict:
             "data_error": data_error_then_checkpoint(info, 8, 3, 0.5),
             "optimizer_first": optimizer_state_mid_run(info, 8, 5), "load": load_state(info, 6, 2, 3),
             "property_batches": property_batches(info, 3), "fixed_count": fixed_count_epochs(info, 3, 3),
-            "torchrec_eval": torchrec_eval_mid_epoch(info, 4), "dropped": dropped_pipelines(info, 4)}
+            "torchrec_eval": torchrec_eval_mid_epoch(info, 4), "dropped": dropped_pipelines(info, 4),
+            "inner_load": load_through_the_inner_module(info, 4)}

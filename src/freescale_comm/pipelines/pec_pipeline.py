@@ -297,8 +297,12 @@ class TrainPipelinePEC(Generic[In, Out]):
         for holder in {id(o): o for o in (optimizer, getattr(model, "fused_optimizer", None)) if o is not None}.values():
             self._wrap(holder, "state_dict", lambda *_, **__: self.flush())
             self._wrap(holder, "load_state_dict", lambda *_, **__: self._check_loadable())
-        # refused before any module is touched (TorchRec's own load hooks rewrite the state dict in place)
+        # refused before any module is touched (TorchRec's own load hooks rewrite the state dict in place):
+        # through the DMP, and through its inner module (whose own pre-hook runs before any child loads)
         self._wrap(model, "load_state_dict", lambda *_, **__: self._check_loadable())
+        root = model.module._register_load_state_dict_pre_hook(lambda *_: self._check_loadable())
+        model.module._load_state_dict_pre_hooks.move_to_end(root.id, last=False)
+        self._hooks.append(root)
 
     def _wrap(self, holder: Any, name: str, before: Callable[..., None]) -> None:
         """holder.name(...) runs before(*args) first, until close(). A method bound to holder: a deep
