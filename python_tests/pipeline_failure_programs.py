@@ -22,6 +22,16 @@ from pec_pipeline_programs import build, make_batches
 
 VICTIM = 1
 
+_CALLS = {"n": 0, "raise_at": -1}  # forwards run in this process; the one that raises Ctrl-C
+
+
+@torch.fx.wrap  # a leaf under TorchRec's tracing: it runs in the real forward only
+def _interrupted_at(label: torch.Tensor) -> torch.Tensor:
+    _CALLS["n"] += 1
+    if _CALLS["n"] == _CALLS["raise_at"]:
+        raise KeyboardInterrupt(f"Ctrl-C in forward on rank {dist.get_rank()}")
+    return label
+
 
 class _NoWrap(DataParallelWrapper):
     """No DDP around the dense part: a survivor's backward must not wait in gloo for the victim (torch's
@@ -207,3 +217,40 @@ def disagreeing_arguments(info) -> dict:
     out["trained"] = float(pipe.progress(iter([b[dist.get_rank()] for b in batches])).sum())
     pipe.close()
     return out
+
+
+def ctrl_c_in_forward(info, at_step: int) -> dict:
+    """Both ranks get Ctrl-C in the forward of step `at_step` (as torchrun delivers SIGINT), then read
+    the model's state for a checkpoint: TrainPipelineSparseDist's holds every trained step's update;
+    PEC's must equal it, or refuse (RuntimeError) where part of an update could not be applied.
+    Before, it silently lacked the last trained batch's deferred gradients."""
+    from pec_pipeline_programs import Model, _rel, _state
+
+    class Interrupted(Model):
+        def forward(self, batch):
+            loss, logits = super().forward(batch)
+            return loss + 0 * _interrupted_at(batch.label).sum(), logits
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    batches = make_batches(at_step + 2, world, 0.5, seed=13)
+    states = {}
+    for name in ("sparse_dist", "pec"):
+        from torchrec.distributed.train_pipeline import TrainPipelineSparseDist
+
+        dmp, opt = build(dist.group.WORLD, "sgd", model_cls=Interrupted, data_parallel_wrapper=_NoWrap())
+        pipe = TrainPipelineSparseDist(dmp, opt, torch.device("cpu")) if name == "sparse_dist" else \
+            fc.TrainPipelinePEC(dmp, opt, torch.device("cpu"), group=dist.group.WORLD)
+        _CALLS.update(n=0, raise_at=at_step + 1)
+        error, _, trained = _train(pipe, iter([b[rank] for b in batches]), at_step + 2)
+        assert isinstance(error, KeyboardInterrupt) and trained == at_step, (name, error, trained)
+        try:
+            states[name] = _state(dmp, opt)
+        except RuntimeError as e:
+            states[name] = str(e)
+        if name == "pec":
+            pipe.close()
+    pec = states["pec"]
+    if isinstance(pec, str):
+        return {"pec": "refused" if "part of an update unapplied" in pec else pec}
+    worst = max(_rel(states["sparse_dist"][k], pec[k]) for k in states["sparse_dist"])
+    return {"pec": "equal" if worst == 0.0 else f"differs by {worst:.3g}"}

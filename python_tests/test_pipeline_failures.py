@@ -7,7 +7,7 @@ import math
 import pytest
 
 from freescale_comm.testing import run_ranks, spawn
-from pipeline_failure_programs import VICTIM, disagreeing_arguments, scenario
+from pipeline_failure_programs import VICTIM, ctrl_c_in_forward, disagreeing_arguments, scenario
 
 pytestmark = pytest.mark.usefixtures("torchrec_installed")
 
@@ -68,3 +68,13 @@ def test_ranks_built_with_different_arguments_are_told_which_one():
         for name in ("micro_batches", "prefetch", "balance", "execute_all_batches", "low_priority"):
             assert out[name] is not None and f"different {name}" in out[name], (name, out[name])
         assert math.isfinite(out["trained"]), out  # the step ran
+
+
+def test_after_ctrl_c_a_checkpoint_holds_sparse_dists_tables_or_is_refused():
+    """Ctrl-C in both ranks' forward at step 2: what can still be applied of the last trained batch's
+    update is (its deferred gradients, once they arrived), so the state equals TrainPipelineSparseDist's
+    after the same steps; where it cannot, reading the state raises. Before, model.state_dict()
+    silently lacked the deferred gradients (a checkpoint of no step)."""
+    for r in run_ranks(ctrl_c_in_forward, 2, 2, timeout_s=180):
+        assert r.error is None, r.error
+        assert r.value["pec"] in ("equal", "refused"), r.value

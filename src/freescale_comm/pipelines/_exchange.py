@@ -721,8 +721,8 @@ class PecExchange:
         before its next NOL lookup."""
         if self.unsent is not None:
             asks, served, grads, lrs = self.unsent
-            self.unsent = None
             self.deferred_grads = self._send_grads(asks, served, grads, lrs, first=False)
+            self.unsent = None  # (after: a send that raised leaves them unsent, as apply_arrived says)
 
     def _send_grads(self, asks: Asks, served: Served, grads: list[torch.Tensor], lrs: dict[int, float],
                     first: bool, micro: Optional[int] = None) -> _InFlight:
@@ -791,6 +791,21 @@ class PecExchange:
         work = self._a2a(buffer, inp, recv_splits, send_splits, priority)
         return _InFlight(work, buffer, recv_splits, rows_of, counts_of, asks.step, lrs,
                          self.world if _gradient_division() else 1, micro_of, micro, early_of)
+
+    def apply_arrived(self) -> Optional[str]:
+        """After a failure: applies what is left of the last update that needs no further message (its
+        split rest; the deferred gradients, once they arrived); returns what could not be applied (the
+        tables then hold part of an update), or None."""
+        self.apply_later()
+        if self.unsent is not None:
+            return "the last trained batch's deferred gradients were never sent"
+        if self.deferred_grads is not None:
+            pending, self.deferred_grads = self.deferred_grads, None
+            try:
+                self._apply(pending)
+            except Exception as e:  # noqa: BLE001 - said in what is returned
+                return f"the last trained batch's deferred gradients did not arrive ({e})"
+        return None
 
     def apply_deferred(self) -> None:
         """Applies the deferred gradients in flight, if any (every rank sent them already), and

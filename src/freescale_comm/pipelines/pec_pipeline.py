@@ -245,6 +245,10 @@ class TrainPipelinePEC(Generic[In, Out]):
         self._has_next = False  # batch N+1 exists (every rank agreed)
         self._routed: collections.deque = collections.deque()  # worker: (batch, inputs, asks) counted, not asked
         self._failure: Optional[BaseException] = None  # what broke the pipeline: raised again
+        # a step's own gradient round has begun and not returned: a failure then leaves the tables
+        # with part of that batch's update (flush() refuses to hand them out as a step's)
+        self._update_open = False
+        self._failure_flushed = False  # flush() after the failure applied what it could
         self._closed = False
         self._closed_why = "close() was called"
         self._progressing = threading.Lock()  # held by the thread in progress()
@@ -539,7 +543,9 @@ class TrainPipelinePEC(Generic[In, Out]):
             # runs on this thread, no handoff; program order across ranks is unchanged
             in_flight = tuple(f for f in (self._join(future, "gradients") for future in streamed) if f is not None)
             start, updated, blocked = time.perf_counter(), self._exchange.update_ms, self._blocked()
+            self._update_open = True
             self._exchange.gradients(grads, lrs, has_next, in_flight)
+            self._update_open = False  # this rank's part is applied; the deferred rest goes on (flush)
             update = self._exchange.update_ms - updated  # this rank's own fused update: compute, not a wait
             rounds = self._round_on_this_thread(start, update, blocked, "gradients")
             if has_next and self._exchange.later is not None:
@@ -622,6 +628,7 @@ class TrainPipelinePEC(Generic[In, Out]):
             if training:
                 micro_grads.append(accumulate_gradients(self._asks, totals, m, _grads_of(mine)))
             if training and m < last:  # after prepare(N+1) on the worker (its flags say which go first)
+                self._update_open = True
                 streamed.append(self._post(self._exchange.stream_gradients, m, micro_grads[-1], lrs, has_next))
             outputs.append(out)
         self._inputs, self._plans_now = {}, {}
@@ -661,11 +668,34 @@ class TrainPipelinePEC(Generic[In, Out]):
         read), so the tables and optimizer state are what TrainPipelineSparseDist would hold after
         the same steps. Local (every rank sent them already); runs by itself before the sharded
         modules' state_dict() and in close()."""
-        if self._closed or self._failure is not None:
+        if self._closed:
+            return
+        if self._failure is not None:
+            self._flush_after_failure()
             return
         if self._deferred_sent is not None:
             self._join(self._deferred_sent)
         self._join(self._post(self._exchange.apply_deferred))
+
+    def _flush_after_failure(self) -> None:
+        """After a failure (an error, Ctrl-C): applies what is left of the last trained batch's update
+        that needs no further message, so a checkpoint then holds that step's tables as
+        TrainPipelineSparseDist's would; RuntimeError if part of an update cannot be applied (its
+        gradient round was cut, its deferred gradients never arrived): the tables then match no step.
+        Before, a checkpoint after Ctrl-C silently lacked the deferred gradients."""
+        if self._failure_flushed:
+            return
+        missing = "the gradient round of the batch it was training had begun" if self._update_open else None
+        if missing is None:
+            try:
+                missing = self._join(self._post(self._exchange.apply_arrived))
+            except Exception as e:  # noqa: BLE001 - said below
+                missing = f"applying the deferred gradients failed ({e!r})"
+        if missing is not None:
+            raise RuntimeError(f"TrainPipelinePEC failed at step {self._step} ({self._failure!r}) with part of an update "
+                               f"unapplied: {missing}. Its tables match no step of TrainPipelineSparseDist: restore "
+                               "a checkpoint instead of saving this state") from self._failure
+        self._failure_flushed = True
 
     def close(self) -> None:
         """Applies deferred gradients (flush), stops the worker and the communicator and gives the
