@@ -397,6 +397,49 @@ def dropped_pipelines(info, steps: int) -> dict:
     return out
 
 
+def constructor_failure(info, steps: int) -> dict:
+    """The constructor failing late (here: wrapping the optimizer's state_dict), after the communicator,
+    the worker and the module hooks were made: the error comes out, no pipeline thread stays, no hook
+    stays on the model, and a new pipeline builds and trains. Before, the hooks stayed on the model
+    and its registry named the half-built pipeline, which the next one then failed to close."""
+    import threading
+
+    from freescale_comm.pipelines import pec_pipeline
+
+    def hooks(model) -> int:
+        return sum(len(m._forward_pre_hooks) + len(m._state_dict_pre_hooks) + len(m._load_state_dict_pre_hooks)
+                   for m in model.modules())
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    dmp, opt = build(dist.group.WORLD, "sgd")
+    hooks_before = hooks(dmp)
+    real = pec_pipeline.TrainPipelinePEC._wrap
+
+    def failing_wrap(*args, **kwargs):
+        raise RuntimeError("wrap failed")
+    pec_pipeline.TrainPipelinePEC._wrap = failing_wrap
+    try:
+        fc.TrainPipelinePEC(dmp, opt, torch.device("cpu"), group=dist.group.WORLD)
+        raised = None
+    except RuntimeError as e:
+        raised = str(e)
+    finally:
+        pec_pipeline.TrainPipelinePEC._wrap = real
+    for _ in range(100):
+        if not any(t.name.startswith("freescale-pec") for t in threading.enumerate()):
+            break
+        threading.Event().wait(0.05)
+    out = {"raised": raised, "threads": sorted(t.name for t in threading.enumerate() if t.name.startswith("freescale-pec")),
+           "hooks_left": hooks(dmp) - hooks_before}
+    try:
+        pipe = _pipe("pec", dmp, opt)
+        out["trained"] = len(_epoch(pipe, iter([b[rank] for b in make_batches(steps, world, 0.5, seed=31)])))
+        pipe.close()
+    except Exception as e:  # noqa: BLE001 - reported
+        out["trained"] = f"{type(e).__name__}: {e}"
+    return out
+
+
 def training_loop_patterns(info) -> dict:
     """Each pattern on 2 ranks, tiny model, few steps (see the functions above)."""
     return {"epochs": no_execute_all_epochs(info, 3, 4), "train_eval_train": train_eval_epochs(info, 4),
@@ -405,4 +448,4 @@ def training_loop_patterns(info) -> dict:
             "optimizer_first": optimizer_state_mid_run(info, 8, 5), "load": load_state(info, 6, 2, 3),
             "property_batches": property_batches(info, 3), "fixed_count": fixed_count_epochs(info, 3, 3),
             "torchrec_eval": torchrec_eval_mid_epoch(info, 4), "dropped": dropped_pipelines(info, 4),
-            "inner_load": load_through_the_inner_module(info, 4)}
+            "inner_load": load_through_the_inner_module(info, 4), "ctor_failure": constructor_failure(info, 3)}

@@ -47,6 +47,9 @@ def test_the_pipeline_behaves_as_sparse_dist_in_a_training_loop():
         # the inner module's load_state_dict is refused before its dense head loads
         inner = out["inner_load"]
         assert "in flight" in (inner["refused"] or "") and inner["head_keys"] == 2 and inner["head_changed"] == [], inner
+        # a constructor that fails late releases its communicator, worker and hooks
+        ctor = out["ctor_failure"]
+        assert ctor == {"raised": "wrap failed", "threads": [], "hooks_left": 0, "trained": 3}, ctor
         # a pipeline dropped mid-epoch gives way to a new one; one dropped unclosed with its model frees both
         dropped = out["dropped"]
         assert dropped["n_outputs"] == (2 + 4,) * 2 and dropped["outputs"] == dropped["state_max"] == 0.0, dropped

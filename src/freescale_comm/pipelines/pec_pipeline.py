@@ -217,96 +217,106 @@ class TrainPipelinePEC(Generic[In, Out]):
         except BaseException:
             self._comm.close()
             raise
-        tables = {s.weight.device for s in self._catalog.local.values()}
-        self._exchange = PecExchange(self._comm, self._catalog, high_priority, low_priority, deferred_priority,
-                                     tables.pop() if len(tables) == 1 else self._device, prefetch=prefetch,
-                                     micro_batches=micro_batches, micro=next_micro_priority,
-                                     micro_gradients=micro_gradient_priority)
-        # DDP wrappers of the dense part that micro-batches before the last may skip syncing in. Not
-        # static_graph ones (TorchRec's default): no_sync() there asserts or silently stops all-reducing
-        # (pytorch/pytorch#143580, #187732), so each micro-batch's backward syncs its own gradients
-        self._ddp = [m for m in model.modules()
-                     if isinstance(m, nn.parallel.DistributedDataParallel) and not getattr(m, "static_graph", False)]
-        data_device = self._exchange.device
-        self._worker = concurrent.futures.ThreadPoolExecutor(  # the CUDA device is per thread
-            1, thread_name_prefix="freescale-pec",
-            initializer=(lambda: torch.cuda.set_device(data_device)) if data_device.type == "cuda" else None)
-        # on CUDA the worker runs on its own stream; each post and join is also a stream edge (_streams)
-        self._streams = _streams.for_device(data_device)
-        self._batch: Optional[Any] = None  # batch N (MicroBatches with micro_batches), its rows fetched
-        self._inputs: dict[str, Any] = {}  # the sharded-module inputs of what forward runs on now
-        self._reads: tuple[list, list] = ([], [])  # per slot: rows each id reads, positions (module_output)
-        self._asks: Optional[Asks] = None  # batch N's rows (leaves) per slot
-        self._micro_rows: list[Optional[concurrent.futures.Future]] = []  # per micro-batch: its rows' round
-        self._blocking = False  # tests' synchronous reference: every message waited for when posted
-        self._step = 0
-        self._deferred_sent: Optional[concurrent.futures.Future] = None
-        self._asked_next: Optional[concurrent.futures.Future] = None  # the next batch's ids, in flight
-        self._has_next = False  # batch N+1 exists (every rank agreed)
-        self._routed: collections.deque = collections.deque()  # worker: (batch, inputs, asks) counted, not asked
-        self._failure: Optional[BaseException] = None  # what broke the pipeline: raised again
-        # a step's own gradient round has begun and not returned: a failure then leaves the tables
-        # with part of that batch's update (flush() refuses to hand them out as a step's)
-        self._update_open = False
-        self._failure_flushed = False  # flush() after the failure applied what it could
-        self._closed = False
-        self._closed_why = "close() was called"
-        self._progressing = threading.Lock()  # held by the thread in progress()
-        # per step, ms the main thread was blocked on embedding communication (waiting for the worker
-        # or for a message), in all and by phase ("ids": counts, ids; "embeddings": flags, NOL rows, the
-        # rows that waited for the last update (OL rows; with micro-batches each one's, as it starts);
-        # "gradients": the OL gradients' round trip). The work the main thread does in the rounds it
-        # runs itself (selecting, looking up, placing rows) is round_ms; its fused update, update_ms
-        self.exposed_ms: list[float] = []
-        self.round_ms: list[float] = []
-        # per step: the ids this rank sent its owners (every id; with micro-batches each distinct row of
-        # the batch once, with the micro-batches reading it)
-        self.rows_asked: list[int] = []
-        # per step: rows that moved to this rank (with micro-batches, a row two of them read moves once;
-        # dual_buffer moves the ones that wait for the last update twice: counted once)
-        self.rows_fetched: list[int] = []
-        # per step, ms the main thread spent applying gradients that go first to its own shards (the
-        # TBEs' fused update: compute on the critical path, not a wait; TorchRec runs it in backward)
-        self.update_ms: list[float] = []
-        self.exposed_by_phase: list[dict[str, float]] = []
-        # the hooks fc.balance made here (removing them later leaves a user's own re-balancing alone)
-        self._balanced = [fc_balance(target, cost_model, group=group).freescale_balance
-                          for target, cost_model in to_balance]
-        # balance plans made a batch ahead, for every sequence module's output (see _plans_ahead)
-        self._balancers = [hooks.balancer for hooks in self._balanced]
-        self._sequence_modules = [info for info in self._catalog.modules if not info.pooled] if self._balancers else []
-        self._plans: list[Plans] = []  # per micro-batch (one: whole batches) of batch N
-        self._plans_now: Plans = {}  # of what forward runs on now
-        self._hooks = []
-        # the pipeline's forward of each sharded module, installed only while progress() runs the
-        # model (_driving): outside it the module is TorchRec's (or another pipeline's, e.g.
-        # EvalPipelineSparseDist's rewritten forward), and a forward there applies the deferred
-        # gradients first (_forward_elsewhere)
-        self._forwards = {info.fqn: self._forward_of(info) for info in self._catalog.modules}
-        self._driving_now = False
-        for info in self._catalog.modules:
-            _driven[info.module] = weakref.ref(self)
-            self._hooks.append(info.module.register_forward_pre_hook(
-                lambda module, args, fqn=info.fqn: self._forward_elsewhere(module, fqn)))
-            # a checkpoint sees every update, as after TrainPipelineSparseDist's steps
-            self._hooks.append(info.module.register_state_dict_pre_hook(lambda *_: self.flush()))
-            loadable = info.module._register_load_state_dict_pre_hook(lambda *_: self._check_loadable())
-            # first, before TorchRec's own hooks rewrite the state dict in place (a refused load leaves it whole)
-            info.module._load_state_dict_pre_hooks.move_to_end(loadable.id, last=False)
-            self._hooks.append(loadable)
-        # the optimizers that read the tables' fused state: their state_dict() flushes first too, and
-        # their load_state_dict() is refused while batches are in flight (instance attributes, so
-        # DCP's get_optimizer_state_dict goes through them; removed by close())
-        self._wrapped: list[tuple[Any, str, Any]] = []
-        for holder in {id(o): o for o in (optimizer, getattr(model, "fused_optimizer", None)) if o is not None}.values():
-            self._wrap(holder, "state_dict", lambda *_, **__: self.flush())
-            self._wrap(holder, "load_state_dict", lambda *_, **__: self._check_loadable())
-        # refused before any module is touched (TorchRec's own load hooks rewrite the state dict in place):
-        # through the DMP, and through its inner module (whose own pre-hook runs before any child loads)
-        self._wrap(model, "load_state_dict", lambda *_, **__: self._check_loadable())
-        root = model.module._register_load_state_dict_pre_hook(lambda *_: self._check_loadable())
-        model.module._load_state_dict_pre_hooks.move_to_end(root.id, last=False)
-        self._hooks.append(root)
+        # from here on, a failure releases what was made (the communicator, the worker, hooks) before
+        # it is raised: nothing keeps running, and the model is the user's again
+        self._hooks, self._wrapped, self._balanced = [], [], []
+        self._worker = None
+        try:
+            tables = {s.weight.device for s in self._catalog.local.values()}
+            self._exchange = PecExchange(self._comm, self._catalog, high_priority, low_priority, deferred_priority,
+                                         tables.pop() if len(tables) == 1 else self._device, prefetch=prefetch,
+                                         micro_batches=micro_batches, micro=next_micro_priority,
+                                         micro_gradients=micro_gradient_priority)
+            # DDP wrappers of the dense part that micro-batches before the last may skip syncing in. Not
+            # static_graph ones (TorchRec's default): no_sync() there asserts or silently stops all-reducing
+            # (pytorch/pytorch#143580, #187732), so each micro-batch's backward syncs its own gradients
+            self._ddp = [m for m in model.modules()
+                         if isinstance(m, nn.parallel.DistributedDataParallel) and not getattr(m, "static_graph", False)]
+            data_device = self._exchange.device
+            self._worker = concurrent.futures.ThreadPoolExecutor(  # the CUDA device is per thread
+                1, thread_name_prefix="freescale-pec",
+                initializer=(lambda: torch.cuda.set_device(data_device)) if data_device.type == "cuda" else None)
+            # on CUDA the worker runs on its own stream; each post and join is also a stream edge (_streams)
+            self._streams = _streams.for_device(data_device)
+            self._batch: Optional[Any] = None  # batch N (MicroBatches with micro_batches), its rows fetched
+            self._inputs: dict[str, Any] = {}  # the sharded-module inputs of what forward runs on now
+            self._reads: tuple[list, list] = ([], [])  # per slot: rows each id reads, positions (module_output)
+            self._asks: Optional[Asks] = None  # batch N's rows (leaves) per slot
+            self._micro_rows: list[Optional[concurrent.futures.Future]] = []  # per micro-batch: its rows' round
+            self._blocking = False  # tests' synchronous reference: every message waited for when posted
+            self._step = 0
+            self._deferred_sent: Optional[concurrent.futures.Future] = None
+            self._asked_next: Optional[concurrent.futures.Future] = None  # the next batch's ids, in flight
+            self._has_next = False  # batch N+1 exists (every rank agreed)
+            self._routed: collections.deque = collections.deque()  # worker: (batch, inputs, asks) counted, not asked
+            self._failure: Optional[BaseException] = None  # what broke the pipeline: raised again
+            # a step's own gradient round has begun and not returned: a failure then leaves the tables
+            # with part of that batch's update (flush() refuses to hand them out as a step's)
+            self._update_open = False
+            self._failure_flushed = False  # flush() after the failure applied what it could
+            self._closed = False
+            self._closed_why = "close() was called"
+            self._progressing = threading.Lock()  # held by the thread in progress()
+            # per step, ms the main thread was blocked on embedding communication (waiting for the worker
+            # or for a message), in all and by phase ("ids": counts, ids; "embeddings": flags, NOL rows, the
+            # rows that waited for the last update (OL rows; with micro-batches each one's, as it starts);
+            # "gradients": the OL gradients' round trip). The work the main thread does in the rounds it
+            # runs itself (selecting, looking up, placing rows) is round_ms; its fused update, update_ms
+            self.exposed_ms: list[float] = []
+            self.round_ms: list[float] = []
+            # per step: the ids this rank sent its owners (every id; with micro-batches each distinct row of
+            # the batch once, with the micro-batches reading it)
+            self.rows_asked: list[int] = []
+            # per step: rows that moved to this rank (with micro-batches, a row two of them read moves once;
+            # dual_buffer moves the ones that wait for the last update twice: counted once)
+            self.rows_fetched: list[int] = []
+            # per step, ms the main thread spent applying gradients that go first to its own shards (the
+            # TBEs' fused update: compute on the critical path, not a wait; TorchRec runs it in backward)
+            self.update_ms: list[float] = []
+            self.exposed_by_phase: list[dict[str, float]] = []
+            # the hooks fc.balance made here (removing them later leaves a user's own re-balancing alone)
+            for target, cost_model in to_balance:
+                self._balanced.append(fc_balance(target, cost_model, group=group).freescale_balance)
+            # balance plans made a batch ahead, for every sequence module's output (see _plans_ahead)
+            self._balancers = [hooks.balancer for hooks in self._balanced]
+            self._sequence_modules = [info for info in self._catalog.modules if not info.pooled] if self._balancers else []
+            self._plans: list[Plans] = []  # per micro-batch (one: whole batches) of batch N
+            self._plans_now: Plans = {}  # of what forward runs on now
+            # the pipeline's forward of each sharded module, installed only while progress() runs the
+            # model (_driving): outside it the module is TorchRec's (or another pipeline's, e.g.
+            # EvalPipelineSparseDist's rewritten forward), and a forward there applies the deferred
+            # gradients first (_forward_elsewhere)
+            self._forwards = {info.fqn: self._forward_of(info) for info in self._catalog.modules}
+            self._driving_now = False
+            for info in self._catalog.modules:
+                _driven[info.module] = weakref.ref(self)
+                self._hooks.append(info.module.register_forward_pre_hook(
+                    lambda module, args, fqn=info.fqn: self._forward_elsewhere(module, fqn)))
+                # a checkpoint sees every update, as after TrainPipelineSparseDist's steps
+                self._hooks.append(info.module.register_state_dict_pre_hook(lambda *_: self.flush()))
+                loadable = info.module._register_load_state_dict_pre_hook(lambda *_: self._check_loadable())
+                # first, before TorchRec's own hooks rewrite the state dict in place (a refused load leaves it whole)
+                info.module._load_state_dict_pre_hooks.move_to_end(loadable.id, last=False)
+                self._hooks.append(loadable)
+            # the optimizers that read the tables' fused state: their state_dict() flushes first too, and
+            # their load_state_dict() is refused while batches are in flight (instance attributes, so
+            # DCP's get_optimizer_state_dict goes through them; removed by close())
+            for holder in {id(o): o for o in (optimizer, getattr(model, "fused_optimizer", None)) if o is not None}.values():
+                self._wrap(holder, "state_dict", lambda *_, **__: self.flush())
+                self._wrap(holder, "load_state_dict", lambda *_, **__: self._check_loadable())
+            # refused before any module is touched (TorchRec's own load hooks rewrite the state dict in place):
+            # through the DMP, and through its inner module (whose own pre-hook runs before any child loads)
+            self._wrap(model, "load_state_dict", lambda *_, **__: self._check_loadable())
+            root = model.module._register_load_state_dict_pre_hook(lambda *_: self._check_loadable())
+            model.module._load_state_dict_pre_hooks.move_to_end(root.id, last=False)
+            self._hooks.append(root)
+        except BaseException:
+            self._closed, self._closed_why = True, "its constructor failed"
+            if self._worker is not None:
+                self._worker.shutdown(wait=True, cancel_futures=True)
+            self._comm.close()
+            self._give_back_the_model()
+            raise
 
     def _wrap(self, holder: Any, name: str, before: Callable[..., None]) -> None:
         """holder.name(...) runs before(*args) first, until close(). A method bound to holder: a deep
@@ -725,18 +735,22 @@ class TrainPipelinePEC(Generic[In, Out]):
                 self._comm.close()
             self._streams.drain()
         finally:  # the model is the user's again whatever happened above
-            for hook in self._hooks:
-                hook.remove()
-            for holder, name, method in self._wrapped:
-                if vars(holder).get(name) is method:
-                    del vars(holder)[name]
-            for info in self._catalog.modules:
-                if _driver_of(info.module) is self:
-                    del _driven[info.module]
-            for hooks in self._balanced:
-                hooks.remove()
+            self._give_back_the_model()
         if error is not None:
             raise error
+
+    def _give_back_the_model(self) -> None:
+        """Removes every hook, wrapper and registry entry this pipeline put on the model."""
+        for hook in self._hooks:
+            hook.remove()
+        for holder, name, method in self._wrapped:
+            if vars(holder).get(name) is method:
+                del vars(holder)[name]
+        for info in self._catalog.modules:
+            if _driver_of(info.module) is self:
+                del _driven[info.module]
+        for hooks in self._balanced:
+            hooks.remove()
 
 
 def _micro_batch_refusal(catalog: Any, micro_batches: Optional[int]) -> Optional[str]:
