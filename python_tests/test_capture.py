@@ -159,7 +159,12 @@ def test_close_completes_the_cuda_ops_the_caller_waited_for_before_closing(monke
         def is_completed(self):
             return self.done
 
+        def failed(self):
+            return False
+
     class Core:
+        device_work_abandoned = False
+
         def stream_wait(self, handle, stream, timeout):
             return True
 
