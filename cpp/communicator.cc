@@ -157,8 +157,14 @@ void Communicator::raise_peer_failure(const std::vector<int>& needed) const {
   // death that broke the other group's collective (root_cause.h) and name a rank uninvolved in it.
   // The cause's own notice still says why it left: its op had failed first (e.g. timed out in an
   // all_to_all while this rank ran a delegated collective: programs out of step), not a crash.
+  // Kept: a notice that a needed rank died (a survivor of it that explained its own delegated op
+  // so, then left): it names who died first, where the deaths alone would name the lowest rank.
   const std::vector<PeerSight> noticed = sight;
-  for (PeerSight& s : sight) s.aborted = false;
+  for (PeerSight& s : sight) {
+    const bool death_seen = s.code == ErrorCode::kPeerDied && s.culprit >= 0 && s.culprit < world_ &&
+                            sight[s.culprit].needed && sight[s.culprit].died;
+    s.aborted = s.aborted && death_seen;
+  }
   const RootCause cause = find_root_cause(sight, rank_);
   try {
     throw_root_cause(cause, rank_, [this](int r) { return transport_->peer_pid(r); });
@@ -172,6 +178,23 @@ void Communicator::raise_peer_failure(const std::vector<int>& needed) const {
                         "): ranks that call different collectives fail so" + said,
                     e.culprit());
   }
+}
+
+void Communicator::fail_from_outside(ErrorCode code, const std::string& message, int culprit) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (closed_ || broken_) return;
+  }
+  if (progress_mu_.held_by_this_thread()) {  // a done-callback: this thread runs the rounds
+    fail_all(code, message, culprit);
+    return;
+  }
+  std::lock_guard<ProgressLock> hold(progress_mu_);
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (closed_) return;  // closed while this thread waited for the lock
+  }
+  fail_all(code, message, culprit);
 }
 
 void Communicator::close() {

@@ -78,6 +78,12 @@ class Communicator {
   // communicator's own failures and peers' notices about theirs explain nothing of another
   // group's collective and are not read. Any thread; takes no lock; never blocks on peers.
   void raise_peer_failure(const std::vector<int>& needed) const;
+  // A collective run outside this communicator among its ranks (delegated to gloo) failed for
+  // `code`, because of rank `culprit` (as raise_peer_failure named it): this communicator fails
+  // too (pending ops fail; later ones raise it), and its abort notice tells peers, so a survivor
+  // that sees this rank gone next follows the notice to `culprit` instead of naming this rank.
+  // No-op once closed or broken. Any thread but one holding locks the progress thread needs.
+  void fail_from_outside(ErrorCode code, const std::string& message, int culprit);
 
   // Stops the progress thread; pending ops fail with CommError; peers learn this rank left.
   // Idempotent. Call without holding locks the progress thread's callbacks need (the GIL).

@@ -1,7 +1,8 @@
 // The layout of one rank's shared segment in the host transport. The owner writes its outgoing
 // rings (owner -> peer); each peer reads its ring and advances its tail there.
 //
-//   [RankControl][ReceivedWindow][AbortNotice][Registration x kMaxRegistrations][RecvTarget x kOpWindow x world]
+//   [RankControl][ReceivedWindow][AbortNotice][PostedKinds][Registration x kMaxRegistrations]
+//   [RecvTarget x kOpWindow x world]
 //   [RingControl x world][slots of ring 0]...[slots of ring world-1]
 //   the owner's own ring has no slots (self-copies go direct).
 #pragma once
@@ -49,6 +50,14 @@ struct alignas(64) AbortNotice {
   char why[kAbortWhyBytes];
 };
 static_assert(sizeof(AbortNotice) == kAbortWhyBytes, "AbortNotice crosses processes");
+
+// What the owner runs as each op it posted (OpKind), so that a rank that reads a chunk header of
+// another kind can tell which rank is the odd one from what every posted rank runs:
+// entry[seq % kOpWindow] = (seq + 1) << 8 | kind, written before posted_ops passes seq (release).
+struct alignas(64) PostedKinds {
+  std::atomic<uint64_t> entry[kOpWindow];
+};
+static_assert(sizeof(PostedKinds) == 8 * kOpWindow, "PostedKinds crosses processes");
 
 struct alignas(64) RingControl {
   std::atomic<uint64_t> head;  // slots written by the owner (sender); only increases
@@ -107,7 +116,8 @@ struct HostSegmentLayout {
   // Whole pages, so the segment can be registered with CUDA as it is.
   size_t num_bytes() const {
     size_t used = rings_offset() + sizeof(RingControl) * world + slot_stride() * slots_per_ring * (world - 1);
-    static_assert(sizeof(RankControl) % 64 == 0 && sizeof(ReceivedWindow) % 64 == 0 && sizeof(AbortNotice) % 64 == 0,
+    static_assert(sizeof(RankControl) % 64 == 0 && sizeof(ReceivedWindow) % 64 == 0 && sizeof(AbortNotice) % 64 == 0 &&
+                      sizeof(PostedKinds) % 64 == 0,
                   "64-byte sections");
     return (used + 4095) / 4096 * 4096;
   }
@@ -117,6 +127,10 @@ struct HostSegmentLayout {
   }
   AbortNotice* abort_notice(void* base) const {
     return reinterpret_cast<AbortNotice*>(static_cast<char*>(base) + sizeof(RankControl) + sizeof(ReceivedWindow));
+  }
+  PostedKinds* posted_kinds(void* base) const {
+    return reinterpret_cast<PostedKinds*>(static_cast<char*>(base) + sizeof(RankControl) + sizeof(ReceivedWindow) +
+                                          sizeof(AbortNotice));
   }
   Registration* registration(void* base, int index) const {
     return reinterpret_cast<Registration*>(static_cast<char*>(base) + registrations_offset()) + index;
@@ -138,7 +152,9 @@ struct HostSegmentLayout {
 
  private:
   static uint64_t round_up(uint64_t bytes) { return (bytes + 63) / 64 * 64; }
-  static size_t registrations_offset() { return sizeof(RankControl) + sizeof(ReceivedWindow) + sizeof(AbortNotice); }
+  static size_t registrations_offset() {
+    return sizeof(RankControl) + sizeof(ReceivedWindow) + sizeof(AbortNotice) + sizeof(PostedKinds);
+  }
   size_t rings_offset() const {
     return registrations_offset() + sizeof(Registration) * kMaxRegistrations +
            round_up(sizeof(RecvTarget) * kOpWindow * static_cast<uint64_t>(world));

@@ -128,6 +128,8 @@ void HostTransport::ring_all() {
 void HostTransport::post(const std::shared_ptr<OpState>& op) {
   posted_[op->seq] = op;
   before_post(*op);
+  peers_[rank_].layout.posted_kinds(peers_[rank_].segment.data())->entry[op->seq % kOpWindow].store(
+      (op->seq + 1) << 8 | static_cast<uint64_t>(op->kind), std::memory_order_relaxed);  // published by posted_ops
   peers_[rank_].control()->posted_ops.store(op->seq + 1, std::memory_order_release);
   for (int p = 0; p < world_; ++p) {
     if (p != rank_) ring_peer(p);
@@ -216,7 +218,7 @@ void HostTransport::finish_recv(OpState& op, int src) {
   }
 }
 
-void HostTransport::deliver(int src, const SlotHeader& h, const uint8_t* payload) {
+bool HostTransport::deliver(int src, const SlotHeader& h, const uint8_t* payload) {
   auto it = posted_.find(h.seq);
   if (it == posted_.end()) {
     throw CommError(ErrorCode::kCommError, "rank " + std::to_string(src) + " sent data for op #" + std::to_string(h.seq) +
@@ -226,11 +228,18 @@ void HostTransport::deliver(int src, const SlotHeader& h, const uint8_t* payload
   OpState& op = *it->second;
   const uint32_t mine = static_cast<uint32_t>(op.kind);
   if (!op_kinds_meet(h.kind, mine)) {
+    // Who posted is read first: the kinds read next include all of theirs (a rank that posts in
+    // between is seen by the next try).
+    bool all_posted = true;
+    for (int p = 0; p < world_; ++p) all_posted = all_posted && (p == rank_ || peer_posted(p) > h.seq);
+    const int odd = odd_rank_out(h.seq, src, h.kind);
+    if (odd < 0 && world_ > 2 && !all_posted && Clock::now() < op.deadline) return false;  // their kinds will tell
+    const std::string odd_one = odd >= 0 ? "; rank " + std::to_string(odd) + " is the odd one among the ranks that posted it" : "";
     throw CommError(ErrorCode::kCommError,
                     "op #" + std::to_string(h.seq) + ": rank " + std::to_string(rank_) + " runs " + op_kind_name(mine) +
-                        " where rank " + std::to_string(src) + " runs " + op_kind_name(h.kind) +
+                        " where rank " + std::to_string(src) + " runs " + op_kind_name(h.kind) + odd_one +
                         " (were collectives issued in a different order, or one skipped on a rank?)",
-                    src);
+                    odd);
   }
   uint64_t expected = op.layout.recv_bytes[src];
   if (h.total != expected) {
@@ -248,6 +257,28 @@ void HostTransport::deliver(int src, const SlotHeader& h, const uint8_t* payload
   }
   op.recv_done[src] += h.bytes;
   land(src, op, h, payload, op.recv_done[src] == expected);
+  return true;
+}
+
+int HostTransport::odd_rank_out(uint64_t seq, int src, uint32_t theirs) const {
+  const uint32_t mine = static_cast<uint32_t>(posted_.at(seq)->kind);
+  std::vector<int> with_me{rank_}, with_them{src};
+  for (int p = 0; p < world_; ++p) {
+    if (p == rank_ || p == src || peer_posted(p) <= seq) continue;
+    const uint64_t entry = peers_[p].layout.posted_kinds(peers_[p].segment.data())->entry[seq % kOpWindow].load(
+        std::memory_order_relaxed);  // (read after posted_ops: acquire)
+    if (entry >> 8 != seq + 1) continue;  // overwritten by a later op: this one completed there
+    const uint32_t kind = static_cast<uint32_t>(entry & 0xff);
+    if (op_kinds_meet(kind, mine)) {
+      with_me.push_back(p);
+    } else if (op_kinds_meet(kind, theirs)) {
+      with_them.push_back(p);
+    }
+  }
+  // The odd one is alone against at least two; a tie (two ranks, or as many each way) names none.
+  if (with_me.size() == 1 && with_them.size() >= 2) return rank_;
+  if (with_them.size() == 1 && with_me.size() >= 2) return src;
+  return -1;
 }
 
 bool HostTransport::confirm_received() {
@@ -282,7 +313,7 @@ bool HostTransport::drain_from(int src) {
                           ": its shared memory is corrupt (or it runs another freescale_comm build)");
     }
     if (!can_land(src, h.bytes)) break;  // the data path is full: it waits in its slot
-    deliver(src, h, slot_payload(src, tail, slot));
+    if (!deliver(src, h, slot_payload(src, tail, slot))) break;  // waits in its slot (deliver says why)
     release_slot(src, tail);
   }
   return tail != first;

@@ -121,7 +121,14 @@ class HostTransport : public Transport {
     }
   };
   // Checks one arrived chunk from `src` against its op and lands it.
-  void deliver(int src, const SlotHeader& header, const uint8_t* payload);
+  // Accepts a chunk from `src` for a posted op; false if it must wait in its slot (its kind differs
+  // from ours and which rank is the odd one waits on peers yet to post the op). Throws CommError
+  // on a mismatch.
+  bool deliver(int src, const SlotHeader& header, const uint8_t* payload);
+  // Op `seq` (posted here) meets rank `src`'s chunk of kind `theirs`, which cannot meet ours: the
+  // rank alone in its kind against at least two others among the ranks that posted it (this one
+  // or src), or -1 if that cannot be told (two ranks; a tie; peers yet to post).
+  int odd_rank_out(uint64_t seq, int src, uint32_t theirs) const;
   bool drain_from(int src);
   void ring_peer(int peer) { peers_[peer].control()->doorbell.ring(); }
   void ring_all();

@@ -4,7 +4,6 @@
 #include <signal.h>
 #include <unistd.h>
 
-#include <algorithm>
 #include <atomic>
 #include <cstring>
 #include <mutex>
@@ -598,12 +597,13 @@ TEST(CeEmulatedFailures, NothingWritesAFailedOpsOutputAfterItReportsTheFailure) 
 // abandoned, the op's error says its buffers must never be freed, and the segments stay mapped.
 TEST(CeEmulatedFailures, AnAbandonedLaneIsSaidAndWhatItTouchesStaysMapped) {
   auto outcomes = run_forked_ranks(2, [](int rank, Bootstrap& bootstrap) -> std::string {
+    // rank 1 sends rank 0 8 MiB; x outlives the device, whose abandoned copies write it until it goes
+    Exchange x(testing::one_way_counts(), rank);
     EmulatedDeviceOptions options = testing::slow_on_rank_0(rank);
     options.hardware_queues = 1;
     EmulatedDevice device(options);
     Stream user = device.create_stream();
     auto comm = ce_communicator(bootstrap, small_config(/*timeout_ms=*/2000), device);
-    Exchange x(testing::one_way_counts(), rank);  // rank 1 sends rank 0 8 MiB
     auto op = comm->all_to_all(x.send.data(), x.recv.data(), x.layout, 0, false);
     std::string result;
     static uint64_t flag = 0;  // the user's stream waits for this host word
@@ -614,7 +614,10 @@ TEST(CeEmulatedFailures, AnAbandonedLaneIsSaidAndWhatItTouchesStaysMapped) {
       }
     } else {
       const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(10);
-      auto landed = [&] { return std::any_of(x.recv.begin(), x.recv.end(), [](uint8_t b) { return b != 0xEE; }); };
+      // the first chunk lands first; read as the device writes it (atomically: it lands meanwhile)
+      auto landed = [&] {
+        return __atomic_load_n(reinterpret_cast<const uint64_t*>(x.recv.data()), __ATOMIC_ACQUIRE) != 0xEEEEEEEEEEEEEEEEull;
+      };
       while (!landed() && std::chrono::steady_clock::now() < until) std::this_thread::sleep_for(std::chrono::milliseconds(1));
       if (!landed()) return "setup: nothing landed";
       device.wait_value64(user, reinterpret_cast<DevicePtr>(&flag), 1, WaitCmp::kGeq);

@@ -581,6 +581,24 @@ def native_ops_of_different_kinds(info, case: str) -> str:
         return f"CommError {e.code in ('COMM_ERROR', 'PEER_ABORTED')} {named}"
 
 
+def a_death_then_a_survivor_leaves(info) -> str:
+    """Rank 1 dies before an all_reduce (delegated to gloo) the others run; each survivor leaves at
+    once after its CommError, as a script does. The survivors that raise last see two ranks gone:
+    they must name rank 1, which died first, not rank 0, which only left after naming rank 1 (it
+    did: the lowest dead rank won). Returns "code culprit named-rank-1"."""
+    import os
+
+    if info.rank == 1:
+        os._exit(3)
+    try:
+        dist.all_reduce(torch.ones(4))
+    except fc.CommError as e:
+        if info.rank == 0:
+            os._exit(0)
+        return f"{e.code} {e.culprit} {'rank 1 (pid' in str(e)}"
+    return "completed"
+
+
 def delegated_vs_native_out_of_step(info) -> str:
     """Rank 0 all_reduces (delegated to gloo) while rank 1 runs a native all_to_all_single (programs
     out of step): rank 1 times out (FREESCALE_TIMEOUT_S) and leaves. Rank 0's error names rank 1

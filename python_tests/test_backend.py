@@ -16,6 +16,7 @@ from backend_programs import (
     delegated_vs_native_out_of_step,
     collectives_checked_in_detail_mode,
     native_ops_of_different_kinds,
+    a_death_then_a_survivor_leaves,
     pending_op_at_teardown,
     all_to_all_shapes_as_gloo,
     async_ops_and_priorities_interleave,
@@ -198,6 +199,15 @@ def test_native_ops_of_different_kinds_fail_naming_both_or_meet_as_under_gloo():
     results = run_ranks(native_ops_of_different_kinds, 2, "list_vs_single", backend="freescale", timeout_s=60)
     assert [r.value for r in results] == ["[[0.0, 0.0, 0.0, 0.0], [10.0, 10.0, 10.0, 10.0]]",
                                           "[[1.0, 1.0, 1.0, 1.0], [11.0, 11.0, 11.0, 11.0]]"], results
+
+
+def test_survivors_that_see_a_death_and_a_survivors_exit_name_the_death():
+    """A delegated op's failure breaks the group's communicator too, and its abort notice names the
+    dead rank: a survivor that sees that rank gone and the one that left after it names the first.
+    Before, ranks raising last named rank 0 (the lowest rank gone), which had only left."""
+    results = run_ranks(a_death_then_a_survivor_leaves, 4, backend="freescale", timeout_s=90,
+                        env={"FREESCALE_TIMEOUT_S": "10"})
+    assert [r.value for r in results[2:]] == ["PEER_DIED 1 True"] * 2, results
 
 
 def test_a_peer_that_left_after_its_own_op_failed_is_not_only_said_to_have_died():

@@ -227,6 +227,24 @@ void register_communicator(py::module_& m) {
            "If a rank in `needed` died or closed its communicator, raises the CommError naming it; else returns. For "
            "collectives run outside the communicator (delegated to gloo); its own failures and peers' notices are not "
            "read. Takes no lock; never blocks on peers.")
+      .def(
+          "fail_from_outside",
+          [](Communicator& c, const std::string& code, const std::string& message, std::optional<int> culprit) {
+            ErrorCode parsed = ErrorCode::kCommError;
+            bool known = false;
+            for (int k = static_cast<int>(ErrorCode::kInvalidArgument); k <= static_cast<int>(ErrorCode::kInternal); ++k) {
+              if (code == error_code_name(static_cast<ErrorCode>(k))) {
+                parsed = static_cast<ErrorCode>(k);
+                known = true;
+              }
+            }
+            if (!known) throw InvalidArgument("code must be an error code name such as PEER_DIED, got '" + code + "'");
+            without_gil([&] { c.fail_from_outside(parsed, message, culprit.value_or(-1)); });
+          },
+          py::arg("code"), py::arg("message"), py::arg("culprit") = py::none(),
+          "A delegated collective among these ranks failed for `code` (an error code name), caused by rank "
+          "`culprit`: this communicator fails too, and its abort notice names the cause to peers. No-op once "
+          "closed or broken.")
       .def("close", [](Communicator& c) { without_gil([&] { c.close(); }); })
       .def(
           "abandon_after_fork",

@@ -80,8 +80,11 @@ class FailureSight:
             try:
                 self._core.raise_peer_failure(needed)
             except CommError as cause:
-                return comm_error(f"{where} failed: {cause}. gloo said: {error}", getattr(cause, "code", "COMM_ERROR"),
-                                  getattr(cause, "culprit", None))
+                code, culprit = getattr(cause, "code", "COMM_ERROR"), getattr(cause, "culprit", None)
+                # this group is broken too: its notice tells a survivor that sees this rank leave next
+                # who died first (else it names the lowest rank among the dead: perhaps this one)
+                self._core.fail_from_outside(code, f"{where} failed: {cause}", culprit)
+                return comm_error(f"{where} failed: {cause}. gloo said: {error}", code, culprit)
             if time.monotonic() >= deadline:
                 break
             time.sleep(_LOOK_EVERY_S)
