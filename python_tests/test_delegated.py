@@ -16,6 +16,9 @@ class _Core:
         if 2 in needed and time.monotonic() >= self.dead_at:
             raise comm_error("[PEER_DIED] rank 2 died", "PEER_DIED", 2)
 
+    def fail_from_outside(self, code, message, culprit):
+        self.failed_with = (code, culprit)
+
 
 def test_a_failure_after_the_grace_window_closed_opens_a_new_one(monkeypatch):
     """A failure with no cause in sight waits out the window; a later failure, after it closed,
@@ -30,6 +33,7 @@ def test_a_failure_after_the_grace_window_closed_opens_a_new_one(monkeypatch):
     core.dead_at = time.monotonic() + 0.05  # the next death shows just after gloo's error
     second = sight.explain(RuntimeError("Connection closed by peer"), "all_reduce", [0, 1, 2])
     assert (second.code, second.culprit) == ("PEER_DIED", 2), second
+    assert core.failed_with == ("PEER_DIED", 2)  # the group's communicator fails too, naming the cause
 
 
 def test_refusals_in_the_call_are_left_as_gloo_raised_them():
