@@ -357,6 +357,20 @@ def load_through_the_inner_module(info, steps: int) -> dict:
             "head_changed": [k for k in head if not torch.equal(after[k], before[k])]}
 
 
+def _pec_threads_left(within_s: float = 5.0) -> list[str]:
+    """The pipeline worker threads still alive once none is left or `within_s` passed (a worker ends
+    once its executor is collected or shut down)."""
+    import threading
+
+    def alive() -> list[str]:
+        return sorted(t.name for t in threading.enumerate() if t.name.startswith("freescale-pec"))
+    for _ in range(int(within_s / 0.05)):
+        if not alive():
+            break
+        threading.Event().wait(0.05)
+    return alive()
+
+
 def dropped_pipelines(info, steps: int) -> dict:
     """A pipeline dropped mid-epoch without close(), then an epoch on a new one: as TorchRec's (the
     dropped one's read-ahead never trains; its deferred gradients apply). Before, the new one was
@@ -365,7 +379,6 @@ def dropped_pipelines(info, steps: int) -> dict:
     both are freed and its worker thread ends (before, the module registry held the pipeline, and
     through it the model, for the life of the process)."""
     import gc
-    import threading
     import weakref
 
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -388,12 +401,8 @@ def dropped_pipelines(info, steps: int) -> dict:
     model = weakref.ref(dmp)
     del dmp, opt, pipe  # not closed
     gc.collect()
-    for _ in range(100):  # the worker thread ends once its executor is collected
-        if not any(t.name.startswith("freescale-pec") for t in threading.enumerate()):
-            break
-        threading.Event().wait(0.05)
     out["model_freed"] = model() is None
-    out["pec_threads"] = sorted(t.name for t in threading.enumerate() if t.name.startswith("freescale-pec"))
+    out["pec_threads"] = _pec_threads_left()  # its worker ends once its executor is collected
     return out
 
 
@@ -402,8 +411,6 @@ def constructor_failure(info, steps: int) -> dict:
     the worker and the module hooks were made: the error comes out, no pipeline thread stays, no hook
     stays on the model, and a new pipeline builds and trains. Before, the hooks stayed on the model
     and its registry named the half-built pipeline, which the next one then failed to close."""
-    import threading
-
     from freescale_comm.pipelines import pec_pipeline
 
     def hooks(model) -> int:
@@ -425,11 +432,7 @@ def constructor_failure(info, steps: int) -> dict:
         raised = str(e)
     finally:
         pec_pipeline.TrainPipelinePEC._wrap = real
-    for _ in range(100):
-        if not any(t.name.startswith("freescale-pec") for t in threading.enumerate()):
-            break
-        threading.Event().wait(0.05)
-    out = {"raised": raised, "threads": sorted(t.name for t in threading.enumerate() if t.name.startswith("freescale-pec")),
+    out = {"raised": raised, "threads": _pec_threads_left(),
            "hooks_left": hooks(dmp) - hooks_before}
     try:
         pipe = _pipe("pec", dmp, opt)
