@@ -150,6 +150,7 @@ void Communicator::raise_peer_failure(const std::vector<int>& needed) const {
   for (int p : needed) {
     if (p < 0 || p >= world_ || p == rank_) continue;
     sight[p].needed = true;
+    sight[p].closed |= sight[p].left;  // aborted (its own op failed), then closed: gone from every collective
     lost |= sight[p].died || sight[p].closed;
   }
   if (!lost) return;
@@ -230,6 +231,7 @@ void Communicator::close() {
   // Peers learn this rank closed before its callers see their ops fail: a process that exits
   // right after that error is then named as having closed, not as dead (root_cause.h).
   if (!was_broken) transport_->close();
+  else transport_->leave();
   const std::string abandoned = abandoned_note();
   for (auto& op : active_) {
     op->fail(ErrorCode::kCommError,

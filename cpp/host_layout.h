@@ -15,10 +15,10 @@
 
 namespace freescale {
 
-// "FSCSHM04": RingControl carries head_enqueued / tail_enqueued, the segment registrations and
-// receive targets, SlotHeader flags and op kind, the abort notice's text (a peer of an older build
-// fails at setup).
-inline constexpr uint64_t kHostSegmentMagic = 0x46534353484d3034ull;
+// "FSCSHM05": RingControl carries head_enqueued / tail_enqueued, the segment registrations and
+// receive targets, SlotHeader flags and op kind, the abort notice's text, RankControl::left (a
+// peer of an older build fails at setup).
+inline constexpr uint64_t kHostSegmentMagic = 0x46534353484d3035ull;
 
 enum RankState : uint32_t { kRankRunning = 0, kRankClosed = 1, kRankAborted = 2 };
 
@@ -29,7 +29,8 @@ struct alignas(64) RankControl {
   std::atomic<uint64_t> posted_ops;  // ops this rank has posted (seq < posted_ops); only increases
   uint64_t magic;                    // kHostSegmentMagic, written before the segment is shared
   std::atomic<int32_t> abort_culprit;  // the rank at the root of the abort, -1 unknown (valid once aborted)
-  char pad[28];
+  std::atomic<uint32_t> left;        // 1 once an aborted rank closed its communicator (state stays kRankAborted)
+  char pad[24];
 };
 static_assert(sizeof(RankControl) == 64, "RankControl crosses processes");
 

@@ -363,6 +363,7 @@ std::vector<PeerSight> HostTransport::peer_sight() const {
     const uint32_t state = control->state.load(std::memory_order_acquire);
     sight[p].closed = state == kRankClosed;
     sight[p].aborted = state == kRankAborted;
+    sight[p].left = sight[p].aborted && control->left.load(std::memory_order_acquire) != 0;
     if (sight[p].aborted) {
       sight[p].code = static_cast<ErrorCode>(control->abort_code.load());
       sight[p].culprit = control->abort_culprit.load();
@@ -411,6 +412,11 @@ void HostTransport::abort(ErrorCode code, int culprit, const std::string& why) {
   control->abort_code.store(static_cast<int32_t>(code));
   control->abort_culprit.store(culprit);
   control->state.store(kRankAborted, std::memory_order_release);
+  ring_all();
+}
+
+void HostTransport::leave() {
+  peers_[rank_].control()->left.store(1, std::memory_order_release);
   ring_all();
 }
 

@@ -46,6 +46,7 @@ class HostTransport : public Transport {
   void wake() override;
   void abort(ErrorCode code, int culprit, const std::string& why) override;
   void close() override;
+  void leave() override;
 
  protected:
   // inline_payload false: slots carry headers only; the derived class moves payloads, through

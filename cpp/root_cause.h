@@ -20,6 +20,7 @@ struct PeerSight {
   bool died = false;     // its process is gone (ranks this rank can watch: same host)
   bool closed = false;   // it closed its communicator cleanly
   bool aborted = false;  // it left an abort notice: `code`, because of `culprit` (-1 unknown)
+  bool left = false;     // aborted, then closed its communicator: it waits on no collective any more
   ErrorCode code = ErrorCode::kCommError;
   int culprit = -1;
   std::string why;       // aborted: its own message, where the transport carries it (else empty)

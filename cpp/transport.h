@@ -93,6 +93,10 @@ class Transport {
   // buffers read or written, so they must never be freed or reused. Any thread after quiesce().
   virtual bool device_work_abandoned() const { return false; }
   virtual void close() = 0;
+  // close() of a communicator that had failed (its abort notice stands; close() is not called):
+  // peers' peer_sight() shows this rank as `left`, so a collective delegated to gloo that fails as
+  // it leaves is explained at once, not only once its process is seen gone.
+  virtual void leave() {}
   // Called before pending ops fail (a failure, or close() with ops pending): returns once no
   // work this transport queued can still read or write a caller's buffer, so a failed op's
   // buffers are the caller's again once it reports the failure (and a CUDA stream waiting on it

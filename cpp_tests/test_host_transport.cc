@@ -357,6 +357,45 @@ TEST(HostTransportRootCause, ARankThatClosesWithAnOpPendingAndExitsAtOnceIsNamed
   }
 }
 
+// A rank whose own op failed (its notice out) and that then closed its communicator stayed just
+// "aborted" to its peers until its process was seen gone: a collective delegated to gloo that
+// failed as it left went unexplained on a loaded machine (its exit takes longer than the grace).
+TEST(HostTransportRootCause, ARankThatClosedAfterItsOwnOpFailedIsSeenGoneWhileItsProcessLives) {
+  auto outcomes = run_forked_ranks(2, [](int rank, Bootstrap& bootstrap) -> std::string {
+    Communicator comm(bootstrap, small_config(/*timeout_ms=*/300));
+    std::string outcome;
+    if (rank == 1) {
+      Exchange x(uniform_counts(2, 64), rank);
+      auto op = comm.all_to_all(x.send.data(), x.recv.data(), x.layout, 0);  // rank 0 never posts it
+      try {
+        op->wait(std::chrono::microseconds(-1));
+        outcome = "the lone op completed";
+      } catch (const CommError&) {  // timed out: the communicator aborted
+      }
+      comm.raise_peer_failure({0});  // rank 0 is alive and open: nothing to explain
+      comm.close();
+    }
+    bootstrap.barrier();  // rank 1 has closed; it lives on until rank 0 has looked
+    if (rank == 0) {
+      try {
+        comm.raise_peer_failure({1});
+        outcome = "rank 1 not seen gone";
+      } catch (const CommError& e) {
+        const std::string what = e.what();
+        const bool named = e.culprit() == 1 && what.find("rank 1 (pid") != std::string::npos &&
+                           what.find("an op of its own had failed (TIMEOUT, caused by rank 0)") != std::string::npos;
+        if (!named) outcome = "wrong root cause: " + what;
+      }
+    }
+    bootstrap.barrier();
+    return outcome;
+  });
+  for (int r = 0; r < 2; ++r) {
+    EXPECT_FALSE(outcomes[r].timed_out);
+    EXPECT_EQ(outcomes[r].exit_code, 0) << "rank " << r << ": " << outcomes[r].message;
+  }
+}
+
 TEST(HostTransport, PeerThatNeverJoinsTimesOut) {
   auto outcomes = run_forked_ranks(2, [](int rank, Bootstrap& bootstrap) -> std::string {
     Communicator comm(bootstrap, small_config(/*timeout_ms=*/300));
