@@ -96,3 +96,19 @@ def test_a_deep_copy_of_a_wrapped_model_loads_into_itself():
     assert float(twin.weight.sum()) == 28.0 and float(model.weight.sum()) != 28.0 and checked == []
     model.load_state_dict({"weight": torch.ones(2, 2), "bias": torch.zeros(2)})
     assert checked == [1] and float(model.weight.sum()) == 4.0
+
+
+def test_a_checkpoint_loaded_in_place_mid_run_is_refused_and_a_new_pipeline_resumes_from_it(tmp_path):
+    """torch.distributed.checkpoint.load into model.state_dict() with batches in flight: before, the
+    next step trained them on rows fetched before the load and applied the last batch's deferred
+    gradients on top of the loaded tables (a silent wrong result). Now the next progress() (or the
+    next state_dict(), which would apply those gradients) refuses, the tables keep the checkpoint,
+    and a new pipeline resumes from it as TrainPipelineSparseDist does."""
+    from table_write_programs import checkpoint_loaded_in_place_mid_run
+
+    for read_first in (False, True):
+        where = str(tmp_path / f"read_first_{read_first}")
+        for out in spawn(checkpoint_loaded_in_place_mid_run, 2, 7, 2, 4, where, read_first, timeout_s=300):
+            assert "written in place outside TrainPipelinePEC" in (out["raised"] or ""), (read_first, out["raised"])
+            assert out["tables_hold_the_checkpoint"], read_first
+            assert out["n_outputs"] == (5, 5) and out["outputs"] == out["state_max"] == 0.0, (read_first, out)

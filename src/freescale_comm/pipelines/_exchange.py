@@ -74,6 +74,7 @@ from freescale_comm.pipelines._catalog import Catalog, LocalShard, Slot
 from freescale_comm.pipelines._host_counts import (CountBatch, first_uses, positions, select, select_into,
                                                    stable_order)
 from freescale_comm.pipelines._packed_ids import packs, unpack
+from freescale_comm.pipelines._table_writes import TableWatch
 from freescale_comm.pipelines._tbe_update import tbe_update
 
 
@@ -275,6 +276,7 @@ class PecExchange:
         tbes = {id(s.tbe): s.tbe for s in catalog.local.values()}
         self.tbes = list(tbes.values())
         self.iter_base = {id(t): int(t.iter.item()) for t in self.tbes}  # the TBEs' step counters at start
+        self.tables = TableWatch(catalog.local)  # in-place writes of the tables not the pipeline's
         self._marks: dict[tuple, torch.Tensor] = {}  # table shard -> bool [its rows], all clear (_members)
 
     # -- helpers -----------------------------------------------------------------------------------
@@ -865,10 +867,11 @@ class PecExchange:
                 lrs: dict[int, float]) -> None:
         """Batch `step`'s gradients (per TBE: feature -> (rows, grads)) through each TBE's fused update."""
         start = time.perf_counter()
-        for tbe in self.tbes:
-            work = per_tbe.get(id(tbe))
-            if work and any(rows.numel() for rows, _ in work.values()):
-                tbe_update(tbe, work, self.iter_base[id(tbe)] + step, lrs[id(tbe)])
+        with self.tables.own_writes():  # refused if someone else wrote the tables since (_table_writes)
+            for tbe in self.tbes:
+                work = per_tbe.get(id(tbe))
+                if work and any(rows.numel() for rows, _ in work.values()):
+                    tbe_update(tbe, work, self.iter_base[id(tbe)] + step, lrs[id(tbe)])
         self.update_ms += (time.perf_counter() - start) * 1e3
 
     def _pin_iterations(self, steps_done: int) -> None:

@@ -47,6 +47,7 @@ from freescale_comm.pipelines._exchange import PREFETCH, Asks, PecExchange
 from freescale_comm.pipelines._micro_batches import MicroBatches, SplitBatch, cut, merge_outputs
 from freescale_comm.pipelines._plans_ahead import Plans, plan_ahead
 from freescale_comm.pipelines._sparse_inputs import find_sparse_inputs, reader
+from freescale_comm.pipelines._table_writes import TablesWrittenInPlace
 from freescale_comm.planner import CostModel
 
 # the sharded modules a live TrainPipelinePEC drives (one pipeline per module at a time), to a weak
@@ -80,7 +81,9 @@ class TrainPipelinePEC(Generic[In, Out]):
     model's fused_optimizer) apply the deferred gradients first (flush), so they hold what
     TrainPipelineSparseDist's would; load_state_dict() on them is refused while batches are in
     flight (rows fetched before the load): load before the first progress(), after StopIteration
-    or after close().
+    or after close(). A write of the tables in place meanwhile (torch.distributed.checkpoint.load
+    into model.state_dict()) fails the pipeline at its next progress(), state_dict() or load (see
+    _table_writes); the tables keep what was written.
     group: the ranks to move embeddings among (default: the model's sharding process group).
     high_priority / low_priority / deferred_priority: OL traffic, prefetch traffic, NOL gradients.
     next_micro_priority / micro_gradient_priority (with micro_batches): the next micro-batch's rows,
@@ -365,9 +368,24 @@ class TrainPipelinePEC(Generic[In, Out]):
                                "torch.no_grad(), or close() the pipeline first")
         self.flush()
 
+    def _tables_unchanged(self) -> None:
+        """With batches in flight: fails the pipeline with TablesWrittenInPlace if someone else wrote
+        the tables in place since its last update (_table_writes); its deferred gradients are then
+        dropped, and its communicator closed so peers learn it at once instead of at their timeout."""
+        if self._batch is None or self._closed or self._failure is not None:
+            return
+        try:
+            self._exchange.tables.check()
+        except TablesWrittenInPlace as e:
+            self._failure = e
+            self._comm.close()
+            self._quiesce()
+            raise
+
     def _check_loadable(self) -> None:
         """Loading state while batches are in flight would train them on rows fetched before the load,
         and apply gradients of batches before it to the loaded tables."""
+        self._tables_unchanged()  # (torch.distributed.checkpoint.load wrote them already: say that)
         if self._batch is not None and not self._closed:
             raise RuntimeError("load_state_dict while TrainPipelinePEC holds batches in flight (their rows were "
                                "fetched, and gradients deferred, before the load): load before the first progress(), "
@@ -502,6 +520,9 @@ class TrainPipelinePEC(Generic[In, Out]):
             raise RuntimeError(f"TrainPipelinePEC failed at step {self._step} ({self._failure!r}); its tables may hold "
                                "a partial update: restore a checkpoint and build a new pipeline") from self._failure
         self._exposed = {"ids": 0.0, "embeddings": 0.0, "gradients": 0.0}
+        if self._batch is None:  # nothing in flight: the tables as they are now are the ones to train
+            self._exchange.tables.note()
+        self._tables_unchanged()
         try:
             if self._batch is None:  # fill: batch 0's counts, its ids (with batch 1's counts), its rows
                 if not self._join(self._post(self._announce, self._next_batch(dataloader_iter)), "ids"):
@@ -680,6 +701,7 @@ class TrainPipelinePEC(Generic[In, Out]):
         modules' state_dict() and in close()."""
         if self._closed:
             return
+        self._tables_unchanged()
         if self._failure is not None:
             self._flush_after_failure()
             return
@@ -693,7 +715,7 @@ class TrainPipelinePEC(Generic[In, Out]):
         TrainPipelineSparseDist's would; RuntimeError if part of an update cannot be applied (its
         gradient round was cut, its deferred gradients never arrived): the tables then match no step.
         Before, a checkpoint after Ctrl-C silently lacked the deferred gradients."""
-        if self._failure_flushed:
+        if self._failure_flushed or isinstance(self._failure, TablesWrittenInPlace):  # (the tables keep the write)
             return
         missing = "the gradient round of the batch it was training had begun" if self._update_open else None
         if missing is None:
