@@ -1,3 +1,4 @@
+import importlib.util
 import os
 
 import pytest
@@ -8,6 +9,12 @@ import torch
 # With a GPU the kernels compile, and test_layout_kernels.py skips.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+# Ranks fork from a server that imported these once (after TRITON_INTERPRET is set above): most
+# rank programs import torchrec, ~1.6 s of CPU per rank per test otherwise.
+from freescale_comm import testing  # noqa: E402 (imports triton: after TRITON_INTERPRET)
+
+testing.preload_in_ranks("freescale_comm", *(["torchrec"] if importlib.util.find_spec("torchrec") else []))
 
 
 def _our_segments() -> set[str]:

@@ -366,6 +366,13 @@ def sleep_for_a_minute(info) -> None:
     time.sleep(60)
 
 
+def modules_imported_at_start(info, names: list[str]) -> list[bool]:
+    """Which of `names` the rank had imported before its program ran (the harness's own tests)."""
+    import sys
+
+    return [name in sys.modules for name in names]
+
+
 def fail_after(info, seconds: float) -> None:
     """A rank whose check fails `seconds` in (the harness's own tests)."""
     time.sleep(seconds)

@@ -1,10 +1,13 @@
 """freescale_comm.testing, the harness every multi-rank test runs on."""
 import multiprocessing
+import pathlib
 import signal
+import subprocess
+import sys
 
 import pytest
 
-from freescale_comm.testing import RankFailure, run_ranks, spawn
+from freescale_comm.testing import RankFailure, preload_in_ranks, run_ranks, spawn
 from rank_programs import exit_without_reporting, fail_after, sleep_for_a_minute
 
 
@@ -36,3 +39,23 @@ def test_a_rank_failing_just_past_the_deadline_is_a_failure_not_a_pass():
 def test_a_rank_exiting_0_without_reporting_is_a_failure_not_a_pass():
     with pytest.raises(RankFailure, match="exited \\(code 0\\) without reporting a result"):
         spawn(exit_without_reporting, 2, backend=None, timeout_s=30)
+
+
+def test_ranks_start_with_the_modules_preloaded_and_only_those():
+    """preload_in_ranks: the forkserver imports them once, so each rank starts with them imported.
+    A fresh interpreter, since this process's server has started already."""
+    program = (f"import sys; sys.path.insert(0, {str(pathlib.Path(__file__).parent)!r})\n"
+               "from freescale_comm import testing\n"
+               "import rank_programs\n"
+               "testing.preload_in_ranks('wave')\n"
+               "print(testing.spawn(rank_programs.modules_imported_at_start, 1, ['wave', 'tabnanny'],"
+               " backend=None, timeout_s=60))\n")
+    out = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[[True, False]]"
+
+
+@pytest.mark.parametrize("bad", [b"torchrec", "", None])
+def test_preloading_takes_module_names_only(bad):
+    with pytest.raises(TypeError, match="preload_in_ranks takes module names"):
+        preload_in_ranks(bad)
