@@ -422,6 +422,20 @@ def a_rank_dies_while_a_freescale_group_is_set_up(info) -> Optional[tuple[str, s
     return None
 
 
+def a_rank_never_comes_to_build_a_freescale_group(info) -> Optional[tuple[str, str, Optional[int], str]]:
+    """Rank 2 of 3 leaves before dist.new_group(backend="freescale", timeout=3 s); ranks 0 and 1
+    return (error type, code, culprit, message)."""
+    import datetime
+
+    if info.rank == 2:
+        os._exit(3)
+    try:
+        dist.new_group(backend="freescale", timeout=datetime.timedelta(seconds=3))
+    except Exception as e:  # noqa: BLE001 - the error is the result
+        return (type(e).__name__, getattr(e, "code", None), getattr(e, "culprit", None), str(e))
+    return None
+
+
 def exit_without_reporting(info) -> int:
     """Rank 1 leaves with os._exit(0) before returning (the harness's own tests)."""
     if info.rank == 1:

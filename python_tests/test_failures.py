@@ -18,6 +18,7 @@ from failure_path_programs import (close_with_ops_pending, exit_at_once_rounds, 
 from rank_programs import (
     a_peer_leaves_before_building_its_communicator,
     a_rank_dies_while_a_freescale_group_is_set_up,
+    a_rank_never_comes_to_build_a_freescale_group,
     disagreeing_splits,
     huge_timeouts_mean_no_timeout,
     peer_never_joins,
@@ -252,6 +253,17 @@ def test_a_rank_dying_while_a_freescale_group_is_set_up_is_named_within_the_grou
         kind, code, culprit, waited = results[rank].value
         assert (kind, code, culprit) == ("CommError", "TIMEOUT", 1), results[rank]
         assert waited < 15, f"waited {waited} s: the world store's 30 s, not the group's 2 s"
+
+
+@pytest.mark.timeout(120)
+def test_a_rank_that_never_comes_to_build_a_freescale_group_is_named():
+    """README: a rank that dies before a freescale group is made is named. Before, a TIMEOUT naming
+    no rank (gloo's rendezvous said only which store key it waited for)."""
+    results = run_ranks(a_rank_never_comes_to_build_a_freescale_group, 3, backend="freescale", timeout_s=60)
+    for rank in (0, 1):
+        kind, code, culprit, message = results[rank].value
+        assert (kind, code, culprit) == ("CommError", "TIMEOUT", 2), results[rank]
+        assert "rank(s) [2] never began building it" in message, message
 
 
 @pytest.mark.timeout(120)

@@ -121,6 +121,18 @@ class _BarrierWork(_NativeWork):
         return self._work.get_future().then(nothing)
 
 
+# Store key each rank of a freescale group sets as it begins building it (+ its group rank).
+_ARRIVED = "freescale-arrived/"
+
+
+def _not_arrived(store: dist.Store, size: int) -> list[int]:
+    """Group ranks whose arrival key is not in the group's store ([] if the store cannot say)."""
+    try:
+        return [r for r in range(size) if not store.check([f"{_ARRIVED}{r}"])]
+    except Exception:  # noqa: BLE001 - the store's host is gone too: the caller says what it can
+        return []
+
+
 class ProcessGroupFreescale(dist.ProcessGroup):
     """Created by torch for ``init_process_group("freescale")`` / ``new_group(backend="freescale")``."""
 
@@ -131,12 +143,16 @@ class ProcessGroupFreescale(dist.ProcessGroup):
         self._store = store
         self._timeout = timeout
         self._group_name_ = group_name
+        store.set(f"{_ARRIVED}{rank}", "1")  # names the ranks that never came if the rendezvous fails
         try:
             self._cpu = dist.ProcessGroupGloo(dist.PrefixStore("gloo/", store), rank, size, timeout)
         except RuntimeError as e:  # its rendezvous timed out (DistStoreError): a peer died or is late
+            missing = _not_arrived(store, size)
+            who = (f"rank(s) {missing} never began building it (died or failed before, or late)" if missing else
+                   "a rank died or failed while building it, or is late")
             raise comm_error(f"setting up a freescale group: its inner gloo group's rendezvous failed within "
-                             f"{timeout.total_seconds():g} s (a rank died or failed before building the group, or is "
-                             f"late). gloo said: {e}", "TIMEOUT") from e
+                             f"{timeout.total_seconds():g} s: {who}. gloo said: {e}", "TIMEOUT",
+                             missing[0] if len(missing) == 1 else None) from e
         # TORCH_DISTRIBUTED_DEBUG=DETAIL: torch checks collectives only in the backends it wraps, and
         # it wraps no ProcessGroup subclass (this one): wrap the inner gloo group here (CPU tensors'
         # delegated ops), and check native ops through it too (_check_native)
