@@ -358,7 +358,7 @@ void Communicator::check_health(Clock::time_point now) {
     }
     std::string what = waiting.tellp() > 0 ? "still waiting on rank(s) [" + waiting.str() + "]"
                                            : "every byte moved, but some rank has not confirmed receiving its share";
-    throw CommError(ErrorCode::kTimeout, "all_to_all op #" + std::to_string(op->seq) + " on rank " + std::to_string(rank_) +
+    throw CommError(ErrorCode::kTimeout, op_kind_name(static_cast<uint32_t>(op->kind)) + " op #" + std::to_string(op->seq) + " on rank " + std::to_string(rank_) +
                                              " Timed out after " + std::to_string(config_.timeout_ms / 1000.0) + " s, " +
                                              what + " (set the group timeout or FREESCALE_TIMEOUT_S)", culprit);
   }

@@ -4,6 +4,7 @@
 #include <cerrno>
 #include <cmath>
 #include <cstdlib>
+#include <cstring>
 #include <limits>
 
 #include "cpp/errors.h"
@@ -51,7 +52,10 @@ Config Config::from_env() {
   if (const char* raw = std::getenv("FREESCALE_TIMEOUT_S"); raw != nullptr && *raw != '\0') {
     char* end = nullptr;
     double seconds = std::strtod(raw, &end);
-    if (end == raw || *end != '\0' || !std::isfinite(seconds) || seconds <= 0) {
+    // digits first, as the size knobs (strtod alone takes blanks, signs and hex)
+    const bool plain = std::isdigit(static_cast<unsigned char>(raw[0])) &&
+                       std::strpbrk(raw, "xXpP") == nullptr;
+    if (!plain || end == raw || *end != '\0' || !std::isfinite(seconds) || seconds <= 0) {
       throw InvalidArgument(std::string("FREESCALE_TIMEOUT_S='") + raw +
                             "' must be a positive number of seconds; fix or unset it");
     }

@@ -46,7 +46,8 @@ int weight(const RootCause& r) {
   throw CommError(ErrorCode::kPeerAborted, "rank " + std::to_string(aborter) + " aborted the communicator (" +
                                                error_code_name(code) + because + "), so rank " + std::to_string(me) +
                                                " fails too" + said,
-                  culprit >= 0 ? culprit : aborter);
+                  // a TIMEOUT naming no one: the aborter only waited (for several ranks), not a cause
+                  culprit >= 0 ? culprit : code == ErrorCode::kTimeout ? -1 : aborter);
 }
 
 }  // namespace

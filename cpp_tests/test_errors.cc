@@ -54,6 +54,12 @@ TEST(Config, BadEnvironmentNamesTheVariable) {
   EXPECT_EQ(c.timeout_ms, 2500u);
   setenv("FREESCALE_TIMEOUT_S", "-1", 1);
   EXPECT_THROW(Config::from_env(), InvalidArgument);
+  for (const char* lax : {"+5", " 5", "0x10", "5 "}) {  // refused as the size knobs refuse them (strtod took the first three)
+    setenv("FREESCALE_TIMEOUT_S", lax, 1);
+    EXPECT_THROW(Config::from_env(), InvalidArgument) << "'" << lax << "'";
+  }
+  setenv("FREESCALE_TIMEOUT_S", "1e3", 1);
+  EXPECT_EQ(Config::from_env().timeout_ms, 1000000u);
   unsetenv("FREESCALE_CHUNK_BYTES");
   unsetenv("FREESCALE_TIMEOUT_S");
 }

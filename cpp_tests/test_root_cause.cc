@@ -101,6 +101,17 @@ TEST(RootCause, TheAbortersOwnWordsAtTheEndOfAChainReachEverySurvivor) {
             "fails too; rank 1 said: rank 1 expected 300 bytes from rank 0, which sends 200");
 }
 
+TEST(RootCause, ATimeoutNoticeNamingNoOneBlamesNoOneNotTheRankThatWaited) {
+  // Ranks 2 and 3 came late: rank 0 timed out waiting on both (no single culprit). Rank 2, calling
+  // at last, was told rank 0 caused it (before: culprit 0, the rank that only waited).
+  std::vector<PeerSight> peers(4);
+  peers[0] = notice(ErrorCode::kTimeout, -1);
+  EXPECT_EQ(message_of(find_root_cause(peers, 2), 2),
+            "PEER_ABORTED culprit -1: rank 0 aborted the communicator (TIMEOUT), so rank 2 fails too");
+  peers[0] = notice(ErrorCode::kCommError, -1);  // a failure of the aborter's own: it is the cause
+  EXPECT_EQ(message_of(find_root_cause(peers, 2), 2).rfind("PEER_ABORTED culprit 0:", 0), 0u);
+}
+
 TEST(RootCause, CyclesOfNoticesEnd) {
   std::vector<PeerSight> peers(3);
   peers[1] = notice(ErrorCode::kPeerDied, 2, true);

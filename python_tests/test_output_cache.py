@@ -82,5 +82,8 @@ def test_a_bad_limit_names_the_variable(monkeypatch):
     monkeypatch.setenv("FREESCALE_OUTPUT_CACHE_BYTES", "-1")
     with pytest.raises(ValueError, match=">= 0"):
         _cache_limit()
+    monkeypatch.setenv("FREESCALE_OUTPUT_CACHE_BYTES", " 1G ")  # blanks, refused as the core's sizes refuse them
+    with pytest.raises(ValueError, match="FREESCALE_OUTPUT_CACHE_BYTES"):
+        _cache_limit()
     monkeypatch.setenv("FREESCALE_OUTPUT_CACHE_BYTES", "256M")
     assert _cache_limit() == 256 * MiB

@@ -1,4 +1,4 @@
-"""python -m freescale_comm demo: the main job in one small run (about a minute on 2 cores).
+"""python -m freescale_comm demo: the main job in one small run (about 40 s on 2 cores, as the README says).
 
 Runs `freescale-bench e2e --trace freescale-demo` (a measured HSTU-like training step on local
 ranks, one per CPU core up to 4, each pinned to its own core as one device per rank; every mode),

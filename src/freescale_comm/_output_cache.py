@@ -28,7 +28,7 @@ _SUFFIX = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
 def _cache_limit() -> int:
     """FREESCALE_OUTPUT_CACHE_BYTES: bytes, with an optional K/M/G binary suffix like the other
     FREESCALE_* sizes."""
-    raw = os.environ.get("FREESCALE_OUTPUT_CACHE_BYTES", "1G").strip()
+    raw = os.environ.get("FREESCALE_OUTPUT_CACHE_BYTES", "1G")  # no blanks, as the core's sizes
     scale = _SUFFIX.get(raw[-1:].upper(), 1)
     digits = raw[:-1] if scale != 1 else raw
     if not digits.isdigit():
