@@ -2,7 +2,7 @@
 // rings (owner -> peer); each peer reads its ring and advances its tail there.
 //
 //   [RankControl][ReceivedWindow][AbortNotice][PostedKinds][Registration x kMaxRegistrations]
-//   [RecvTarget x kOpWindow x world]
+//   [RecvTarget x kOpWindow x world][PostedSizes x kOpWindow]
 //   [RingControl x world][slots of ring 0]...[slots of ring world-1]
 //   the owner's own ring has no slots (self-copies go direct).
 #pragma once
@@ -16,8 +16,8 @@
 namespace freescale {
 
 // "FSCSHM05": RingControl carries head_enqueued / tail_enqueued, the segment registrations and
-// receive targets, SlotHeader flags and op kind, the abort notice's text, RankControl::left (a
-// peer of an older build fails at setup).
+// receive targets, SlotHeader flags and op kind, the abort notice's text, RankControl::left, the
+// posted ops' sizes (a peer of an older build fails at setup).
 inline constexpr uint64_t kHostSegmentMagic = 0x46534353484d3035ull;
 
 enum RankState : uint32_t { kRankRunning = 0, kRankClosed = 1, kRankAborted = 2 };
@@ -103,6 +103,19 @@ struct RecvTarget {
   uint64_t bytes;                    // the receive block's size, as the owner expects it
 };
 static_assert(sizeof(RecvTarget) == 32, "RecvTarget crosses processes");
+
+// The bytes the owner's op `seq` sends to and expects from each rank, so that a rank whose sizes
+// disagree with a peer's can tell which one is the odd one out from every posted rank's:
+// [tag][send x world][recv x world] per window slot, tag = seq + 1, all written before
+// posted_ops passes seq (release). 64-byte aligned slots.
+struct PostedSizes {
+  std::atomic<uint64_t>* words;  // the slot: 1 + 2 * world words
+  int world;
+  static uint64_t stride(int world) { return (8 + 16 * static_cast<uint64_t>(world) + 63) / 64 * 64; }
+  std::atomic<uint64_t>& tag() const { return words[0]; }
+  std::atomic<uint64_t>& send(int peer) const { return words[1 + peer]; }
+  std::atomic<uint64_t>& recv(int peer) const { return words[1 + world + peer]; }
+};
 static_assert(sizeof(SlotHeader) == 64, "SlotHeader crosses processes");
 static_assert(std::atomic<uint64_t>::is_always_lock_free, "shared counters must be lock-free");
 
@@ -141,6 +154,11 @@ struct HostSegmentLayout {
                                                   sizeof(Registration) * kMaxRegistrations);
     return targets + (seq % kOpWindow) * static_cast<uint64_t>(world) + static_cast<uint64_t>(src);
   }
+  PostedSizes posted_sizes(void* base, uint64_t seq) const {
+    return {reinterpret_cast<std::atomic<uint64_t>*>(static_cast<char*>(base) + sizes_offset() +
+                                                     (seq % kOpWindow) * PostedSizes::stride(world)),
+            world};
+  }
   RingControl* ring(void* base, int peer) const {
     return reinterpret_cast<RingControl*>(static_cast<char*>(base) + rings_offset()) + peer;
   }
@@ -156,10 +174,11 @@ struct HostSegmentLayout {
   static size_t registrations_offset() {
     return sizeof(RankControl) + sizeof(ReceivedWindow) + sizeof(AbortNotice) + sizeof(PostedKinds);
   }
-  size_t rings_offset() const {
+  size_t sizes_offset() const {
     return registrations_offset() + sizeof(Registration) * kMaxRegistrations +
            round_up(sizeof(RecvTarget) * kOpWindow * static_cast<uint64_t>(world));
   }
+  size_t rings_offset() const { return sizes_offset() + PostedSizes::stride(world) * kOpWindow; }
 };
 
 }  // namespace freescale

@@ -130,6 +130,12 @@ void HostTransport::post(const std::shared_ptr<OpState>& op) {
   before_post(*op);
   peers_[rank_].layout.posted_kinds(peers_[rank_].segment.data())->entry[op->seq % kOpWindow].store(
       (op->seq + 1) << 8 | static_cast<uint64_t>(op->kind), std::memory_order_relaxed);  // published by posted_ops
+  const PostedSizes sizes = peers_[rank_].layout.posted_sizes(peers_[rank_].segment.data(), op->seq);
+  for (int p = 0; p < world_; ++p) {
+    sizes.send(p).store(op->layout.send_bytes[p], std::memory_order_relaxed);
+    sizes.recv(p).store(op->layout.recv_bytes[p], std::memory_order_relaxed);
+  }
+  sizes.tag().store(op->seq + 1, std::memory_order_relaxed);  // published by posted_ops
   peers_[rank_].control()->posted_ops.store(op->seq + 1, std::memory_order_release);
   for (int p = 0; p < world_; ++p) {
     if (p != rank_) ring_peer(p);
@@ -243,12 +249,20 @@ bool HostTransport::deliver(int src, const SlotHeader& h, const uint8_t* payload
   }
   uint64_t expected = op.layout.recv_bytes[src];
   if (h.total != expected) {
+    bool all_posted = true;  // (read before the sizes, as for the kinds above)
+    for (int p = 0; p < world_; ++p) all_posted = all_posted && (p == rank_ || peer_posted(p) > h.seq);
+    std::pair<int, int> pairs;  // (disagreeing, the odd one's)
+    const int odd = odd_size_rank(h.seq, &pairs);
+    if (odd < 0 && world_ > 2 && !all_posted && Clock::now() < op.deadline) return false;  // their sizes will tell
     const std::string theirs = h.kind == mine ? "" : " (its " + op_kind_name(h.kind) + ")";
+    const std::string odd_one = odd >= 0 && odd != src ? "; rank " + std::to_string(odd) + " is the odd one out: it is in " +
+                                                             std::to_string(pairs.second) + " of the " + std::to_string(pairs.first) +
+                                                             " (sender, receiver) pairs whose sizes disagree" : "";
     throw CommError(ErrorCode::kSizeMismatch,
                     op_kind_name(mine) + " op #" + std::to_string(h.seq) + ": rank " + std::to_string(rank_) +
                         " expected " + std::to_string(expected) + " bytes from rank " + std::to_string(src) +
-                        ", which sends " + std::to_string(h.total) + " bytes" + theirs + ": " + kSizesDisagree,
-                    src);
+                        ", which sends " + std::to_string(h.total) + " bytes" + theirs + odd_one + ": " + kSizesDisagree,
+                    odd >= 0 ? odd : src);
   }
   // recv_done counts accepted bytes (landing may lag: recv_finished says when all landed).
   if (h.offset != op.recv_done[src] || h.bytes > expected - h.offset || op.recv_finished[src] ||
@@ -279,6 +293,37 @@ int HostTransport::odd_rank_out(uint64_t seq, int src, uint32_t theirs) const {
   if (with_me.size() == 1 && with_them.size() >= 2) return rank_;
   if (with_them.size() == 1 && with_me.size() >= 2) return src;
   return -1;
+}
+
+int HostTransport::odd_size_rank(uint64_t seq, std::pair<int, int>* pairs) const {
+  // Per rank that posted op `seq`: what it sends to and expects from each rank (ours from the op).
+  std::vector<std::vector<uint64_t>> send(world_), recv(world_);
+  const OpState& op = *posted_.at(seq);
+  send[rank_] = op.layout.send_bytes;
+  recv[rank_] = op.layout.recv_bytes;
+  for (int p = 0; p < world_; ++p) {
+    if (p == rank_ || peer_posted(p) <= seq) continue;
+    const PostedSizes sizes = peers_[p].layout.posted_sizes(peers_[p].segment.data(), seq);
+    if (sizes.tag().load(std::memory_order_relaxed) != seq + 1) continue;  // (read after posted_ops: acquire)
+    for (int q = 0; q < world_; ++q) {
+      send[p].push_back(sizes.send(q).load(std::memory_order_relaxed));
+      recv[p].push_back(sizes.recv(q).load(std::memory_order_relaxed));
+    }
+  }
+  std::vector<int> in_pairs(world_, 0);
+  int disagreeing = 0;
+  for (int s = 0; s < world_; ++s) {
+    for (int r = 0; r < world_; ++r) {
+      if (s == r || send[s].empty() || recv[r].empty() || send[s][r] == recv[r][s]) continue;
+      ++in_pairs[s];
+      ++in_pairs[r];
+      ++disagreeing;
+    }
+  }
+  const int most = static_cast<int>(std::max_element(in_pairs.begin(), in_pairs.end()) - in_pairs.begin());
+  const bool alone = std::count(in_pairs.begin(), in_pairs.end(), in_pairs[most]) == 1;
+  *pairs = {disagreeing, in_pairs[most]};
+  return alone && in_pairs[most] >= 2 ? most : -1;
 }
 
 bool HostTransport::confirm_received() {

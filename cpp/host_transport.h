@@ -9,6 +9,7 @@
 #include <chrono>
 #include <map>
 #include <memory>
+#include <utility>
 #include <vector>
 
 #include "cpp/bootstrap.h"
@@ -130,6 +131,12 @@ class HostTransport : public Transport {
   // rank alone in its kind against at least two others among the ranks that posted it (this one
   // or src), or -1 if that cannot be told (two ranks; a tie; peers yet to post).
   int odd_rank_out(uint64_t seq, int src, uint32_t theirs) const;
+  // Op `seq` (posted here) disagrees in size with rank `src`'s chunk: among the ranks that posted
+  // it, the one in the most disagreeing (sender, receiver) pairs if it is alone there and in at
+  // least two (a rank with wrong output splits or dtype disagrees with every peer; a sender with
+  // one wrong input split with one), else -1. `pairs`: the disagreeing pairs, and how many of
+  // them the rank returned is in.
+  int odd_size_rank(uint64_t seq, std::pair<int, int>* pairs) const;
   bool drain_from(int src);
   void ring_peer(int peer) { peers_[peer].control()->doorbell.ring(); }
   void ring_all();

@@ -170,6 +170,38 @@ TEST(HostTransport, SplitsThatDisagreeFailOnEveryRank) {
   expect_all_ok(outcomes);
 }
 
+// A receiver whose sizes disagree with every peer's (its output splits, or its dtype: then its
+// sends too) named the first sender it read as the culprit, on every rank (the blame audit).
+TEST(HostTransportRootCause, ARankWhoseSizesDisagreeWithEveryPeerIsNamedNotTheSenderItReadFirst) {
+  for (bool sends_too : {false, true}) {
+    auto outcomes = run_forked_ranks(4, [sends_too](int rank, Bootstrap& bootstrap) -> std::string {
+      Communicator comm(bootstrap, small_config(/*timeout_ms=*/20000));
+      auto counts = uniform_counts(4, 16);
+      if (rank == 1) {
+        for (int p = 0; p < 4; ++p) {
+          if (p == 1) continue;
+          counts[p][1] = 32;                 // expects 32 bytes from each peer, which send 16
+          if (sends_too) counts[1][p] = 32;  // and sends each 32 where they expect 16 (a wider dtype)
+        }
+      }
+      Exchange x(counts, rank);
+      auto op = comm.all_to_all(x.send.data(), x.recv.data(), x.layout, 0);
+      try {
+        comm.wait(op, std::chrono::microseconds(-1));
+        return "no error";
+      } catch (const CommError& e) {
+        const std::string what = e.what();
+        // Only rank 1 sees a mismatch when its sends agree: it says why (the pairs it counts: among
+        // the ranks that had posted when it decided). With its sends wrong too, a peer may see one
+        // first and tell it by notice (culprit 1 there too).
+        const bool said = rank != 1 || sends_too || what.find("rank 1 is the odd one out: it is in ") != std::string::npos;
+        return e.culprit() == 1 && said ? "" : "rank " + std::to_string(rank) + " (culprit " + std::to_string(e.culprit()) + "): " + what;
+      }
+    });
+    expect_all_ok(outcomes);
+  }
+}
+
 TEST(HostTransport, ABarrierAgainstAnotherKindOfOpFailsNamingBothKindsAndTheOddRankOnEveryRank) {
   // Rank 0 runs a barrier (an AllToAllv of no bytes) where ranks 1 and 2 run an all_to_all_single
   // that sends rank 0 nothing either: the chunk headers' kinds differ, so a rank that reads one

@@ -35,14 +35,15 @@ cmake -S . -B build/tsan -DFREESCALE_BUILD_TESTS=ON -DFREESCALE_BUILD_PYTHON=OFF
   -DCMAKE_BUILD_TYPE=RelWithDebInfo "-DCMAKE_CXX_FLAGS=-fsanitize=thread" > build-tsan.log 2>&1 || { cat build-tsan.log; exit 1; }
 cmake --build build/tsan -j2 >> build-tsan.log 2>&1 || { cat build-tsan.log; exit 1; }
 rm -f build-tsan.log
-# The bulk-volume emulated tests (up to 256 MiB / 64 MiB per peer, the 32 MiB priority races, the
+# The bulk-volume emulated tests (up to 256 MiB / 64 MiB per peer, the 32 MiB and 256 MiB priority
+# races (whether the urgent op wins depends on timing TSan slows ten-fold: one lost beside a build), the
 # 3- and 4-rank soaks (ctest names parameters by value), hundreds of chunks through a 16-deep
 # queue) run in the Release and ASan builds only: under TSan they took minutes of CI (and ran
 # near their op timeouts) for no path the smaller tests there (2-rank soaks, failures, ordering)
 # do not take. AStalledNetworkPeer... mostly waits out its bounded settles (seconds of wall time);
 # the code it reaches (drain, settle) runs under TSan in every nvshmem test.
 TSAN_OPTIONS=halt_on_error=1 ctest --test-dir build/tsan --output-on-failure \
-  -E 'RandomSplitsFromZeroTo256MiB|Moves64MiBPerPeer|LaterUrgentOp|NvshmemEmulatedStreams.ManyChunks|Emulated.EveryOpHasAllItsBytesWhenItCompletes/[34]$|AStalledNetworkPeer'
+  -E 'RandomSplitsFromZeroTo256MiB|Moves64MiBPerPeer|LaterUrgentOp|AnUrgentOpDuringABulkOp|NvshmemEmulatedStreams.ManyChunks|Emulated.EveryOpHasAllItsBytesWhenItCompletes/[34]$|AStalledNetworkPeer'
 phase "plain pip install"
 bash scripts/check_plain_install.sh
 phase "CUDA 12.8 headers"
