@@ -36,6 +36,23 @@ def test_a_failure_after_the_grace_window_closed_opens_a_new_one(monkeypatch):
     assert core.failed_with == ("PEER_DIED", 2)  # the group's communicator fails too, naming the cause
 
 
+def test_a_gloo_timeout_looks_once_instead_of_waiting_out_the_grace(monkeypatch):
+    """gloo timed out after the group's whole timeout: the error came a grace window (1 s) past it
+    (the blame audit: 6.07 s against a 5 s group timeout). Counted, not timed: one look at the
+    peers for a timeout, several within the window for a closed connection."""
+    monkeypatch.setattr(_delegated, "DEATH_SIGHT_GRACE_S", 0.2)
+    core = _Core()
+    looks = []
+    core.raise_peer_failure = lambda needed: looks.append(needed)
+    sight = _delegated.FailureSight(core, "g")
+    timed_out = sight.explain(RuntimeError("[../gloo/transport/tcp/pair.cc:446] Timed out waiting 5000ms for recv"),
+                              "all_reduce", [0, 1, 2])
+    assert timed_out.code == "TIMEOUT" and len(looks) == 1, (timed_out, len(looks))
+    time.sleep(0.3)  # the window closed
+    closed = sight.explain(RuntimeError("Connection closed by peer"), "all_reduce", [0, 1, 2])
+    assert closed.code == "COMM_ERROR" and len(looks) > 2, (closed, len(looks))
+
+
 def test_refusals_in_the_call_are_left_as_gloo_raised_them():
     sight = _delegated.FailureSight(_Core(), "g")
     refusal = RuntimeError("ProcessGroupGloo::allgather: invalid tensor size")

@@ -75,7 +75,9 @@ class FailureSight:
         if in_the_call and not _is_transport_failure(error):
             return error
         where = f"{op} on freescale group {self._group!r} (run by its inner gloo group)"
-        deadline = self._deadline()
+        # gloo's own timeout ran the group's whole timeout: one look (the grace is for a socket seen
+        # closed before /proc shows its process gone; waiting it out put the error past the timeout)
+        deadline = time.monotonic() if gloo_timed_out(error) else self._deadline()
         while True:
             try:
                 self._core.raise_peer_failure(needed)
