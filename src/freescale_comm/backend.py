@@ -143,10 +143,10 @@ class ProcessGroupFreescale(dist.ProcessGroup):
         self._store = store
         self._timeout = timeout
         self._group_name_ = group_name
-        store.set(f"{_ARRIVED}{rank}", "1")  # names the ranks that never came if the rendezvous fails
         try:
+            store.set(f"{_ARRIVED}{rank}", "1")  # names the ranks that never came if the rendezvous fails
             self._cpu = dist.ProcessGroupGloo(dist.PrefixStore("gloo/", store), rank, size, timeout)
-        except RuntimeError as e:  # its rendezvous timed out (DistStoreError): a peer died or is late
+        except RuntimeError as e:  # its rendezvous timed out (DistStoreError), or the store's host left
             missing = _not_arrived(store, size)
             who = (f"rank(s) {missing} never began building it (died or failed before, or late)" if missing else
                    "a rank died or failed while building it, or is late")
