@@ -236,8 +236,7 @@ bool HostTransport::deliver(int src, const SlotHeader& h, const uint8_t* payload
   if (!op_kinds_meet(h.kind, mine)) {
     // Who posted is read first: the kinds read next include all of theirs (a rank that posts in
     // between is seen by the next try).
-    bool all_posted = true;
-    for (int p = 0; p < world_; ++p) all_posted = all_posted && (p == rank_ || peer_posted(p) > h.seq);
+    const bool all_posted = every_peer_posted(h.seq);
     const int odd = odd_rank_out(h.seq, src, h.kind);
     if (odd < 0 && world_ > 2 && !all_posted && Clock::now() < op.deadline) return false;  // their kinds will tell
     const std::string odd_one = odd >= 0 ? "; rank " + std::to_string(odd) + " is the odd one among the ranks that posted it" : "";
@@ -249,8 +248,7 @@ bool HostTransport::deliver(int src, const SlotHeader& h, const uint8_t* payload
   }
   uint64_t expected = op.layout.recv_bytes[src];
   if (h.total != expected) {
-    bool all_posted = true;  // (read before the sizes, as for the kinds above)
-    for (int p = 0; p < world_; ++p) all_posted = all_posted && (p == rank_ || peer_posted(p) > h.seq);
+    const bool all_posted = every_peer_posted(h.seq);  // (read before the sizes, as for the kinds above)
     std::pair<int, int> pairs;  // (disagreeing, the odd one's)
     const int odd = odd_size_rank(h.seq, &pairs);
     if (odd < 0 && world_ > 2 && !all_posted && Clock::now() < op.deadline) return false;  // their sizes will tell
@@ -293,6 +291,13 @@ int HostTransport::odd_rank_out(uint64_t seq, int src, uint32_t theirs) const {
   if (with_me.size() == 1 && with_them.size() >= 2) return rank_;
   if (with_them.size() == 1 && with_me.size() >= 2) return src;
   return -1;
+}
+
+bool HostTransport::every_peer_posted(uint64_t seq) const {
+  for (int p = 0; p < world_; ++p) {
+    if (p != rank_ && peer_posted(p) <= seq) return false;
+  }
+  return true;
 }
 
 int HostTransport::odd_size_rank(uint64_t seq, std::pair<int, int>* pairs) const {

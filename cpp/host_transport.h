@@ -137,6 +137,8 @@ class HostTransport : public Transport {
   // one wrong input split with one), else -1. `pairs`: the disagreeing pairs, and how many of
   // them the rank returned is in.
   int odd_size_rank(uint64_t seq, std::pair<int, int>* pairs) const;
+  // Every other rank has posted op `seq` (its kind and sizes are in its segment).
+  bool every_peer_posted(uint64_t seq) const;
   bool drain_from(int src);
   void ring_peer(int peer) { peers_[peer].control()->doorbell.ring(); }
   void ring_all();
