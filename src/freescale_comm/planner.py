@@ -25,6 +25,12 @@ Where that ends more than LPT_CHECK above the lower bound (coarse inputs: few sa
 bound out of reach), LPT's own plan is computed and taken if better, its bins relabelled so
 that most bytes stay home. A plan whose largest load is not below the input's moves nothing.
 
+Ranks of unequal speed (`speeds`: a busy or throttled device, a slower GPU model): the objective
+is the largest load / speed (the rank that finishes last), the target max(total / Σ speed,
+largest sample / fastest speed) with speeds scaled to mean 1, each rank's share of it in cost
+its speed times that; the phases above compare each rank's load with its own share and pick the
+least loaded rank by load / speed. Equal speeds plan exactly as none.
+
 Determinism: every order is a sort on distinct integer keys (or a stable sort), so any NumPy
 build on any CPU gives the same plan.
 """
@@ -119,17 +125,20 @@ class RebalancePlan:
     dest: list[np.ndarray]  # [world] int64 [samples of rank r]: destination rank of each sample
     loads_before: np.ndarray  # float64 [world]
     loads_after: np.ndarray  # float64 [world]
-    lower_bound: float  # max(mean load, largest sample cost): no plan's max load is below it
+    lower_bound: float  # max(mean load, largest sample cost): no plan's max load is below it (with
+    # speeds: of load / speed, speeds scaled to mean 1)
     moved_samples: int
     moved_bytes: int  # Σ lengths of moved samples × bytes_per_item
+    speeds: np.ndarray | None = None  # float64 [world], mean 1: the speeds planned for (None: equal)
 
     @property
     def imbalance_before(self) -> float:
-        return _imbalance(self.loads_before)
+        """Largest over mean of each rank's load (with speeds: of load / speed, the time it takes)."""
+        return _imbalance(self.loads_before if self.speeds is None else self.loads_before / self.speeds)
 
     @property
     def imbalance_after(self) -> float:
-        return _imbalance(self.loads_after)
+        return _imbalance(self.loads_after if self.speeds is None else self.loads_after / self.speeds)
 
 
 def _imbalance(loads: np.ndarray) -> float:
@@ -164,10 +173,31 @@ BIG_SHARE = 1 / 16
 LPT_CHECK = 0.002
 
 
+def _check_speeds(speeds: object, world: int) -> np.ndarray | None:
+    """float64 [world] scaled to mean 1, or None for equal speeds (None, or all alike)."""
+    if speeds is None:
+        return None
+    if hasattr(speeds, "numpy") and callable(speeds.numpy):  # a CPU torch tensor
+        speeds = speeds.detach().numpy()
+    try:
+        a = np.asarray(speeds, dtype=np.float64)
+    except (TypeError, ValueError):
+        raise ValueError(f"speeds must be one positive number per rank, got {speeds!r}") from None
+    if a.shape != (world,) or not np.isfinite(a).all() or (a <= 0).any():
+        raise ValueError(f"speeds must be {world} positive finite numbers, one per rank (relative compute "
+                         f"speed: a rank twice as fast takes twice the cost), got {speeds!r}")
+    if (a == a[0]).all():
+        return None
+    return a / (math.fsum(a.tolist()) / world)
+
+
 def plan_rebalance(lengths_per_rank: Sequence[np.ndarray | Sequence[int]], *, cost_model: CostModel,
-                   bytes_per_item: int = 1, tolerance: float = 1e-4) -> RebalancePlan:
+                   bytes_per_item: int = 1, tolerance: float = 1e-4,
+                   speeds: Sequence[float] | np.ndarray | None = None) -> RebalancePlan:
     """Plans where each rank's samples go (see the module docstring for the method). A max load
-    within `tolerance` (relative) of the lower bound is good enough: no sample moves for less."""
+    within `tolerance` (relative) of the lower bound is good enough: no sample moves for less.
+    speeds: each rank's relative compute speed (cost per second, any unit; None: all equal): the
+    plan then evens load / speed."""
     if not isinstance(cost_model, CostModel):
         raise TypeError(f"cost_model must be a freescale_comm.planner.CostModel, got {type(cost_model).__name__}")
     if not 0 <= tolerance < 1:
@@ -176,6 +206,8 @@ def plan_rebalance(lengths_per_rank: Sequence[np.ndarray | Sequence[int]], *, co
         raise ValueError(f"bytes_per_item must be an int >= 0 (bytes of one embedded item), got {bytes_per_item!r}")
     lengths = _check_lengths(lengths_per_rank)
     world = len(lengths)
+    scaled = _check_speeds(speeds, world)
+    speed = np.ones(world) if scaled is None else scaled  # load / speed: the time a rank takes
     items = _Items(lengths, cost_model)
     with np.errstate(over="ignore"):
         finite = bool(np.isfinite(items.cost).all()) and bool(np.isfinite(items.cost.sum()))
@@ -183,16 +215,20 @@ def plan_rebalance(lengths_per_rank: Sequence[np.ndarray | Sequence[int]], *, co
         raise ValueError(f"{cost_model} puts these samples' costs past float64's range (longest: "
                          f"{int(items.length.max(initial=0))} items); scale its coefficients down (any unit will do)")
     before = items.loads(items.home)
-    bound = max(math.fsum(before.tolist()) / world, float(items.cost.max(initial=0.0)))
+    bound = max(math.fsum(before.tolist()) / math.fsum(speed.tolist()), float(items.cost.max(initial=0.0)) / speed.max())
+
+    def peak_of(holder: np.ndarray) -> float:
+        return float((items.loads(holder) / speed).max())
+
     holder = items.home
-    if world > 1 and before.max() > bound * (1 + tolerance):
-        planned = _Planner(items, bound, tolerance).run()
-        peak = items.loads(planned).max()
+    if world > 1 and peak_of(holder) > bound * (1 + tolerance):
+        planned = _Planner(items, bound, tolerance, speed).run()
+        peak = peak_of(planned)
         if peak > bound * (1 + LPT_CHECK):  # the bound may be out of reach; LPT may do better
             lpt = lpt_placement(items.cost, items.home, items.length, world)
-            if items.loads(lpt).max() * (1 + tolerance) < peak:
-                planned, peak = lpt, items.loads(lpt).max()
-        if peak < before.max():  # never worse: otherwise nothing moves
+            if peak_of(lpt) * (1 + tolerance) < peak:
+                planned, peak = lpt, peak_of(lpt)
+        if peak < peak_of(holder):  # never worse: otherwise nothing moves
             holder = planned
     after = items.loads(holder)
     moved = holder != items.home
@@ -203,6 +239,7 @@ def plan_rebalance(lengths_per_rank: Sequence[np.ndarray | Sequence[int]], *, co
         lower_bound=bound,
         moved_samples=int(moved.sum()),
         moved_bytes=int(items.length[moved].sum()) * bytes_per_item,
+        speeds=scaled,
     )
 
 
@@ -252,21 +289,24 @@ def _within_rank_prefix(order: np.ndarray, items: _Items, room: np.ndarray) -> n
 
 class _Planner:
     """The four phases of the module docstring over flat arrays; run() returns the holder of
-    every sample (int64 [n])."""
+    every sample (int64 [n]). target: the time every rank should finish by (a load at speed 1);
+    speed: float64 [world], mean 1 (all 1.0: equal speeds, where a time is a load)."""
 
-    def __init__(self, items: _Items, bound: float, tolerance: float) -> None:
+    def __init__(self, items: _Items, target: float, tolerance: float, speed: np.ndarray) -> None:
         self.items = items
-        self.bound = bound
-        self.slack = bound * tolerance
-        self.good = bound + self.slack
+        self.bound = target * speed  # float64 [world]: each rank's target load
+        self.slack = self.bound * tolerance
+        self.good = self.bound + self.slack
+        self.good_time = target + target * tolerance
+        self.speed = speed
         self.holder = items.home.copy()
-        self.big = items.cost > BIG_SHARE * bound
+        self.big = items.cost > BIG_SHARE * target
 
     def run(self) -> np.ndarray:
         loads = self._settle_big()
         pool, held = self._shed(loads)
         self._fill(pool, held, loads)
-        _polish(self.items.cost, self.holder, loads, self.good)
+        _polish(self.items.cost, self.holder, loads, self.good_time, self.speed)
         return self.holder
 
     def _settle_big(self) -> np.ndarray:
@@ -274,15 +314,14 @@ class _Planner:
         items = self.items
         big = np.flatnonzero(self.big)
         order = items.ordered(big, by_rank=True, dearest_first=True)
-        keep = _within_rank_prefix(order, items, np.full(items.world, self.good))
+        keep = _within_rank_prefix(order, items, self.good)
         big_load = np.bincount(items.home[order[keep]], weights=items.cost[order[keep]], minlength=items.world)
-        heap = list(zip(big_load.tolist(), range(items.world)))
-        heapq.heapify(heap)
+        ranks = _FirstToFinish(big_load, self.speed)
         over = items.ordered(order[~keep], by_rank=False, dearest_first=True)
         for i, c in zip(over.tolist(), items.cost[over].tolist()):
-            load, r = heapq.heappop(heap)
+            r = ranks.take(c)
             self.holder[i] = r
-            heapq.heappush(heap, (load + c, r))
+            ranks.put(r, float(big_load[r]) + c)
         return self.items.loads(self.holder)
 
     def _shed(self, loads: np.ndarray) -> tuple[list[tuple[float, int]], "_HeldSmall"]:
@@ -299,19 +338,19 @@ class _Planner:
         held = _HeldSmall(items, small[~is_shed[small] & (items.cost[small] > 0)])  # cost 0: never moves
         pool = list(zip((-items.cost[shed]).tolist(), shed.tolist()))
         for r in np.flatnonzero(loads > self.good).tolist():
-            rest = float(loads[r]) - self.bound
-            while rest > self.slack:
+            rest = float(loads[r]) - float(self.bound[r])
+            while rest > self.slack[r]:
                 taken = held.take_dearest_within(r, rest)  # the dearest that still fits the rest
                 if taken is None:
                     break
                 pool.append((-taken[0], taken[1]))
                 rest -= taken[0]
-            if rest > self.slack:
+            if rest > self.slack[r]:
                 taken = held.take_cheapest(r)  # all left cost more than the rest: the cheapest covers it
                 if taken is not None:
                     pool.append((-taken[0], taken[1]))
                     rest -= taken[0]
-            loads[r] = self.bound + rest
+            loads[r] = self.bound[r] + rest
         heapq.heapify(pool)
         return pool, held
 
@@ -319,19 +358,44 @@ class _Planner:
         """Phase 3: dearest first to the least loaded rank, which displaces cheaper samples of its
         own if it would end above the target. A placed sample is never displaced (only cheaper
         ones are, and they come later), so every sample moves at most once."""
-        ranks = list(zip(loads.tolist(), range(self.items.world)))
-        heapq.heapify(ranks)
+        bound, good = self.bound.tolist(), self.good.tolist()
+        ranks = _FirstToFinish(loads, self.speed)
         while pool:
             neg_cost, i = heapq.heappop(pool)
-            load, r = heapq.heappop(ranks)
-            new = load - neg_cost
-            if new > self.good:
-                for c, j in held.displace(r, need=new - self.bound, below=-neg_cost):
+            r = ranks.take(-neg_cost)
+            new = float(loads[r]) - neg_cost
+            if new > good[r]:
+                for c, j in held.displace(r, need=new - bound[r], below=-neg_cost):
                     new -= c
                     heapq.heappush(pool, (-c, j))
             self.holder[i] = r
-            loads[r] = new
-            heapq.heappush(ranks, (new, r))
+            ranks.put(r, new)
+
+
+class _FirstToFinish:
+    """Which rank takes a sample of cost c: the one that would finish it first, argmin of
+    (load + c) / speed. At equal speeds that is the least loaded (lowest rank on ties), kept in a
+    heap; else every rank is looked at (O(world) per sample). `loads` (float64 [world]) is
+    updated in place by put()."""
+
+    def __init__(self, loads: np.ndarray, speed: np.ndarray) -> None:
+        self.loads = loads
+        self.speed = None if bool((speed == 1.0).all()) else speed
+        if self.speed is None:
+            self.heap = list(zip(loads.tolist(), range(loads.size)))
+            heapq.heapify(self.heap)
+
+    def take(self, cost: float) -> int:
+        """The rank for a sample of `cost` (at equal speeds, off the heap until put() back)."""
+        if self.speed is None:
+            return heapq.heappop(self.heap)[1]
+        return int(np.argmin((self.loads + cost) / self.speed))
+
+    def put(self, r: int, load: float) -> None:
+        """Rank r (just taken) now holds `load`."""
+        self.loads[r] = load
+        if self.speed is None:
+            heapq.heappush(self.heap, (load, r))
 
 
 class _HeldSmall:
@@ -381,24 +445,29 @@ class _HeldSmall:
 
 
 def _polish(cost: np.ndarray, holder: np.ndarray, loads: np.ndarray, good_enough: float,
-            max_steps: int | None = None) -> None:
-    """Phase 4: moves single samples from the most to the least loaded rank while the max is
-    above good_enough and a move lowers it. Each move strictly lowers Σ load², so it cannot cycle."""
+            speed: np.ndarray, max_steps: int | None = None) -> None:
+    """Phase 4: moves single samples from the slowest to finish (load / speed) to the first to
+    finish while the latest finish is above good_enough (a time) and a move lowers it. At equal
+    speeds each move strictly lowers Σ load², so it cannot cycle; at most max_steps moves."""
     world = loads.size
     max_steps = 8 * world if max_steps is None else max_steps
     for _ in range(max_steps):
-        hi = int(np.argmax(loads))
-        lo = int(np.argmin(loads))
-        gap = loads[hi] - loads[lo]
-        if gap <= 0 or loads[hi] <= good_enough:
+        times = loads / speed
+        hi = int(np.argmax(times))
+        lo = int(np.argmin(times))
+        # a sample of cost c moved hi -> lo lowers the pair's latest finish iff c < limit; the pair
+        # finishes together at c = even ((loads[hi] - c) / s_hi == (loads[lo] + c) / s_lo)
+        limit = loads[hi] * speed[lo] / speed[hi] - loads[lo]
+        if limit <= 0 or times[hi] <= good_enough:
             return
+        even = (loads[hi] * speed[lo] - loads[lo] * speed[hi]) / (speed[hi] + speed[lo])
         held = np.flatnonzero(holder == hi)
         c = cost[held]
-        useful = (c > 0) & (c < gap)
+        useful = (c > 0) & (c < limit)
         if not useful.any():
             return
-        # Closest to half the gap: the new max of the pair is as low as it gets.
-        best = held[useful][np.argmin(np.abs(c[useful] - gap / 2))]
+        # Closest to where the pair finishes together: the new max of the pair is as low as it gets.
+        best = held[useful][np.argmin(np.abs(c[useful] - even))]
         holder[best] = lo
         loads[hi] -= cost[best]
         loads[lo] += cost[best]
