@@ -251,3 +251,30 @@ def balancing_under_torch_compile(info) -> dict[str, bool]:
     out, grad = run(torch.compile(lambda v: model(v, lengths), backend="aot_eager"))
     same["balance"] = torch.allclose(out, eager_out, atol=1e-6) and torch.allclose(grad, eager_grad, atol=1e-6)
     return same
+
+
+def speeds_reach_the_plan(info) -> dict:
+    """Each rank sets its own LoadBalancer.speed (rank r: r + 1): dispatch's plan, a plan made ahead
+    and LoadBalancer.plan all equal plan_rebalance with every rank's speed, and the balanced step
+    still equals the unbalanced one."""
+    from freescale_comm.dispatch import communicator_for
+    from freescale_comm.planner import plan_rebalance
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    balancer = fc.LoadBalancer(CM)
+    balancer.speed = float(rank + 1)
+    values, lengths = _rank_batch(rank, 11, 4)
+    every = [None] * world
+    dist.all_gather_object(every, lengths.numpy())
+    expected = plan_rebalance(every, cost_model=CM, bytes_per_item=16, speeds=[r + 1 for r in range(world)])
+    batch = balancer.dispatch(values, lengths)
+    ahead = balancer.plan_ahead(communicator_for(None), [[lengths.numpy()]], 16)[0]
+    planned = balancer.plan(lengths, 16)
+    model = JaggedCausalMix(4)
+    out = balancer.combine(model(batch.values, batch.lengths), batch.handle)
+    return {"dispatch": all(np.array_equal(a, b) for a, b in zip(batch.plan.dest, expected.dest)),
+            "ahead": all(np.array_equal(a, b) for a, b in zip(ahead.plan.dest, expected.dest)),
+            "plan": all(np.array_equal(a, b) for a, b in zip(planned.dest, expected.dest)),
+            "same_output": bool(torch.allclose(out, model(values, lengths), atol=1e-6)),
+            "moved": expected.moved_samples, "speeds": None if batch.plan.speeds is None else batch.plan.speeds.tolist(),
+            "times": (expected.loads_after / expected.speeds).tolist()}

@@ -7,7 +7,7 @@ import torch
 
 import freescale_comm as fc
 from balancer_programs import (balanced_equals_unbalanced, balancing_under_torch_compile, module_hook_form,
-                               plans_ahead_equal_plans_at_dispatch)
+                               plans_ahead_equal_plans_at_dispatch, speeds_reach_the_plan)
 from freescale_comm.testing import spawn
 
 
@@ -55,6 +55,20 @@ def test_bad_arguments():
     jt = torchrec.JaggedTensor(values=torch.zeros(3, 2), lengths=torch.tensor([1, 2]))
     with pytest.raises(TypeError, match="priority must be an int"):
         lb.dispatch_bundle({"items": jt}, priority=1.5)
+
+
+def test_each_ranks_speed_reaches_every_plan():
+    """LoadBalancer.speed, each rank its own, rides on the plan's all-gather: dispatch, plan_ahead
+    and plan all plan with every rank's speed (rank 2 three times rank 0's), and the balanced
+    output still equals the unbalanced one."""
+    for r in spawn(speeds_reach_the_plan, 3, backend="freescale"):
+        assert r["dispatch"] and r["ahead"] and r["plan"] and r["same_output"], r
+        assert r["moved"] > 0 and r["speeds"] == pytest.approx([0.5, 1.0, 1.5]), r
+    lb = fc.LoadBalancer(fc.planner.CostModel())
+    assert lb.speed == 1.0
+    for bad in (0, -1.0, float("nan"), float("inf"), True, "fast"):
+        with pytest.raises(ValueError, match="speed must be a positive finite number"):
+            lb.speed = bad
 
 
 def test_plans_made_ahead_equal_the_plans_made_at_dispatch():

@@ -92,7 +92,9 @@ class PlannedSequences(dict):
 class LoadBalancer:
     """Balances samples across the ranks of `group` (default WORLD) by `cost_model`.
     bytes_per_item: what one history item weighs when moved, for the planner's tie-breaking by
-    bytes; None = the row size of the values passed to dispatch."""
+    bytes; None = the row size of the values passed to dispatch. `speed` (settable, each rank its
+    own; default 1.0): this rank's relative compute speed (cost per second, any unit the ranks
+    share), sent with the lengths: the plan evens load / speed (plan_rebalance's speeds)."""
 
     def __init__(self, cost_model: CostModel, group: Optional[dist.ProcessGroup] = None,
                  bytes_per_item: Optional[int] = None, *, tolerance: float = 1e-4) -> None:
@@ -107,6 +109,27 @@ class LoadBalancer:
         self.group = group
         self.bytes_per_item = None if bytes_per_item is None else int(bytes_per_item)  # (a NumPy int: as the planner)
         self.tolerance = tolerance
+        self._speed = 1.0
+
+    @property
+    def speed(self) -> float:
+        return self._speed
+
+    @speed.setter
+    def speed(self, value: float) -> None:
+        if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)) \
+                or not math.isfinite(value) or value <= 0:
+            raise ValueError(f"speed must be a positive finite number (this rank's relative compute speed), got {value!r}")
+        self._speed = float(value)
+
+    def _speed_bits(self) -> int:
+        """This rank's speed as the int64 with its float64's bits (it rides on an int64 all-gather)."""
+        return int(torch.tensor([self._speed], dtype=torch.float64).view(torch.int64))
+
+    @staticmethod
+    def _speeds(per_rank: list[Any]) -> list[float]:
+        """Every rank's speed from the first int64 of its all-gathered vector."""
+        return torch.tensor([int(v[0]) for v in per_rank], dtype=torch.int64).view(torch.float64).tolist()
 
     def plan(self, lengths: torch.Tensor, bytes_per_item: int = 1) -> RebalancePlan:
         """Collective: all-gathers every rank's sample lengths and plans (same plan on all)."""
@@ -119,16 +142,16 @@ class LoadBalancer:
         and every rank's codes."""
         if not dist.is_initialized():
             raise RuntimeError("LoadBalancer needs torch.distributed: call dist.init_process_group(...) first")
-        head = [len(extra), *extra, len(codes), *codes]
+        head = [self._speed_bits(), len(extra), *extra, len(codes), *codes]
         mine = torch.cat([torch.tensor(head, dtype=torch.int64), lengths.to(torch.int64).cpu()])
         per_rank = _all_gather_host(communicator_for(self.group), mine)
-        _check_widths([int(v[0]) // 2 for v in per_rank])  # features (a bundle's: two flags each; plain samples: 0)
-        extras = [v[1:1 + len(extra)].tolist() for v in per_rank]
-        at = 1 + len(extra)
+        _check_widths([int(v[1]) // 2 for v in per_rank])  # features (a bundle's: two flags each; plain samples: 0)
+        extras = [v[2:2 + len(extra)].tolist() for v in per_rank]
+        at = 2 + len(extra)
         all_codes = [v[at + 1:at + 1 + int(v[at])].tolist() for v in per_rank]
         all_lengths = [v[at + 1 + int(v[at]):].numpy() for v in per_rank]
         plan = plan_rebalance(all_lengths, cost_model=self.cost_model, bytes_per_item=bytes_per_item,
-                              tolerance=self.tolerance)
+                              tolerance=self.tolerance, speeds=self._speeds(per_rank))
         return plan, extras, all_lengths, all_codes
 
     def plan_ahead(self, comm: Any, batches: list[list[np.ndarray]], item_bytes: int) -> list[PlanAhead]:
@@ -137,16 +160,17 @@ class LoadBalancer:
         all-gather for all. batches: per call, this rank's lengths (int64 [samples]) of each feature
         of the sequences it will pass, in bundle.feature_order (by name), the cost being their longest (lengths=None);
         item_bytes: what one row of all features weighs (unless bytes_per_item says)."""
-        mine = [len(batches)]
+        mine = [self._speed_bits(), len(batches)]  # one speed for all of them
         for features in batches:
             lengths = [torch.from_numpy(np.ascontiguousarray(f, dtype=np.int64)) for f in features]
             cost = torch.stack(lengths).amax(0) if lengths else torch.zeros(0, dtype=torch.int64)
             extra = _feature_views(lengths, cost)
             mine += [len(extra), cost.numel(), *extra, *cost.tolist()]
         per_rank = [v.tolist() for v in _all_gather_host(comm, torch.tensor(mine, dtype=torch.int64))]
-        if len({v[0] for v in per_rank}) > 1:
-            raise comm_error(f"ranks planned different numbers of balanced batches ahead {[v[0] for v in per_rank]}")
-        at = [1] * len(per_rank)  # per rank: where its next batch starts
+        if len({v[1] for v in per_rank}) > 1:
+            raise comm_error(f"ranks planned different numbers of balanced batches ahead {[v[1] for v in per_rank]}")
+        speeds = self._speeds(per_rank)
+        at = [2] * len(per_rank)  # per rank: where its next batch starts
         out = []
         for _ in batches:
             extras, costs = [], []
@@ -157,7 +181,8 @@ class LoadBalancer:
                 at[r] += 2 + width + n
             _check_widths([len(e) // 2 for e in extras])
             plan = plan_rebalance(costs, cost_model=self.cost_model, bytes_per_item=self.bytes_per_item
-                                  if self.bytes_per_item is not None else item_bytes, tolerance=self.tolerance)
+                                  if self.bytes_per_item is not None else item_bytes, tolerance=self.tolerance,
+                                  speeds=speeds)
             out.append(PlanAhead(plan, extras, costs))
         return out
 

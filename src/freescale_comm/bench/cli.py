@@ -443,6 +443,9 @@ def _e2e_args(e: argparse.ArgumentParser) -> None:
     e.add_argument("--modes", nargs="+", default=list(_modes()), help="modes to run (default all)")
     e.add_argument("--seed", type=_count(0), default=0, help="data and weight seed")
     e.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="where the dense tower computes")
+    e.add_argument("--speeds", action=argparse.BooleanOptionalAction, default=True,
+                   help="balancing evens load / each rank's measured speed (default), or load alone (--no-speeds, "
+                        "as FreeScale)")
     _outputs(e, trace=True, json_help="also write the rows (and the fitted cost model) as JSON")
 
 
@@ -455,7 +458,8 @@ def run_e2e(args: argparse.Namespace) -> int:
                                              write_json)
 
     try:
-        cfg = _step_config(args, modes=tuple(args.modes), device=args.device, collision_rate=args.collision_rate)
+        cfg = _step_config(args, modes=tuple(args.modes), device=args.device, collision_rate=args.collision_rate,
+                           balance_speeds=args.speeds)
         cfg.check()
     except ValueError as err:
         print(f"freescale-bench e2e: {err}", file=sys.stderr)

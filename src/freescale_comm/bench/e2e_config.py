@@ -65,6 +65,10 @@ class E2EConfig:
     # Each rank's threads on one core of its own (round robin when ranks outnumber cores), and
     # malloc keeping freed memory as a device allocator does: one device per rank (bench/placement.py).
     pin_cores: bool = True
+    # Balancing evens load / speed, each rank's speed measured (the cost it computed per second of
+    # its compute, smoothed over steps): a rank slowed by other work on its core gets less. False:
+    # load alone, as FreeScale plans.
+    balance_speeds: bool = True
 
     def check(self) -> None:
         problems = []

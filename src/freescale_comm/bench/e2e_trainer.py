@@ -79,7 +79,10 @@ class StepTrainer:
         sync = torch.cuda.synchronize if self.device.type == "cuda" else None
         self.rec = StepRecorder(rank, sync=sync)
         self.groups = cfg.groups if mode.overlap else 1
+        self.cost_model = cost_model
         self.balancer = None
+        self._measured = [0.0, 0.0]  # the cost this rank computed and the seconds it took, since the last plan
+        self._speed: Optional[float] = None  # this rank's measured speed (cost per second), smoothed
         if mode.balance:
             from freescale_comm.balancer import LoadBalancer
 
@@ -111,6 +114,8 @@ class StepTrainer:
         how many it computes and their sparsity."""
         ids, lengths = home_batch(self.cfg, step, self.rank)
         if self.balancer is not None:
+            if self.cfg.balance_speeds:
+                self._update_speed()
             batch = self.rec.blocking("balance", lambda: self.balancer.dispatch(ids, lengths))
             ids, lengths = batch.values, batch.lengths
         lengths_list = lengths.tolist()
@@ -118,6 +123,17 @@ class StepTrainer:
         if lengths_list:
             self.sparsity.append(1.0 - sum(lengths_list) / (len(lengths_list) * max(lengths_list)))
         return ids, lengths_list
+
+    def _update_speed(self) -> None:
+        """The balancer plans with this rank's speed: what it computed per second since the last
+        plan, averaged with the speed before (a rank that computed nothing keeps its speed)."""
+        cost, seconds = self._measured
+        self._measured = [0.0, 0.0]
+        if cost <= 0 or seconds <= 0:
+            return
+        now = cost / seconds
+        self._speed = now if self._speed is None else (self._speed + now) / 2
+        self.balancer.speed = self._speed
 
     def prepare(self, step: int) -> list[_Group]:
         """Balance (if on), split into groups, exchange counts, issue the id AllToAlls."""
@@ -214,6 +230,7 @@ class StepTrainer:
             if part.size:
                 lo, hi = int(starts[part[0]]), int(starts[part[-1] + 1])
                 lens = lengths[part[0]:part[-1] + 1]
+                t0 = self.rec.clock()
                 with self.rec.compute(name):
                     xs = x[lo:hi].to(self.device).requires_grad_()  # a leaf per chunk: no full-size gradients
                     loss = F.binary_cross_entropy_with_logits(
@@ -221,6 +238,8 @@ class StepTrainer:
                     (loss / total_samples).backward()
                     loss_sum += loss.detach()
                     grads.append(xs.grad)
+                self._measured[0] += float(self.cost_model.cost(lens).sum())
+                self._measured[1] += self.rec.clock() - t0  # (on a device: to completion, rec syncs)
             if between is not None:
                 between()
         grad = torch.cat(grads) if grads else torch.zeros_like(x, device=self.device)

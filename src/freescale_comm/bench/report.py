@@ -140,7 +140,8 @@ BUSY_SHARE = 0.05
 def busy_note(rows: Sequence[dict[str, Any]]) -> str:
     """One line when other threads held the ranks' cores for more than BUSY_SHARE of their compute
     ('' otherwise, and where the rows carry no core_wait_ms): the figures then stand for slower and
-    uneven devices, which balancing by sample cost does not see."""
+    uneven devices; balancing follows each rank's measured speed, which load moving between cores
+    from step to step outruns."""
     shares = [(r["core_wait_ms"] / r["compute_ms"], r["mode"]) for r in rows
               if r.get("core_wait_ms") is not None and r["compute_ms"] > 0]
     if not shares or max(shares)[0] <= BUSY_SHARE:
@@ -148,5 +149,6 @@ def busy_note(rows: Sequence[dict[str, Any]]) -> str:
     mean = sum(s for s, _ in shares) / len(shares)
     worst, mode = max(shares)
     return (f"# busy machine: other processes held the ranks' cores for {100 * mean:.0f}% of their compute "
-            f"({100 * worst:.0f}% in {mode}), so ranks computed as slower, uneven devices, which balancing by "
-            f"sample cost does not see; for one idle device per rank, run on an idle machine")
+            f"({100 * worst:.0f}% in {mode}), so ranks computed as slower, uneven devices (balancing follows each "
+            f"rank's measured speed, not load that moves between cores from step to step); for one idle "
+            f"device per rank, run on an idle machine")
