@@ -289,3 +289,16 @@ def test_planner_inputs_out_of_range_are_refused_by_name():
         CostModel.fit([1.0, float("nan"), 3.0], [1.0, 2.0, 3.0])
     with pytest.raises(ValueError, match="world must be an int >= 1"):
         lpt_bins(np.ones(3), 0)
+
+
+def test_planner_bench_with_slow_ranks_compares_planning_with_and_without_their_speeds():
+    """`--slow-share`: figures of each rank's time (load / speed); freescale+speeds, planned with the
+    speeds, lets the last rank finish near the ideal, where every speed-blind plan leaves the slow
+    ranks last (seeded inputs: the same figures on every machine)."""
+    rows = planner_bench.run(64, 16, "kuairand", 0, 1, 512, False, slow_share=0.1, slow_speed=0.5)
+    by = {r["method"]: r for r in rows}
+    assert list(by) == ["none", "lpt", "kk", "freescale", "freescale+speeds"]
+    assert by["freescale+speeds"]["imbalance"] < 1.01 < 1.5 < min(by[m]["imbalance"] for m in ("lpt", "kk", "freescale"))
+    assert list(planner_bench.slow_ranks(64, 0, 0.1, 0.5)).count(0.5) == 6
+    assert "freescale+speeds" not in {r["method"] for r in planner_bench.run(16, 8, "kuairand", 0, 1, 512, False)}
+    assert "slow ranks: the last rank finishes at" in planner_bench.summary(rows)

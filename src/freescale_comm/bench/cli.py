@@ -155,6 +155,10 @@ def _parser() -> argparse.ArgumentParser:
     pl.add_argument("--seeds", type=int, default=1, help="seeds to sweep; the table gives each figure's worst case")
     pl.add_argument("--repeats", type=int, default=20, help="plans timed per method; the median is reported")
     pl.add_argument("--bytes-per-item", type=int, default=512, help="bytes of one embedded item (default 128 float32)")
+    pl.add_argument("--slow-share", type=float, default=0.0,
+                    help="share of the ranks that compute slower (default 0; e.g. 0.05: 5%% of them)")
+    pl.add_argument("--slow-speed", type=float, default=0.5,
+                    help="their speed relative to the others, in (0, 1] (default 0.5)")
     _outputs(pl)
     mb = sub.add_parser("microbatch", help="distinct ids one rank's micro-batches send: key-centric clustering vs a "
                         "random split and contiguous chunks (NestPipe's micro-batches; CPU, NumPy)")
@@ -653,17 +657,23 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             print(f"freescale-bench: need --ranks, --samples, --repeats, --seeds >= 1 and --workload in "
                   f"{sorted(workloads.WORKLOADS)} (comma-separated) or all", file=sys.stderr)
             return 2
+        if not (0 <= args.slow_share <= 1 and 0 < args.slow_speed <= 1):
+            print(f"freescale-bench planner: need --slow-share in [0, 1] and --slow-speed in (0, 1], got "
+                  f"{args.slow_share} and {args.slow_speed}", file=sys.stderr)
+            return 2
         rows = []
         for name in names:
             per_seed = [planner.run(args.ranks, args.samples, name, args.seed + k, args.repeats, args.bytes_per_item,
-                                    not args.no_progress) for k in range(args.seeds)]
+                                    not args.no_progress, args.slow_share, args.slow_speed) for k in range(args.seeds)]
             rows += per_seed[0] if args.seeds == 1 else planner.worst_over_seeds(per_seed)
         seeds = f"seed {args.seed}" if args.seeds == 1 else f"worst of seeds {args.seed}..{args.seed + args.seeds - 1}"
-        print(planner.table(rows, f"planner, {args.ranks} ranks x {args.samples} samples, HSTU cost, {seeds}"))
+        slow = (f", {args.slow_share:g} of the ranks at speed {args.slow_speed:g} (figures: load / speed)"
+                if args.slow_share > 0 else "")
+        print(planner.table(rows, f"planner, {args.ranks} ranks x {args.samples} samples, HSTU cost, {seeds}{slow}"))
         print(planner.summary(rows))
         if args.json:
             write_json(args.json, "planner", rows, ranks=args.ranks, samples=args.samples, workloads=names,
-                       seed=args.seed, seeds=args.seeds)
+                       seed=args.seed, seeds=args.seeds, slow_share=args.slow_share, slow_speed=args.slow_speed)
     elif args.bench == "e2e":
         return run_e2e(args)
     elif args.bench == "simulate":

@@ -6,7 +6,12 @@ straggler_pct estimates the idle share of a step whose time is the largest rank 
 over ranks of (max load − load) / max load. Loads come from CostModel.hstu (FLOPs). The "×LPT"
 columns compare with LPT on the same batch: max load, bytes moved, plan time. Every method is
 timed `repeats` times per batch (median), except KK, timed once: it takes seconds at 1024 ranks
-and only anchors balance and bytes."""
+and only anchors balance and bytes.
+
+Slow ranks (`slow_share` of the ranks at `slow_speed`, chosen by the seed: a busy or throttled
+device, an older GPU): figures are then of each rank's time, load / speed, against the ideal
+total / Σ speed; the anchors and "freescale" plan on load alone, "freescale+speeds" with the
+speeds (plan_rebalance's speeds)."""
 
 from __future__ import annotations
 
@@ -20,12 +25,15 @@ METHODS = ("none", "lpt", "kk", "freescale")
 
 
 def _metrics(method: str, lengths: list[np.ndarray], costs: list[np.ndarray], dest: list[np.ndarray],
-             bytes_per_item: int, bound: float, plan_s: list[float]) -> dict[str, Any]:
+             bytes_per_item: int, bound: float, plan_s: list[float], speeds: np.ndarray) -> dict[str, Any]:
+    """bound: the least time any plan can take (a load at speed 1); speeds: float64 [world]."""
     world = len(costs)
     loads = np.zeros(world)
     for r in range(world):
         np.add.at(loads, dest[r], costs[r])
-    mean, peak = loads.mean(), loads.max()
+    times = loads / speeds  # (all 1.0 without slow ranks: the loads themselves)
+    mean, peak = loads.sum() / speeds.sum(), times.max()  # mean: the ideal time, every rank finishing together
+    loads = times
     moved = [dest[r] != r for r in range(world)]
     return {
         "method": method,
@@ -47,9 +55,19 @@ def _versus_lpt(rows: list[dict[str, Any]]) -> None:
         r["time_vs_lpt"] = r["plan_ms"] / lpt["plan_ms"] if lpt["plan_ms"] > 0 else float("nan")
 
 
+def slow_ranks(ranks: int, seed: int, slow_share: float, slow_speed: float) -> np.ndarray:
+    """float64 [ranks]: 1.0, but `slow_share` of them (at least one if the share is above 0),
+    picked by `seed`, at `slow_speed`."""
+    speeds = np.ones(ranks)
+    if slow_share > 0:
+        count = min(ranks, max(1, round(slow_share * ranks)))
+        speeds[np.random.default_rng(seed * 7919 + 17).choice(ranks, size=count, replace=False)] = slow_speed
+    return speeds
+
+
 def run(ranks: int, samples: int, workload: str, seed: int, repeats: int, bytes_per_item: int,
-        progress: bool) -> list[dict[str, Any]]:
-    """One batch (`workload`, `seed`): a row per method."""
+        progress: bool, slow_share: float = 0.0, slow_speed: float = 0.5) -> list[dict[str, Any]]:
+    """One batch (`workload`, `seed`): a row per method (with slow ranks, "freescale+speeds" too)."""
     from freescale_comm.bench import balancing_baselines, workloads
     from freescale_comm.planner import CostModel, plan_rebalance
 
@@ -57,7 +75,8 @@ def run(ranks: int, samples: int, workload: str, seed: int, repeats: int, bytes_
     cm = CostModel.hstu(num_heads=4, attn_dim=128, hidden_dim=128)
     costs = [cm.cost(L) for L in lengths]
     total = sum(float(c.sum()) for c in costs)
-    bound = max(total / ranks, max(float(c.max()) for c in costs if c.size))
+    speeds = slow_ranks(ranks, seed, slow_share, slow_speed)
+    bound = max(total / speeds.sum(), max(float(c.max()) for c in costs if c.size) / speeds.max())
 
     def ours() -> list[np.ndarray]:
         return plan_rebalance(lengths, cost_model=cm, bytes_per_item=bytes_per_item).dest
@@ -68,19 +87,22 @@ def run(ranks: int, samples: int, workload: str, seed: int, repeats: int, bytes_
         "kk": lambda: balancing_baselines.kk(costs),
         "freescale": ours,
     }
+    if slow_share > 0:
+        planners["freescale+speeds"] = lambda: plan_rebalance(lengths, cost_model=cm, bytes_per_item=bytes_per_item,
+                                                              speeds=speeds).dest
     bar = None
     if progress:
         from tqdm import tqdm
 
-        bar = tqdm(total=len(METHODS), desc=f"planner {workload} seed {seed}", unit="method", leave=False)
+        bar = tqdm(total=len(planners), desc=f"planner {workload} seed {seed}", unit="method", leave=False)
     rows = []
-    for method in METHODS:
+    for method in planners:
         times, dest = [], None
         for _ in range(1 if method == "kk" else repeats):
             t0 = time.perf_counter()
             dest = planners[method]()
             times.append(time.perf_counter() - t0)
-        rows.append(_metrics(method, lengths, costs, dest, bytes_per_item, bound, times))
+        rows.append(_metrics(method, lengths, costs, dest, bytes_per_item, bound, times, speeds))
         if bar is not None:
             bar.update(1)
     if bar is not None:
@@ -94,7 +116,7 @@ def run(ranks: int, samples: int, workload: str, seed: int, repeats: int, bytes_
 def worst_over_seeds(per_seed: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
     """One row per method: the worst of each figure over the seeds (and the mean imbalance)."""
     out = []
-    for i, method in enumerate(METHODS):
+    for i, method in enumerate(r["method"] for r in per_seed[0]):
         rows = [seed_rows[i] for seed_rows in per_seed]
         assert all(r["method"] == method for r in rows)
         worst = {"method": method, "workload": rows[0]["workload"], "seeds": len(rows),
@@ -109,11 +131,11 @@ def worst_over_seeds(per_seed: list[list[dict[str, Any]]]) -> list[dict[str, Any
 
 def table(rows: list[dict[str, Any]], title: str) -> str:
     """rows: one batch's (run) or a sweep's worst cases (worst_over_seeds)."""
-    header = (f"{'workload':<11} {'method':<10} {'imbalance':>9} {'bound':>7} {'straggler%':>10} {'moved':>7} "
+    header = (f"{'workload':<11} {'method':<16} {'imbalance':>9} {'bound':>7} {'straggler%':>10} {'moved':>7} "
               f"{'moved MiB':>10} {'plan_ms':>9} {'load×LPT':>9} {'bytes×LPT':>9} {'time×LPT':>8}")
     lines = [f"# {title}", header, "-" * len(header)]
     for r in rows:
-        lines.append(f"{r['workload']:<11} {r['method']:<10} {r['imbalance']:>9.4f} {r['lower_bound']:>7.4f} "
+        lines.append(f"{r['workload']:<11} {r['method']:<16} {r['imbalance']:>9.4f} {r['lower_bound']:>7.4f} "
                      f"{r['straggler_pct']:>10.2f} {r['moved_samples']:>7d} {r['moved_bytes'] / 2**20:>10.1f} "
                      f"{r['plan_ms']:>9.2f} {r['load_vs_lpt']:>9.5f} {r['bytes_vs_lpt']:>9.3f} {r['time_vs_lpt']:>8.2f}")
     return "\n".join(lines)
@@ -129,4 +151,10 @@ def summary(rows: list[dict[str, Any]]) -> str:
                      f"kk {by['kk']['imbalance']:.4f}); max load {ours['load_vs_lpt']:.5f}× LPT's, "
                      f"{100 * ours['bytes_vs_lpt']:.1f}% of LPT's bytes, planned in {ours['plan_ms']:.2f} ms "
                      f"({ours['time_vs_lpt']:.2f}× LPT's time)")
+        fast = by.get("freescale+speeds")
+        if fast is not None:
+            lines.append(f"# {workload}, slow ranks: the last rank finishes at {fast['imbalance']:.4f}x the ideal "
+                         f"planning with their speeds, {ours['imbalance']:.4f}x on load alone "
+                         f"(lpt {by['lpt']['imbalance']:.4f}x, none {by['none']['imbalance']:.4f}x); "
+                         f"{fast['moved_samples']} samples moved against {ours['moved_samples']}")
     return "\n".join(lines)
