@@ -278,3 +278,38 @@ def speeds_reach_the_plan(info) -> dict:
             "same_output": bool(torch.allclose(out, model(values, lengths), atol=1e-6)),
             "moved": expected.moved_samples, "speeds": None if batch.plan.speeds is None else batch.plan.speeds.tolist(),
             "times": (expected.loads_after / expected.speeds).tolist()}
+
+
+class _CountedWork(torch.nn.Module):
+    """Per-row work whose 'time' is counted, not measured: each forward advances a shared clock by
+    the cost of the samples it got times this rank's slowness."""
+
+    def __init__(self, clock: dict, slowness: float) -> None:
+        super().__init__()
+        self.clock, self.slowness = clock, slowness
+
+    def forward(self, values: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+        self.clock["now"] += float(CM.cost(lengths.numpy()).sum()) * self.slowness
+        return values * 2
+
+
+def measured_speeds_steer_the_plans(info, measure: bool) -> dict:
+    """fc.balance(measure_speed=...) on 2 ranks, rank 1 computing at half speed (a counted clock):
+    the plans from the second forward on give it half rank 0's cost; without measuring, equal loads."""
+    from freescale_comm import _speed_meter
+
+    rank = dist.get_rank()
+    clock = {"now": 0.0}
+    _speed_meter.SpeedMeter.clock = staticmethod(lambda: clock["now"])
+    module = fc.balance(_CountedWork(clock, 2.0 if rank == 1 else 1.0), CM, measure_speed=measure)
+    gen = torch.Generator().manual_seed(5)  # the same samples on both ranks
+    plans = []
+    for _ in range(3):
+        lengths = torch.randint(1, 12, (24,), generator=gen)
+        values = torch.randn(int(lengths.sum()), 2, generator=gen)
+        out = module(values, lengths)
+        assert torch.equal(out, values * 2)
+        plan = module.freescale_balance.last_plan
+        plans.append({"speeds": None if plan.speeds is None else plan.speeds.tolist(),
+                      "loads": plan.loads_after.tolist()})
+    return {"plans": plans, "speed": module.freescale_balance.balancer.speed}

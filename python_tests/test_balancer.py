@@ -7,7 +7,8 @@ import torch
 
 import freescale_comm as fc
 from balancer_programs import (balanced_equals_unbalanced, balancing_under_torch_compile, module_hook_form,
-                               plans_ahead_equal_plans_at_dispatch, speeds_reach_the_plan)
+                               measured_speeds_steer_the_plans, plans_ahead_equal_plans_at_dispatch,
+                               speeds_reach_the_plan)
 from freescale_comm.testing import spawn
 
 
@@ -69,6 +70,24 @@ def test_each_ranks_speed_reaches_every_plan():
     for bad in (0, -1.0, float("nan"), float("inf"), True, "fast"):
         with pytest.raises(ValueError, match="speed must be a positive finite number"):
             lb.speed = bad
+
+
+def test_a_balanced_module_measuring_its_speed_gives_a_slower_rank_less():
+    """fc.balance(measure_speed=True): each forward's time (a counted clock here: rank 1 takes
+    twice as long per cost) sets the speed the next plan uses; rank 1 then gets half rank 0's
+    cost. Off (the default), both keep equal loads."""
+    for rank, r in enumerate(spawn(measured_speeds_steer_the_plans, 2, True, backend="freescale")):
+        first, *later = r["plans"]
+        assert first["speeds"] is None, r  # nothing measured before the first plan
+        for plan in later:
+            assert plan["speeds"] == pytest.approx([4 / 3, 2 / 3]), r
+            assert plan["loads"][0] / plan["loads"][1] == pytest.approx(2.0, rel=0.1), r
+        assert r["speed"] == pytest.approx(1.0 if rank == 0 else 0.5), r
+    for r in spawn(measured_speeds_steer_the_plans, 2, False, backend="freescale"):
+        assert all(p["speeds"] is None and p["loads"][0] == pytest.approx(p["loads"][1], rel=0.05) for p in r["plans"]), r
+        assert r["speed"] == 1.0
+    with pytest.raises(TypeError, match="measure_speed must be True or False"):
+        fc.balance(torch.nn.Identity(), fc.planner.CostModel(), measure_speed="yes")
 
 
 def test_plans_made_ahead_equal_the_plans_made_at_dispatch():

@@ -26,6 +26,7 @@ import torch.distributed as dist
 from freescale_comm._errors import comm_error, ranks_by, refuse_differing_kinds
 from freescale_comm._device_copy import to_device
 from freescale_comm._output_layouts import sizes_differ_everywhere
+from freescale_comm._speed_meter import SpeedMeter
 from freescale_comm.bundle import (
     BalancedBundle,
     agreed_shares,
@@ -412,9 +413,11 @@ class _BalancedDict(dict):
 class _BalanceHooks:
     """The hooks fc.balance put on a module; .remove() takes them off."""
 
-    def __init__(self, module: torch.nn.Module, balancer: LoadBalancer) -> None:
+    def __init__(self, module: torch.nn.Module, balancer: LoadBalancer, measure_speed: bool = False) -> None:
         self.balancer = balancer
         self._module = weakref.ref(module)
+        self.speed_meter = SpeedMeter() if measure_speed else None  # sets balancer.speed before each plan
+        self._device = torch.device("cpu")  # where the forward being timed runs
         # Balanced first input -> what sends the outputs home (a dispatch handle or a bundle),
         # until the forward hook does.
         self._pending: list[tuple[Any, Any]] = []
@@ -427,6 +430,10 @@ class _BalanceHooks:
         self._pending = [(ref, h) for ref, h in self._pending if ref() is not None]  # a forward that raised
         args = tuple(resolved(a) for a in args)  # TorchRec's lazy outputs: what they stand for
         kwargs = {k: resolved(a) for k, a in kwargs.items()}
+        if self.speed_meter is not None:
+            speed = self.speed_meter.update()
+            if speed is not None:
+                self.balancer.speed = speed  # rides on this forward's plan exchange
         if args and is_sequence_batch(args[0]):
             return self._before_bundle(args, kwargs)
         if len(args) < 2:
@@ -434,6 +441,7 @@ class _BalanceHooks:
                             "positionally, sequences being an EmbeddingCollection's output")
         batch = self.balancer.dispatch(args[0], args[1])
         self.last_plan = batch.plan
+        self._measure_from(batch.plan, batch.values.device)
         self._pending.append((weakref.ref(batch.values), batch.handle))
         return (batch.values, batch.lengths, *args[2:]), kwargs
 
@@ -447,17 +455,27 @@ class _BalanceHooks:
             leaves.update(argument_leaves(kwargs[k], f"kw_{k}"))
         bundle = self.balancer.dispatch_bundle(args[0], {}, _arguments=leaves)
         self.last_plan = bundle.plan
+        moved = bundle_inputs(bundle)
+        self._measure_from(bundle.plan, moved[0].device if moved else torch.device("cpu"))
         sequences = bundle.sequences if is_keyed_jagged(bundle.sequences) else _BalancedDict(bundle.sequences)
         new_args = tuple(with_moved(a, bundle.per_sample, f"arg{i}") for i, a in enumerate(args[1:], start=1))
         new_kwargs = {k: with_moved(a, bundle.per_sample, f"kw_{k}") for k, a in kwargs.items()}
         self._pending.append((weakref.ref(sequences), bundle))
         return (sequences, *new_args), new_kwargs
 
+    def _measure_from(self, plan: RebalancePlan, device: torch.device) -> None:
+        """The speed meter times this forward of the cost the plan gave this rank."""
+        if self.speed_meter is not None:
+            self._device = device
+            self.speed_meter.start(float(plan.loads_after[dist.get_rank(self.balancer.group)]), device)
+
     @eager
     def _after(self, module: torch.nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
         for i, (ref, home) in enumerate(self._pending):
             if args and ref() is args[0]:
                 del self._pending[i]
+                if self.speed_meter is not None:
+                    self.speed_meter.stop(self._device)
                 if isinstance(home, BalancedBundle):
                     return self.balancer.combine_bundle(
                         _joined(output, bundle_inputs(home), empty=home.num_samples == 0), home)
@@ -524,7 +542,7 @@ def _joined(output: Any, inputs: list[torch.Tensor], empty: bool = False) -> Any
 
 
 def balance(module: torch.nn.Module, cost_model: CostModel, *, group: Optional[dist.ProcessGroup] = None,
-            bytes_per_item: Optional[int] = None) -> torch.nn.Module:
+            bytes_per_item: Optional[int] = None, measure_speed: bool = False) -> torch.nn.Module:
     """Balances every forward of `module`: its inputs are dispatched by a LoadBalancer before it
     runs and its output is combined home after (gradients follow). Either forward(values,
     lengths, ...) returning one row-block per sample, or a TorchRec sequence module:
@@ -532,10 +550,14 @@ def balance(module: torch.nn.Module, cost_model: CostModel, *, group: Optional[d
     arguments with one row per sample move along (also inside KeyedTensors, dicts, lists and
     tuples; a jagged one beside the sequences is refused), and its output goes home as
     LoadBalancer.combine_bundle says. Returns the module; its `freescale_balance.remove()` takes
-    the hooks off."""
+    the hooks off. measure_speed: each forward's time sets the balancer's speed for the next plan
+    (freescale_comm._speed_meter: a rank slowed by other work gets less); off by default, as
+    plans then follow timings and differ from run to run."""
     if not isinstance(module, torch.nn.Module):
         raise TypeError(f"module must be a torch.nn.Module, got {type(module).__name__}")
     if getattr(module, "freescale_balance", None) is not None:
         raise ValueError("module is already balanced by fc.balance; call module.freescale_balance.remove() first")
-    module.freescale_balance = _BalanceHooks(module, LoadBalancer(cost_model, group, bytes_per_item))
+    if not isinstance(measure_speed, bool):
+        raise TypeError(f"measure_speed must be True or False, got {measure_speed!r}")
+    module.freescale_balance = _BalanceHooks(module, LoadBalancer(cost_model, group, bytes_per_item), measure_speed)
     return module
