@@ -53,7 +53,11 @@ class SpeedMeter:
         else:
             seconds = end - start
         self._done = None
-        if seconds > 0:
+        return self.fold(cost, seconds)
+
+    def fold(self, cost: float, seconds: float) -> Optional[float]:
+        """The speed with `cost` computed in `seconds` averaged in (nothing computed: unchanged)."""
+        if cost > 0 and seconds > 0:
             now = cost / seconds
             self.speed = now if self.speed is None else (self.speed + now) / 2
         return self.speed

@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from freescale_comm._speed_meter import SpeedMeter
 from freescale_comm.bench import workloads
 from freescale_comm.bench.e2e_config import (EMBEDDING_PRIORITY, GRADIENT_PRIORITY, PREFETCH_PRIORITY, E2EConfig,
                                              Mode, home_batch)
@@ -82,7 +83,7 @@ class StepTrainer:
         self.cost_model = cost_model
         self.balancer = None
         self._measured = [0.0, 0.0]  # the cost this rank computed and the seconds it took, since the last plan
-        self._speed: Optional[float] = None  # this rank's measured speed (cost per second), smoothed
+        self._speed = SpeedMeter()  # this rank's measured speed (cost per second), smoothed
         if mode.balance:
             from freescale_comm.balancer import LoadBalancer
 
@@ -127,13 +128,10 @@ class StepTrainer:
     def _update_speed(self) -> None:
         """The balancer plans with this rank's speed: what it computed per second since the last
         plan, averaged with the speed before (a rank that computed nothing keeps its speed)."""
-        cost, seconds = self._measured
+        speed = self._speed.fold(*self._measured)
         self._measured = [0.0, 0.0]
-        if cost <= 0 or seconds <= 0:
-            return
-        now = cost / seconds
-        self._speed = now if self._speed is None else (self._speed + now) / 2
-        self.balancer.speed = self._speed
+        if speed is not None:
+            self.balancer.speed = speed
 
     def prepare(self, step: int) -> list[_Group]:
         """Balance (if on), split into groups, exchange counts, issue the id AllToAlls."""

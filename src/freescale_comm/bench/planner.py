@@ -21,9 +21,6 @@ from typing import Any, Callable
 
 import numpy as np
 
-METHODS = ("none", "lpt", "kk", "freescale")
-
-
 def _metrics(method: str, lengths: list[np.ndarray], costs: list[np.ndarray], dest: list[np.ndarray],
              bytes_per_item: int, bound: float, plan_s: list[float], speeds: np.ndarray) -> dict[str, Any]:
     """bound: the least time any plan can take (a load at speed 1); speeds: float64 [world]."""
@@ -33,13 +30,12 @@ def _metrics(method: str, lengths: list[np.ndarray], costs: list[np.ndarray], de
         np.add.at(loads, dest[r], costs[r])
     times = loads / speeds  # (all 1.0 without slow ranks: the loads themselves)
     mean, peak = loads.sum() / speeds.sum(), times.max()  # mean: the ideal time, every rank finishing together
-    loads = times
     moved = [dest[r] != r for r in range(world)]
     return {
         "method": method,
         "imbalance": float(peak / mean),
         "lower_bound": float(bound / mean),
-        "straggler_pct": float(100 * np.mean((peak - loads) / peak)),
+        "straggler_pct": float(100 * np.mean((peak - times) / peak)),
         "moved_samples": int(sum(int(m.sum()) for m in moved)),
         "moved_bytes": int(sum(int(lengths[r][moved[r]].sum()) for r in range(world)) * bytes_per_item),
         "plan_ms": 1e3 * statistics.median(plan_s),
