@@ -74,6 +74,18 @@ def test_a_rank_twice_as_fast_takes_twice_the_work():
     assert all(np.array_equal(a, b) for a, b in zip(plan.dest, again.dest))
 
 
+def test_where_the_phases_end_behind_the_plan_on_load_alone_that_plan_is_taken():
+    """Three samples on a rank of speed 5.71 beside an empty one of 8.27: the phases moved one sample
+    and the last rank finished 14.6 % later than the plan on load alone would have it (found by the
+    property test above); that plan is now checked and taken."""
+    lengths = [np.array([948, 931, 1317]), np.array([], dtype=np.int64)]
+    speeds = [5.71, 8.27]
+    plan = plan_rebalance(lengths, cost_model=CM, bytes_per_item=2, speeds=speeds)
+    blind = plan_rebalance(lengths, cost_model=CM, bytes_per_item=2)
+    assert (plan.loads_after / plan.speeds).max() <= (blind.loads_after / plan.speeds).max()
+    assert (plan.loads_after / plan.speeds).max() < (plan.loads_before / plan.speeds).max()
+
+
 def test_a_giant_goes_to_the_rank_that_finishes_it_first():
     """A sample too big for its home's share goes where it finishes first: the fast rank, not the
     least loaded slow one (which would have taken 2.6x the bound to run it)."""

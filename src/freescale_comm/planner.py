@@ -28,8 +28,10 @@ that most bytes stay home. A plan whose largest load is not below the input's mo
 Ranks of unequal speed (`speeds`: a busy or throttled device, a slower GPU model): the objective
 is the largest load / speed (the rank that finishes last), the target max(total / Σ speed,
 largest sample / fastest speed) with speeds scaled to mean 1, each rank's share of it in cost
-its speed times that; the phases above compare each rank's load with its own share and pick the
-least loaded rank by load / speed. Equal speeds plan exactly as none.
+its speed times that; the phases above compare each rank's load with its own share, and a
+sample placed goes to the rank that would finish it first ((load + cost) / speed). Where that
+ends more than SPEEDS_CHECK above the bound, the plan on load alone is checked and taken if its
+last rank finishes sooner. Equal speeds plan exactly as none.
 
 Determinism: every order is a sort on distinct integer keys (or a stable sort), so any NumPy
 build on any CPU gives the same plan.
@@ -131,14 +133,18 @@ class RebalancePlan:
     moved_bytes: int  # Σ lengths of moved samples × bytes_per_item
     speeds: np.ndarray | None = None  # float64 [world], mean 1: the speeds planned for (None: equal)
 
+    def _times(self, loads: np.ndarray) -> np.ndarray:
+        """Each rank's load, or with speeds load / speed: the time it takes."""
+        return loads if self.speeds is None else loads / self.speeds
+
     @property
     def imbalance_before(self) -> float:
-        """Largest over mean of each rank's load (with speeds: of load / speed, the time it takes)."""
-        return _imbalance(self.loads_before if self.speeds is None else self.loads_before / self.speeds)
+        """Largest over mean of each rank's time (_times)."""
+        return _imbalance(self._times(self.loads_before))
 
     @property
     def imbalance_after(self) -> float:
-        return _imbalance(self.loads_after if self.speeds is None else self.loads_after / self.speeds)
+        return _imbalance(self._times(self.loads_after))
 
 
 def _imbalance(loads: np.ndarray) -> float:
@@ -171,6 +177,9 @@ BIG_SHARE = 1 / 16
 # A plan ending more than this (relative) above the lower bound is checked against LPT's, and
 # LPT's is taken if better by more than the tolerance: never more than this worse than LPT.
 LPT_CHECK = 0.002
+# With uneven speeds, a plan ending more than this above the bound is checked against the plan on
+# load alone (judged by load / speed) and that one taken if better: never more than this later.
+SPEEDS_CHECK = 0.001
 
 
 def _check_speeds(speeds: object, world: int) -> np.ndarray | None:
@@ -221,14 +230,23 @@ def plan_rebalance(lengths_per_rank: Sequence[np.ndarray | Sequence[int]], *, co
         return float((items.loads(holder) / speed).max())
 
     holder = items.home
-    if world > 1 and peak_of(holder) > bound * (1 + tolerance):
+    peak_before = peak_of(holder)
+    if world > 1 and peak_before > bound * (1 + tolerance):
         planned = _Planner(items, bound, tolerance, speed).run()
         peak = peak_of(planned)
         if peak > bound * (1 + LPT_CHECK):  # the bound may be out of reach; LPT may do better
             lpt = lpt_placement(items.cost, items.home, items.length, world)
-            if peak_of(lpt) * (1 + tolerance) < peak:
-                planned, peak = lpt, peak_of(lpt)
-        if peak < peak_of(holder):  # never worse: otherwise nothing moves
+            peak_lpt = peak_of(lpt)
+            if peak_lpt * (1 + tolerance) < peak:
+                planned, peak = lpt, peak_lpt
+        if scaled is not None and peak > bound * (1 + SPEEDS_CHECK):  # (coarse inputs: the phases' choices
+            # for uneven speeds can end behind the load-only plan's)
+            blind = np.concatenate(plan_rebalance(lengths, cost_model=cost_model, bytes_per_item=bytes_per_item,
+                                                  tolerance=tolerance).dest)
+            peak_blind = peak_of(blind)
+            if peak_blind < peak:
+                planned, peak = blind, peak_blind
+        if peak < peak_before:  # never worse: otherwise nothing moves
             holder = planned
     after = items.loads(holder)
     moved = holder != items.home
