@@ -173,7 +173,7 @@ def test_an_op_pending_at_teardown_finishes_as_gloos(how):
 
 @pytest.mark.parametrize("where", ["progress", "waiter"])
 def test_closing_a_communicator_from_its_done_callback_is_refused_not_a_crash(where):
-    results = run_ranks(close_from_a_done_callback, 2, where, timeout_s=30, env={"FREESCALE_TIMEOUT_S": "5"})
+    results = run_ranks(close_from_a_done_callback, 2, where, timeout_s=30, env={"FREESCALE_TIMEOUT_S": "5"}, fresh_interpreter=False)
     assert [r.exitcode for r in results] == [0, 0] and all(r.ok for r in results), results
     assert results[0].value == "InvalidUsageError", results
 
@@ -194,7 +194,7 @@ def test_native_ops_of_different_kinds_fail_naming_both_or_meet_as_under_gloo():
     both ranks naming both (it was a SIZE_MISMATCH about split sizes; the rank that learns it from
     the other's abort notice reads its words there); list and single forms meet."""
     results = run_ranks(native_ops_of_different_kinds, 2, "barrier", backend="freescale", timeout_s=60,
-                        env={"FREESCALE_TIMEOUT_S": "10"})
+                        env={"FREESCALE_TIMEOUT_S": "10"}, fresh_interpreter=False)
     assert [r.value for r in results] == ["CommError True True"] * 2, results
     results = run_ranks(native_ops_of_different_kinds, 2, "list_vs_single", backend="freescale", timeout_s=60)
     assert [r.value for r in results] == ["[[0.0, 0.0, 0.0, 0.0], [10.0, 10.0, 10.0, 10.0]]",
@@ -206,7 +206,7 @@ def test_survivors_that_see_a_death_and_a_survivors_exit_name_the_death():
     dead rank: a survivor that sees that rank gone and the one that left after it names the first.
     Before, ranks raising last named rank 0 (the lowest rank gone), which had only left."""
     results = run_ranks(a_death_then_a_survivor_leaves, 4, backend="freescale", timeout_s=90,
-                        env={"FREESCALE_TIMEOUT_S": "10"})
+                        env={"FREESCALE_TIMEOUT_S": "10"}, fresh_interpreter=False)
     assert [r.value for r in results[2:]] == ["PEER_DIED 1 True"] * 2, results
 
 
@@ -215,7 +215,7 @@ def test_a_peer_that_left_after_its_own_op_failed_is_not_only_said_to_have_died(
     times out and leaves. Rank 0 names rank 1, and that its op had timed out waiting on rank 0
     (before: only 'rank 1 died', a crash that never happened)."""
     results = run_ranks(delegated_vs_native_out_of_step, 2, backend="freescale", timeout_s=60,
-                        env={"FREESCALE_TIMEOUT_S": "3"})
+                        env={"FREESCALE_TIMEOUT_S": "3"}, fresh_interpreter=False)
     assert results[1].value == "TIMEOUT", results
     code, culprit, told = results[0].value.split()
     assert code in ("PEER_DIED", "COMM_ERROR") and (culprit, told) == ("culprit=1", "told=True"), results

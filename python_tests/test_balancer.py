@@ -119,7 +119,7 @@ def test_ranks_whose_batches_differ_in_requires_grad_still_get_every_gradient(ca
     from balancer_programs import ranks_whose_batches_differ_in_requires_grad
 
     results = spawn(ranks_whose_batches_differ_in_requires_grad, 2, case, backend="freescale", timeout_s=60,
-                    env={"FREESCALE_TIMEOUT_S": "10"})
+                    env={"FREESCALE_TIMEOUT_S": "10"}, fresh_interpreter=False)
     assert all(r["equal"] for r in results), results
     if case == "empty_input":
         assert results[0]["computed"] > 0, results  # rank 1 computed some of rank 0's samples
@@ -129,4 +129,4 @@ def test_a_gradient_penalty_beside_an_empty_rank_runs_the_same_movements_everywh
     from balancer_programs import a_gradient_penalty_beside_an_empty_rank
 
     assert spawn(a_gradient_penalty_beside_an_empty_rank, 2, backend="freescale", timeout_s=60,
-                 env={"FREESCALE_TIMEOUT_S": "10"}) == [True, True]
+                 env={"FREESCALE_TIMEOUT_S": "10"}, fresh_interpreter=False) == [True, True]

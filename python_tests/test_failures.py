@@ -30,7 +30,7 @@ HERE = Path(__file__).resolve().parent
 
 @pytest.mark.timeout(120)
 def test_disagreeing_splits_raise_commerror_on_every_rank():
-    results = run_ranks(disagreeing_splits, 3, timeout_s=60, env={"FREESCALE_TIMEOUT_S": "30"})
+    results = run_ranks(disagreeing_splits, 3, timeout_s=60, env={"FREESCALE_TIMEOUT_S": "30"}, fresh_interpreter=False)
     assert all(r.error is None for r in results), [r.error for r in results]
     codes = [r.value for r in results]
     assert codes[1] == "SIZE_MISMATCH"
@@ -49,7 +49,7 @@ def test_a_byte_mismatch_fails_every_rank_even_with_equal_chunk_counts(device):
     """Rank 0 sends rank 1 other bytes than it expects; 1000 vs 800 (and 4 MiB + 1000 vs 4 MiB +
     800) make the same number of chunks, so only a byte count can tell them apart."""
     cases = [(1000, 800), (800, 1000), (4 * MiB + 1000, 4 * MiB + 800)]
-    results = run_ranks(mismatch_by_bytes, 3, device, cases, timeout_s=200, env={"FREESCALE_TIMEOUT_S": "30"})
+    results = run_ranks(mismatch_by_bytes, 3, device, cases, timeout_s=200, env={"FREESCALE_TIMEOUT_S": "30"}, fresh_interpreter=False)
     assert all(r.error is None for r in results), [r.error for r in results]
     for r in results:
         *codes, fresh_works = r.value
@@ -62,7 +62,7 @@ def test_a_byte_mismatch_fails_every_rank_even_with_equal_chunk_counts(device):
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("device", DEVICES)
 def test_sigkill_of_one_rank_fails_the_three_survivors(device):
-    results = run_ranks(killed_mid_op, 4, 3, device, timeout_s=120, env={"FREESCALE_TIMEOUT_S": "20"})
+    results = run_ranks(killed_mid_op, 4, 3, device, timeout_s=120, env={"FREESCALE_TIMEOUT_S": "20"}, fresh_interpreter=False)
     assert results[3].exitcode == -signal.SIGKILL
     for r in results[:3]:
         assert r.error is None, r.error
@@ -75,7 +75,7 @@ def test_sigkill_of_one_rank_fails_the_three_survivors(device):
 def test_close_with_ops_pending_fails_them_and_releases_the_stream(device):
     """70 queued ops no peer joins (more than the 64 in flight a transport admits), then
     close(): each wait raises CommError, torch.cuda.synchronize() returns, a new one works."""
-    results = run_ranks(close_with_ops_pending, 2, device, 70, timeout_s=100, env={"FREESCALE_TIMEOUT_S": "60"})
+    results = run_ranks(close_with_ops_pending, 2, device, 70, timeout_s=100, env={"FREESCALE_TIMEOUT_S": "60"}, fresh_interpreter=False)
     assert all(r.error is None for r in results), [r.error for r in results]
     assert results[0].value == {"codes": ["COMM_ERROR"], "fresh works": True}
     assert results[1].value == {"codes": [], "fresh works": True}
@@ -113,13 +113,13 @@ def test_every_survivor_names_a_killed_rank_when_the_rank_that_saw_it_exits_at_o
 
 @pytest.mark.timeout(120)
 def test_peer_that_never_joins_times_out():
-    results = run_ranks(peer_never_joins, 2, timeout_s=60, env={"FREESCALE_TIMEOUT_S": "1"})
+    results = run_ranks(peer_never_joins, 2, timeout_s=60, env={"FREESCALE_TIMEOUT_S": "1"}, fresh_interpreter=False)
     assert results[0].error is None, results[0].error
     assert results[0].value == "TIMEOUT"
 
 
 def test_timeouts_beyond_a_century_wait_instead_of_failing_at_once():
-    results = run_ranks(huge_timeouts_mean_no_timeout, 2, timeout_s=120, env={"FREESCALE_TIMEOUT_S": "1e10"})
+    results = run_ranks(huge_timeouts_mean_no_timeout, 2, timeout_s=120, env={"FREESCALE_TIMEOUT_S": "1e10"}, fresh_interpreter=False)
     assert [r.value for r in results] == [["env", "wait", "group"]] * 2, results
 
 
@@ -273,7 +273,7 @@ def test_a_peer_leaving_before_its_communicator_is_a_commerror():
 
 
 def test_a_rank_frozen_past_the_timeout_then_resumed_follows_the_notice_naming_it():
-    results = run_ranks(frozen_then_resumed, 2, env={"FREESCALE_TIMEOUT_S": "3"}, timeout_s=90)
+    results = run_ranks(frozen_then_resumed, 2, env={"FREESCALE_TIMEOUT_S": "3"}, fresh_interpreter=False, timeout_s=90)
     assert [r.value for r in results] == ["TIMEOUT culprit=1", "PEER_ABORTED culprit=1"], results
 
 
@@ -308,7 +308,7 @@ def test_a_communicator_over_a_failed_group_names_how_it_failed(how, world, expe
 
 @pytest.mark.timeout(120)
 def test_a_delegated_waits_own_limit_and_gloos_refusals_stay_gloos_errors():
-    results = run_ranks(delegated_waits_and_refusals_stay_gloos, 2, timeout_s=90, env={"FREESCALE_TIMEOUT_S": "2"})
+    results = run_ranks(delegated_waits_and_refusals_stay_gloos, 2, timeout_s=90, env={"FREESCALE_TIMEOUT_S": "2"}, fresh_interpreter=False)
     assert results[0].value["short_wait"].startswith("RuntimeError"), results[0]
     assert results[0].value["short_wait_fast"] == "True", results[0]
     assert results[0].value["then_wait"] == "no error [2.0, 2.0]", results[0]
@@ -326,5 +326,5 @@ def test_a_delegated_waits_own_limit_and_gloos_refusals_stay_gloos_errors():
 
 @pytest.mark.timeout(120)
 def test_a_delegated_collective_names_the_death_not_an_old_notice():
-    results = run_ranks(a_death_after_an_old_failure, 3, timeout_s=90, env={"FREESCALE_TIMEOUT_S": "2"})
+    results = run_ranks(a_death_after_an_old_failure, 3, timeout_s=90, env={"FREESCALE_TIMEOUT_S": "2"}, fresh_interpreter=False)
     assert results[0].value == "CommError PEER_DIED culprit=2 cause=RuntimeError", results

@@ -166,7 +166,7 @@ def test_constructor_checks_arguments_before_any_communication():
 def test_a_rank_whose_shard_does_not_fit_refuses_before_building_the_communicator():
     """Only rank 1's weight has a row too many: it raises ValueError before any communication (its
     peer then fails to build the communicator, within the timeout), not after the setup exchange."""
-    out = spawn(pec_programs.one_rank_wrong_weight, 2, backend="gloo", env={"FREESCALE_TIMEOUT_S": "10"})
+    out = spawn(pec_programs.one_rank_wrong_weight, 2, backend="gloo", env={"FREESCALE_TIMEOUT_S": "10"}, fresh_interpreter=False)
     assert out[1] == "ValueError: weight has 5 rows but rank 1's shard holds 4 (sharding.shard_rows(rank)) before"
     assert out[0].startswith("CommError"), out
 

@@ -13,7 +13,7 @@ pytestmark = pytest.mark.usefixtures("torchrec_installed")
 def test_balance_in_the_pipeline_refuses_or_trains_right():
     from balance_pipeline_programs import balance_in_the_pipeline
 
-    for out in spawn(balance_in_the_pipeline, 2, timeout_s=300, env={"FREESCALE_TIMEOUT_S": "30"}):
+    for out in spawn(balance_in_the_pipeline, 2, timeout_s=300, env={"FREESCALE_TIMEOUT_S": "30"}, fresh_interpreter=False):
         # a model that pops a feature and puts it back (other key order) got the plan made for the
         # first order (dispatch reads plans by position): it crashed; now it falls back to the all-gather
         assert "error" not in out["reordered"] and out["reordered"]["diff"] == {"outputs": 0.0, "state": 0.0}, out

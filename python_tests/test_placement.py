@@ -76,6 +76,28 @@ def test_a_ranks_env_is_there_when_its_interpreter_starts():
     assert name not in os.environ  # the parent's environment is restored
 
 
+def _environment_seen(info, name):
+    """(what the interpreter started with, what C's getenv sees now) for `name`."""
+    import ctypes
+
+    getenv = ctypes.CDLL(None).getenv
+    getenv.restype = ctypes.c_char_p
+    return _start_environment(info, name), (getenv(name.encode()) or b"").decode()
+
+
+def test_a_forked_rank_sees_env_where_the_library_reads_it_and_costs_no_new_interpreter():
+    # fresh_interpreter=False: forked from the preloaded server (its start environment lacks the
+    # variable), yet C's getenv, where cpp/config.cc reads FREESCALE_TIMEOUT_S, has it before fn.
+    name = "FREESCALE_TEST_FORKED_ENV"
+    (result,) = run_ranks(_environment_seen, 1, name, backend=None, timeout_s=60, env={name: "yes"},
+                          fresh_interpreter=False)
+    assert result.ok, result.error
+    assert result.value == ("", "yes")
+    assert name not in os.environ
+    with pytest.raises(TypeError, match="fresh_interpreter must be True, False or None"):
+        run_ranks(_environment_seen, 1, name, backend=None, fresh_interpreter="no")
+
+
 def _environment_of(info, names):
     return {name: os.environ.get(name) for name in names}
 

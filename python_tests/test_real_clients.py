@@ -165,12 +165,12 @@ def test_a_rank_whose_empty_batch_requires_no_grad_still_sends_every_gradient_ho
     from bundle_programs import an_empty_rank_built_without_grad
 
     results = spawn(an_empty_rank_built_without_grad, 2, 11, backend="freescale", timeout_s=60,
-                    env={"FREESCALE_TIMEOUT_S": "10"})
+                    env={"FREESCALE_TIMEOUT_S": "10"}, fresh_interpreter=False)
     assert all(r["equal"] for r in results) and results[0]["moved"] > 0, results
     from bundle_programs import an_empty_rank_returning_fresh_jagged_rows
 
     assert spawn(an_empty_rank_returning_fresh_jagged_rows, 2, backend="freescale", timeout_s=60,
-                 env={"FREESCALE_TIMEOUT_S": "10"}) == [True, True]
+                 env={"FREESCALE_TIMEOUT_S": "10"}, fresh_interpreter=False) == [True, True]
 
 
 @pytest.mark.parametrize("keyed", [False, True])

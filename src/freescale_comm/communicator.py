@@ -88,10 +88,17 @@ def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
 F = TypeVar("F", bound=Callable[..., Any])
 
 
+# torch.compiler.disable imports torch._dynamo at once: 1.2 s of CPU at `import freescale_comm`, in
+# every process (a rank, a CLI) that never compiles. torch's own lazy form (torch.distributed's
+# entry points use it) imports Dynamo at the first call; Dynamo does not trace into it (torch's
+# file), so a compiled caller still breaks the graph there. The eager form where a torch lacks it.
+_disable_dynamo = getattr(torch, "_disable_dynamo", None) or torch.compiler.disable
+
+
 def eager(fn: F) -> F:
     """Marks a collective entry point that torch.compile runs eagerly (a graph break): Dynamo cannot
     trace the process group and communicator objects it reaches (it raised on every rank)."""
-    return torch.compiler.disable(fn)  # type: ignore[return-value]
+    return _disable_dynamo(fn)  # type: ignore[return-value]
 
 
 def check_priority(priority: object, name: str = "priority") -> int:

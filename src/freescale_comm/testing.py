@@ -113,12 +113,13 @@ def preload_in_ranks(*modules: str) -> None:
             _PRELOAD.append(name)
 
 
-def _rank_context(env: Optional[dict[str, str]]) -> Any:
-    """Where ranks start. Without `env`: forked from a forkserver that imported torch once (a
-    fresh interpreter per rank spends ~1.6 s of CPU importing it again); its own interpreter
-    started clean, so ranks inherit no launcher threads or CUDA state. With `env`: spawned, so
-    `env` is there from the start of the rank's interpreter (glibc and torch read some at start)."""
-    if env:
+def _rank_context(fresh_interpreter: bool) -> Any:
+    """Where ranks start. Forked from a forkserver that imported torch once (a fresh interpreter
+    per rank spends ~1.6 s of CPU importing it again); its own interpreter started clean, so ranks
+    inherit no launcher threads or CUDA state. Or, fresh_interpreter, spawned: what the launcher's
+    environment holds is there from the start of the rank's interpreter (glibc and torch read some
+    at start)."""
+    if fresh_interpreter:
         return mp.get_context("spawn")
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(list(_PRELOAD))  # no effect once the server runs (it already has them)
@@ -126,15 +127,24 @@ def _rank_context(env: Optional[dict[str, str]]) -> Any:
 
 
 def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, backend: Optional[str] = "gloo",
-              timeout_s: float = 120.0, env: Optional[dict[str, str]] = None) -> list[RankResult]:
+              timeout_s: float = 120.0, env: Optional[dict[str, str]] = None,
+              fresh_interpreter: Optional[bool] = None) -> list[RankResult]:
     """Runs ``fn(RankInfo, *args)`` in `world_size` new processes (each with a `backend`
     default group unless backend is None) and returns one RankResult per rank. `fn` and its
     return value must be picklable. Ranks still alive after `timeout_s` are killed. Each rank
-    sees the launcher's environment as it is at this call; `env` on top is in each rank's
-    environment from the start of its interpreter."""
+    sees the launcher's environment as it is at this call, `env` on top.
+
+    fresh_interpreter: True spawns each rank as a new interpreter, so `env` is there from its
+    start (variables glibc, OpenMP or an import reads); False forks it from the preloaded server
+    and sets `env` before the process group and `fn` (enough for what is read when used, such as
+    FREESCALE_TIMEOUT_S; not TORCH_DISTRIBUTED_DEBUG, read at import), ~1.5 s of CPU less per rank. None (the
+    default): fresh exactly when `env` is given."""
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
-    ctx = _rank_context(env)
+    if fresh_interpreter is not None and not isinstance(fresh_interpreter, bool):
+        raise TypeError(f"fresh_interpreter must be True, False or None (fresh when env is given), "
+                        f"got {fresh_interpreter!r}")
+    ctx = _rank_context(bool(env) if fresh_interpreter is None else fresh_interpreter)
     results_q: "mp.Queue" = ctx.Queue()
     port = free_port()
     procs = []
