@@ -238,8 +238,68 @@ def close_after_user_removed_hooks(info) -> str:
     return "closed"
 
 
+class CountedTower(AllFeaturesTower):
+    """AllFeaturesTower whose 'time' is counted, not measured: each forward advances a shared clock
+    by the cost the plan gave this rank times the rank's slowness."""
+
+    clock = {"now": 0.0}
+    slowness = 1.0
+
+    def forward(self, sequences: dict) -> torch.Tensor:
+        plan = self.freescale_balance.last_plan
+        CountedTower.clock["now"] += float(plan.loads_after[dist.get_rank()]) * CountedTower.slowness
+        return super().forward(sequences)
+
+
+class CountedModel(AllFeaturesModel):
+    def __init__(self, device: torch.device) -> None:
+        super().__init__(device)
+        self.tower = CountedTower(device)
+
+
+def measured_speeds(info, steps: int) -> dict:
+    """TrainPipelinePEC(balance=..., measure_speed=...) with rank 1 computing at half speed (a counted
+    clock): the speeds of every balanced forward's plan, its loads, and the outputs against a run
+    that does not measure (the same samples each computes: equal within float rounding)."""
+    from freescale_comm import _speed_meter
+
+    pg = dist.group.WORLD
+    CountedTower.slowness = 2.0 if dist.get_rank() == 1 else 1.0
+    _speed_meter.SpeedMeter.clock = staticmethod(lambda: CountedTower.clock["now"])
+    batches = _equal_items_and_cats(make_batches(steps, dist.get_world_size(), 0.5, seed=23, batch=8))
+    out = {}
+    for measure in (True, False):
+        plans = []
+        original = CountedTower.forward
+
+        def recording(tower, sequences):
+            plan = tower.freescale_balance.last_plan
+            plans.append({"speeds": None if plan.speeds is None else plan.speeds.tolist(),
+                          "loads": plan.loads_after.tolist()})
+            return original(tower, sequences)
+
+        CountedTower.forward = recording
+        try:
+            out[measure] = _train(pg, CountedModel, batches, steps, balance={"tower": COST}, measure_speed=measure)
+        finally:
+            CountedTower.forward = original
+        out[measure]["plans"] = plans
+    return {"plans": out[True]["plans"], "plans_unmeasured": out[False]["plans"], "ahead": out[True]["ahead"],
+            "diff": _diff(out[True], out[False])}
+
+
+def measure_speed_without_balance(info) -> str:
+    dmp, opt = build(dist.group.WORLD, "rowwise_adagrad", BalancedModel)
+    try:
+        fc.TrainPipelinePEC(dmp, opt, torch.device("cpu"), measure_speed=True)
+    except ValueError as e:
+        return f"ValueError: {e}"
+    return "built"
+
+
 def balance_in_the_pipeline(info) -> dict:
     """The cases of test_pipeline_balance, one spawn (2 ranks)."""
     return {"reordered": reordered_sequences(info, 3), "cost_models": different_cost_models(info, 3),
             "sharded_target": balance_names_sharded_ec(info, 2, False),
-            "removed_hooks": close_after_user_removed_hooks(info)}
+            "removed_hooks": close_after_user_removed_hooks(info),
+            "measured_speeds": measured_speeds(info, 5), "measure_without_balance": measure_speed_without_balance(info)}

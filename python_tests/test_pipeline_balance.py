@@ -24,3 +24,20 @@ def test_balance_in_the_pipeline_refuses_or_trains_right():
         assert "holds the sharded module" in out["sharded_target"], out
         # close() after the user took fc.balance's hooks off raised AttributeError
         assert out["removed_hooks"] == "closed", out
+        # measure_speed: rank 1 computes at half speed (a counted clock); the plans made once a
+        # forward was timed give it less, while the unmeasured run's plans know no speeds
+        speeds = out["measured_speeds"]
+        plans = speeds["plans"]
+        # A forward's time is read at the next forward (its start), so batch 1's forward first
+        # sets the speed; batch 2's plan, made ahead, may predate that (the worker's timing) and
+        # batch 3's, routed once progress() of batch 2 began, never does.
+        assert plans[0]["speeds"] is None and plans[1]["speeds"] is None, speeds
+        assert all(p["speeds"] is not None for p in plans[3:]), speeds
+        for p in (p for p in plans if p["speeds"] is not None):
+            assert p["speeds"] == pytest.approx([4 / 3, 2 / 3]), speeds
+            assert p["loads"][1] < p["loads"][0], speeds
+        assert all(p["speeds"] is None for p in speeds["plans_unmeasured"]), speeds
+        assert speeds["ahead"] == len(plans), speeds  # every plan made ahead, none on the main thread
+        # the same samples computed wherever they went: the runs agree within float rounding
+        assert speeds["diff"]["outputs"] < 1e-5 and speeds["diff"]["state"] < 1e-5, speeds
+        assert out["measure_without_balance"].startswith("ValueError") and "balance" in out["measure_without_balance"], out

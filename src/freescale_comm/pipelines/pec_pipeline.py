@@ -96,6 +96,9 @@ class TrainPipelinePEC(Generic[In, Out]):
         plans are made a batch ahead on the worker (the lengths of each EmbeddingCollection's output
         are its input's, known when the batch is routed), so a module given that output as it is
         dispatches without the all-gather of lengths (see _plans_ahead).
+    measure_speed (with balance): each balanced forward's time sets this rank's speed, and the plans
+        made after it give a slower rank less cost (fc.balance's measure_speed; the plans made ahead
+        use the speed measured up to when they are made, a batch or two behind).
     prefetch: what of batch N+1 moves while N computes. "pec" (FreeScale): the rows N does not
         read, the rest right after N's update, at high_priority. "dual_buffer" (NestPipe's DBP):
         every row, into N+1's own buffer; after N's update the rows N also read are refreshed
@@ -140,7 +143,8 @@ class TrainPipelinePEC(Generic[In, Out]):
                  execute_all_batches: bool = True, *, group: Optional[dist.ProcessGroup] = None,
                  high_priority: int = 100, low_priority: int = 0, deferred_priority: int = -10,
                  sparse_inputs: Optional[Callable[[Any], dict[str, Any]]] = None,
-                 balance: Optional[Mapping[str, CostModel]] = None, prefetch: str = "pec",
+                 balance: Optional[Mapping[str, CostModel]] = None, measure_speed: bool = False,
+                 prefetch: str = "pec",
                  micro_batches: Optional[int] = None, next_micro_priority: int = 50,
                  micro_gradient_priority: int = 25, loss_reduction: str = "sum",
                  split_batch: Optional[SplitBatch] = None,
@@ -208,6 +212,11 @@ class TrainPipelinePEC(Generic[In, Out]):
         self._read_inputs = sparse_inputs if sparse_inputs is not None else \
             reader(find_sparse_inputs(model.module, modules))
         to_balance = _balance_targets(model.module, balance, modules)  # checked before anything starts
+        if not isinstance(measure_speed, bool):
+            raise TypeError(f"measure_speed must be True or False, got {measure_speed!r}")
+        if measure_speed and not to_balance:
+            raise ValueError("measure_speed=True times the modules `balance` names, and balance names none: "
+                             "pass balance={submodule fqn: CostModel}, or leave measure_speed False")
         self._comm = Communicator(group)
         # every rank must drive the same rounds: the arguments that shape them must agree, and a rank
         # that cannot serve its own shards refuses with all the others
@@ -279,7 +288,8 @@ class TrainPipelinePEC(Generic[In, Out]):
             self.exposed_by_phase: list[dict[str, float]] = []
             # the hooks fc.balance made here (removing them later leaves a user's own re-balancing alone)
             for target, cost_model in to_balance:
-                self._balanced.append(fc_balance(target, cost_model, group=group).freescale_balance)
+                self._balanced.append(fc_balance(target, cost_model, group=group,
+                                                 measure_speed=measure_speed).freescale_balance)
             # balance plans made a batch ahead, for every sequence module's output (see _plans_ahead)
             self._balancers = [hooks.balancer for hooks in self._balanced]
             self._sequence_modules = [info for info in self._catalog.modules if not info.pooled] if self._balancers else []
