@@ -147,6 +147,8 @@ def test_a_misaligned_buffer_takes_narrower_words():
     assert torch.equal(_device_dispatch.scatter(packed, plan), values)
 
 
+# Both are read when used (triton's at a kernel's decoration, when the rank first imports
+# _layout_kernels; the forkserver does not): ranks fork with them (fresh_interpreter=False).
 KERNELS_ON_CPU = {"TRITON_INTERPRET": "1", "FREESCALE_LAYOUT_KERNELS_ON_CPU": "1"}
 
 
@@ -157,14 +159,14 @@ def test_dispatch_and_combine_through_the_kernels_match_the_cpu_path(world, prog
     # their programs in a random order on every rank (one order: these spawn ranks).
     if program_order != "random":
         pytest.skip("the ranks run their programs in a random order: one run is enough")
-    assert spawn(roundtrip_through_the_layout_kernels, world, 70 + world, "random", env=KERNELS_ON_CPU,
+    assert spawn(roundtrip_through_the_layout_kernels, world, 70 + world, "random", env=KERNELS_ON_CPU, fresh_interpreter=False,
                  timeout_s=300) == [len(ROW_CASES) * len(PATTERNS)] * world
 
 
 def test_values_of_other_row_kinds_fail_every_rank_on_the_kernels_path_too(program_order):
     if program_order != "identity":
         pytest.skip("no kernel order matters to a refusal: one run is enough")
-    for outcomes in spawn(row_kinds_that_differ_fail_every_rank, 2, env=KERNELS_ON_CPU, timeout_s=300):
+    for outcomes in spawn(row_kinds_that_differ_fail_every_rank, 2, env=KERNELS_ON_CPU, fresh_interpreter=False, timeout_s=300):
         for outcome in outcomes[:2]:
             assert outcome.startswith("SIZE_MISMATCH") and "ranks [0]: one kind; ranks [1]" in outcome, outcome
         assert outcomes[2] == "True"
@@ -180,7 +182,7 @@ def test_a_balanced_bundle_through_the_kernels_equals_the_unbalanced_module(prog
     pytest.importorskip("torchrec")
     from bundle_programs import hooks_balance_a_sequence_module
 
-    results = spawn(hooks_balance_a_sequence_module, 2, 11, env=KERNELS_ON_CPU, timeout_s=300)
+    results = spawn(hooks_balance_a_sequence_module, 2, 11, env=KERNELS_ON_CPU, fresh_interpreter=False, timeout_s=300)
     assert any(r["samples_computed"] != r["samples_home"] for r in results), results  # samples did move
 
 
@@ -193,7 +195,7 @@ def test_a_dispatch_is_five_launches_one_device_op_and_one_host_read(program_ord
     if program_order != "identity":
         pytest.skip("counts do not depend on the program order")
     plan_kernels = {"count_kernel": 1, "scan_chunks_kernel": 1, "scan_totals_kernel": 1, "place_kernel": 1}
-    for report in spawn(layout_work_per_call, 2, env=KERNELS_ON_CPU, timeout_s=300):
+    for report in spawn(layout_work_per_call, 2, env=KERNELS_ON_CPU, fresh_interpreter=False, timeout_s=300):
         assert report["dispatch"] == {"launches": {**plan_kernels, "copy_kernel": 1}, "ops": {"aten.clone.default": 1},
                                       "reads": 1}, report["dispatch"]
         for call in ("combine", "dispatch_like"):
