@@ -89,8 +89,9 @@ F = TypeVar("F", bound=Callable[..., Any])
 
 
 # torch.compiler.disable imports torch._dynamo at once: 1.2 s of CPU at `import freescale_comm`, in
-# every process (a rank, a CLI) that never compiles. torch's own lazy form (torch.distributed's
-# entry points use it) imports Dynamo at the first call; Dynamo does not trace into it (torch's
+# every process (a CLI, a planner) that never calls a collective. torch's own lazy form
+# (torch.distributed's entry points use it) imports Dynamo at the first call instead (nothing more
+# where TorchRec or torch.compile imported it already); Dynamo does not trace into it (torch's
 # file), so a compiled caller still breaks the graph there. The eager form where a torch lacks it.
 _disable_dynamo = getattr(torch, "_disable_dynamo", None) or torch.compiler.disable
 

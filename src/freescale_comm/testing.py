@@ -137,8 +137,8 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, backend: Opti
     fresh_interpreter: True spawns each rank as a new interpreter, so `env` is there from its
     start (variables glibc, OpenMP or an import reads); False forks it from the preloaded server
     and sets `env` before the process group and `fn` (enough for what is read when used, such as
-    FREESCALE_TIMEOUT_S; not TORCH_DISTRIBUTED_DEBUG, read at import), ~1.5 s of CPU less per rank. None (the
-    default): fresh exactly when `env` is given."""
+    FREESCALE_TIMEOUT_S; not TORCH_DISTRIBUTED_DEBUG, read at import), ~1.5 s of CPU less per
+    rank. None (the default): fresh exactly when `env` is given."""
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
     if fresh_interpreter is not None and not isinstance(fresh_interpreter, bool):
