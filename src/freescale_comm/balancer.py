@@ -455,8 +455,9 @@ class _BalanceHooks:
             leaves.update(argument_leaves(kwargs[k], f"kw_{k}"))
         bundle = self.balancer.dispatch_bundle(args[0], {}, _arguments=leaves)
         self.last_plan = bundle.plan
-        moved = bundle_inputs(bundle)
-        self._measure_from(bundle.plan, moved[0].device if moved else torch.device("cpu"))
+        if self.speed_meter is not None:  # (bundle_inputs splits a KJT: not on every forward for nothing)
+            moved = bundle_inputs(bundle)
+            self._measure_from(bundle.plan, moved[0].device if moved else torch.device("cpu"))
         sequences = bundle.sequences if is_keyed_jagged(bundle.sequences) else _BalancedDict(bundle.sequences)
         new_args = tuple(with_moved(a, bundle.per_sample, f"arg{i}") for i, a in enumerate(args[1:], start=1))
         new_kwargs = {k: with_moved(a, bundle.per_sample, f"kw_{k}") for k, a in kwargs.items()}
