@@ -6,10 +6,12 @@ from __future__ import annotations
 import atexit
 import collections.abc
 import datetime
+import functools
 import logging
 import math
 import operator
 import os
+import sys
 import threading
 import time
 import weakref
@@ -88,18 +90,29 @@ def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
 F = TypeVar("F", bound=Callable[..., Any])
 
 
-# torch.compiler.disable imports torch._dynamo at once: 1.2 s of CPU at `import freescale_comm`, in
-# every process (a CLI, a planner) that never calls a collective. torch's own lazy form
-# (torch.distributed's entry points use it) imports Dynamo at the first call instead (nothing more
-# where TorchRec or torch.compile imported it already); Dynamo does not trace into it (torch's
-# file), so a compiled caller still breaks the graph there. The eager form where a torch lacks it.
-_disable_dynamo = getattr(torch, "_disable_dynamo", None) or torch.compiler.disable
+# torch's lazy form of torch.compiler.disable (Dynamo does not trace into it, its file being
+# torch's): it imports Dynamo at the first call instead of at `import freescale_comm` (1.2 s of CPU).
+_lazy_disable = getattr(torch, "_disable_dynamo", None) or torch.compiler.disable
 
 
 def eager(fn: F) -> F:
     """Marks a collective entry point that torch.compile runs eagerly (a graph break): Dynamo cannot
-    trace the process group and communicator objects it reaches (it raised on every rank)."""
-    return _disable_dynamo(fn)  # type: ignore[return-value]
+    trace the process group and communicator objects it reaches (it raised on every rank).
+
+    Dynamo is never imported here: only torch.compile (or whoever imported Dynamo) can be tracing,
+    so where it is not loaded `fn` runs as is. Importing it at a call would run its imports with
+    the user's groups alive, and torch.distributed.nn.functional binds group.WORLD as a default
+    argument at import: the group would outlive dist.destroy_process_group, and a forked child
+    would hang at exit in its destructor (gloo's threads are not there after a fork)."""
+    disabled = _lazy_disable(fn)
+
+    @functools.wraps(fn)
+    def entry(*args: Any, **kwargs: Any) -> Any:
+        if "torch._dynamo" in sys.modules:
+            return disabled(*args, **kwargs)
+        return fn(*args, **kwargs)
+
+    return entry  # type: ignore[return-value]
 
 
 def check_priority(priority: object, name: str = "priority") -> int:
