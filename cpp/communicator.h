@@ -78,6 +78,11 @@ class Communicator {
   // communicator's own failures and peers' notices about theirs explain nothing of another
   // group's collective and are not read. Any thread; takes no lock; never blocks on peers.
   void raise_peer_failure(const std::vector<int>& needed) const;
+  // Collectives run outside this communicator among its ranks (delegated to gloo): this rank
+  // publishes each call's `text` (what must agree across ranks) before making it, so that one
+  // whose call failed can compare every rank's (Transport::note_delegated_call). Any thread.
+  uint64_t note_delegated_call(const std::string& text) { return transport_->note_delegated_call(text); }
+  std::vector<std::string> delegated_calls(uint64_t n) const { return transport_->delegated_calls(n); }
   // A collective run outside this communicator among its ranks (delegated to gloo) failed for
   // `code`, because of rank `culprit` (as raise_peer_failure named it): this communicator fails
   // too (pending ops fail; later ones raise it), and its abort notice tells peers, so a survivor

@@ -1,7 +1,8 @@
 // The layout of one rank's shared segment in the host transport. The owner writes its outgoing
 // rings (owner -> peer); each peer reads its ring and advances its tail there.
 //
-//   [RankControl][ReceivedWindow][AbortNotice][PostedKinds][Registration x kMaxRegistrations]
+//   [RankControl][ReceivedWindow][AbortNotice][PostedKinds][DelegatedCalls]
+//   [Registration x kMaxRegistrations]
 //   [RecvTarget x kOpWindow x world][PostedSizes x kOpWindow]
 //   [RingControl x world][slots of ring 0]...[slots of ring world-1]
 //   the owner's own ring has no slots (self-copies go direct).
@@ -15,10 +16,10 @@
 
 namespace freescale {
 
-// "FSCSHM05": RingControl carries head_enqueued / tail_enqueued, the segment registrations and
+// "FSCSHM06": RingControl carries head_enqueued / tail_enqueued, the segment registrations and
 // receive targets, SlotHeader flags and op kind, the abort notice's text, RankControl::left, the
-// posted ops' sizes (a peer of an older build fails at setup).
-inline constexpr uint64_t kHostSegmentMagic = 0x46534353484d3035ull;
+// posted ops' sizes, the delegated calls (a peer of an older build fails at setup).
+inline constexpr uint64_t kHostSegmentMagic = 0x46534353484d3036ull;
 
 enum RankState : uint32_t { kRankRunning = 0, kRankClosed = 1, kRankAborted = 2 };
 
@@ -59,6 +60,21 @@ struct alignas(64) PostedKinds {
   std::atomic<uint64_t> entry[kOpWindow];
 };
 static_assert(sizeof(PostedKinds) == 8 * kOpWindow, "PostedKinds crosses processes");
+
+// The collectives the owner's freescale group delegated to its inner gloo group, as text (the op,
+// and what of its arguments must agree across ranks), so that a rank whose delegated call failed
+// can tell which rank called another one. Call n lives in entry[n % kOpWindow]: its tag is zeroed,
+// the text written, then tag = n + 1 (release); a reader takes the text only if it reads tag n + 1
+// both before and after copying it (the owner rewrites the entry kOpWindow calls later).
+inline constexpr size_t kCallTextWords = 15;  // 120 bytes of text, NUL-padded
+struct alignas(64) DelegatedCall {
+  std::atomic<uint64_t> tag;
+  std::atomic<uint64_t> text[kCallTextWords];
+};
+static_assert(sizeof(DelegatedCall) == 128, "DelegatedCall crosses processes");
+struct alignas(64) DelegatedCalls {
+  DelegatedCall entry[kOpWindow];
+};
 
 struct alignas(64) RingControl {
   std::atomic<uint64_t> head;  // slots written by the owner (sender); only increases
@@ -131,7 +147,7 @@ struct HostSegmentLayout {
   size_t num_bytes() const {
     size_t used = rings_offset() + sizeof(RingControl) * world + slot_stride() * slots_per_ring * (world - 1);
     static_assert(sizeof(RankControl) % 64 == 0 && sizeof(ReceivedWindow) % 64 == 0 && sizeof(AbortNotice) % 64 == 0 &&
-                      sizeof(PostedKinds) % 64 == 0,
+                      sizeof(PostedKinds) % 64 == 0 && sizeof(DelegatedCalls) % 64 == 0,
                   "64-byte sections");
     return (used + 4095) / 4096 * 4096;
   }
@@ -145,6 +161,10 @@ struct HostSegmentLayout {
   PostedKinds* posted_kinds(void* base) const {
     return reinterpret_cast<PostedKinds*>(static_cast<char*>(base) + sizeof(RankControl) + sizeof(ReceivedWindow) +
                                           sizeof(AbortNotice));
+  }
+  DelegatedCalls* delegated_calls(void* base) const {
+    return reinterpret_cast<DelegatedCalls*>(static_cast<char*>(base) + sizeof(RankControl) + sizeof(ReceivedWindow) +
+                                             sizeof(AbortNotice) + sizeof(PostedKinds));
   }
   Registration* registration(void* base, int index) const {
     return reinterpret_cast<Registration*>(static_cast<char*>(base) + registrations_offset()) + index;
@@ -172,7 +192,8 @@ struct HostSegmentLayout {
  private:
   static uint64_t round_up(uint64_t bytes) { return (bytes + 63) / 64 * 64; }
   static size_t registrations_offset() {
-    return sizeof(RankControl) + sizeof(ReceivedWindow) + sizeof(AbortNotice) + sizeof(PostedKinds);
+    return sizeof(RankControl) + sizeof(ReceivedWindow) + sizeof(AbortNotice) + sizeof(PostedKinds) +
+           sizeof(DelegatedCalls);
   }
   size_t sizes_offset() const {
     return registrations_offset() + sizeof(Registration) * kMaxRegistrations +

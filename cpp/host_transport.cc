@@ -403,6 +403,33 @@ bool HostTransport::peer_gone(int p) const {
          peers_[p].control()->state.load(std::memory_order_acquire) == kRankAborted;
 }
 
+uint64_t HostTransport::note_delegated_call(const std::string& text) {
+  const uint64_t n = delegated_noted_.fetch_add(1, std::memory_order_relaxed);
+  DelegatedCall& entry = peers_[rank_].layout.delegated_calls(peers_[rank_].segment.data())->entry[n % kOpWindow];
+  uint64_t words[kCallTextWords] = {};
+  std::memcpy(words, text.data(), std::min(text.size(), sizeof words - 1));  // (the last byte stays NUL)
+  entry.tag.store(0, std::memory_order_relaxed);
+  std::atomic_thread_fence(std::memory_order_release);  // a reader that sees new text sees tag 0 after it
+  for (size_t i = 0; i < kCallTextWords; ++i) entry.text[i].store(words[i], std::memory_order_relaxed);
+  entry.tag.store(n + 1, std::memory_order_release);
+  return n;
+}
+
+std::vector<std::string> HostTransport::delegated_calls(uint64_t n) const {
+  std::vector<std::string> calls(world_);
+  for (int p = 0; p < world_; ++p) {
+    const DelegatedCall& entry = peers_[p].layout.delegated_calls(peers_[p].segment.data())->entry[n % kOpWindow];
+    if (entry.tag.load(std::memory_order_acquire) != n + 1) continue;
+    uint64_t words[kCallTextWords];
+    for (size_t i = 0; i < kCallTextWords; ++i) words[i] = entry.text[i].load(std::memory_order_relaxed);
+    std::atomic_thread_fence(std::memory_order_acquire);
+    if (entry.tag.load(std::memory_order_relaxed) != n + 1) continue;  // rewritten while read
+    const char* text = reinterpret_cast<const char*>(words);
+    calls[p].assign(text, strnlen(text, sizeof words));
+  }
+  return calls;
+}
+
 std::vector<PeerSight> HostTransport::peer_sight() const {
   // Liveness first, notices second (root_cause.h): a peer seen dead has its notice in view.
   std::vector<PeerSight> sight(static_cast<size_t>(world_));

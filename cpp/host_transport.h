@@ -6,9 +6,11 @@
 // so it always drains.
 #pragma once
 
+#include <atomic>
 #include <chrono>
 #include <map>
 #include <memory>
+#include <string>
 #include <utility>
 #include <vector>
 
@@ -42,6 +44,8 @@ class HostTransport : public Transport {
   void check_peers() override;
   std::vector<PeerSight> peer_sight() const override;
   int peer_pid(int rank) const override { return rank >= 0 && rank < world_ ? peers_[rank].process.pid : -1; }
+  uint64_t note_delegated_call(const std::string& text) override;
+  std::vector<std::string> delegated_calls(uint64_t n) const override;
   uint32_t activity_epoch() const override;
   void wait_for_activity(uint32_t epoch, std::chrono::microseconds timeout) override;
   void wake() override;
@@ -154,6 +158,7 @@ class HostTransport : public Transport {
   std::vector<uint64_t> filled_;                        // [world] slots written towards peer p
   std::vector<uint64_t> taken_;                         // [world] slots of src's ring handed to land()
   std::map<uint64_t, std::shared_ptr<OpState>> posted_; // seq -> posted, not yet complete
+  std::atomic<uint64_t> delegated_noted_{0};  // note_delegated_call()s so far
 };
 
 }  // namespace freescale

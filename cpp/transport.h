@@ -75,6 +75,12 @@ class Transport {
   virtual std::vector<PeerSight> peer_sight() const { return {}; }
   // A peer's pid for messages, -1 if unknown. Any thread.
   virtual int peer_pid(int /*rank*/) const { return -1; }
+  // Collectives delegated outside this transport (the backend's gloo ones), as `text` saying
+  // what must agree across ranks: publishes this rank's next call, returning its index n (this
+  // rank's calls so far). delegated_calls(n): every rank's text of its call n ([world]; "" where
+  // not seen: not made yet, rewritten since, or a transport that shares nothing). Any thread.
+  virtual uint64_t note_delegated_call(const std::string& /*text*/) { return 0; }
+  virtual std::vector<std::string> delegated_calls(uint64_t /*n*/) const { return {}; }
 
   // Progress-thread sleep: read the epoch before a round of work, then wait on it only if that
   // round moved nothing; returns early when anything this rank waits on changes.

@@ -161,3 +161,14 @@ def a_death_after_an_old_failure(info) -> str:
     if info.rank == 0:
         return _outcome(lambda: dist.all_reduce(t, group=group))
     return "survived"
+
+
+def delegated_calls_that_disagree(info) -> str:
+    """Rank 1 calls all_reduce on 5 elements where every other rank calls it on 4 (freescale
+    group). Gloo fails rank 1's call once its peers finish theirs and close; they may complete
+    (gloo's ring does not check every size). Each rank returns what it raised. Rank 1's error
+    blamed rank 0, which had closed cleanly ("closed its communicator while an op that needs it
+    was pending")."""
+    group = dist.new_group(backend="freescale", timeout=datetime.timedelta(seconds=20))
+    dist.all_reduce(torch.ones(2), group=group)
+    return _outcome(lambda: dist.all_reduce(torch.ones(5 if info.rank == 1 else 4), group=group))

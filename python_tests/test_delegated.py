@@ -59,3 +59,38 @@ def test_refusals_in_the_call_are_left_as_gloo_raised_them():
     assert sight.explain(refusal, "all_gather", [0, 1], in_the_call=True) is refusal
     not_runtime = ValueError("x")
     assert sight.explain(not_runtime, "all_gather", [0, 1]) is not_runtime
+
+
+def test_the_odd_call_out_is_one_rank_against_two_or_more_alike():
+    a, b, c = "all_reduce float32x4", "all_reduce float32x5", "broadcast root=0 float32x4"
+    assert _delegated.odd_call_out([a, a, a], [0, 1, 2]) is None
+    assert _delegated.odd_call_out([a, b, a], [0, 1, 2]) == ({a: [0, 2], b: [1]}, 1)
+    assert _delegated.odd_call_out([a, b], [0, 1]) == ({a: [0], b: [1]}, None)  # a tie
+    assert _delegated.odd_call_out([a, a, b, b], [0, 1, 2, 3])[1] is None  # a tie
+    assert _delegated.odd_call_out([a, a, b, c], [0, 1, 2, 3])[1] is None  # two odd ones
+    assert _delegated.odd_call_out([a, "", b, a], [0, 1, 2, 3]) == ({a: [0, 3], b: [2]}, 2)  # rank 1 unseen
+    assert _delegated.odd_call_out([a, b, a], [0, 2]) is None  # rank 1 not needed
+
+
+def test_a_call_seen_disagreeing_outranks_a_rank_that_closed(monkeypatch):
+    """The ranks' texts of the failed call disagree: SIZE_MISMATCH naming the odd one, and the
+    group's communicator fails naming it, though a needed rank closed (the cause's own peer)."""
+    monkeypatch.setattr(_delegated, "DEATH_SIGHT_GRACE_S", 0.2)
+    core = _Core()
+    core.dead_at = 0.0  # rank 2 is gone
+    core.delegated_calls = lambda n: ["all_reduce float32x4", "all_reduce float32x5", "all_reduce float32x4"]
+    error = _delegated.FailureSight(core, "g").explain(RuntimeError("Connection closed by peer"), "all_reduce",
+                                                        [0, 1, 2], call=7)
+    assert (error.code, error.culprit) == ("SIZE_MISMATCH", 1), error
+    assert "delegated call #7" in str(error) and "rank 1 is the odd one out" in str(error), error
+    assert core.failed_with == ("SIZE_MISMATCH", 1)
+
+
+def test_call_texts_say_what_gloo_matches_and_fit_the_segment():
+    import torch
+
+    assert _delegated.call_text("all_reduce", [torch.ones(2, 3)]) == "all_reduce float32x6"
+    assert _delegated.call_text("broadcast", [torch.ones(4, dtype=torch.int64)], root=1) == "broadcast root=1 int64x4"
+    long = _delegated.call_text("all_reduce_coalesced", [torch.ones(i + 1) for i in range(40)])
+    other = _delegated.call_text("all_reduce_coalesced", [torch.ones(i + 1) for i in range(41)])
+    assert len(long.encode()) <= 119 and long != other

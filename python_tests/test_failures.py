@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 
 from freescale_comm.testing import run_ranks
-from delegated_failure_programs import (communicator_over_a_failed_group, delegated_op_timed_out,
+from delegated_failure_programs import (communicator_over_a_failed_group, delegated_calls_that_disagree,
+                                         delegated_op_timed_out,
                                          delegated_ops_after_a_peer_died, delegated_waits_and_refusals_stay_gloos,
                                          a_death_after_an_old_failure)
 from failure_path_programs import (close_with_ops_pending, exit_at_once_rounds, frozen_then_resumed, killed_mid_op,
@@ -290,6 +291,20 @@ def test_delegated_collectives_name_the_dead_rank_on_every_survivor():
         assert r.value.pop("sight_with_victim") == "CommError PEER_DIED culprit=2 cause=-", r.value
         for op, outcome in r.value.items():
             assert outcome == "CommError PEER_DIED culprit=2 cause=RuntimeError", (r.rank, op, outcome)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("world, culprit", [(3, 1), (2, None)])
+def test_a_delegated_collective_whose_sizes_disagree_names_the_odd_rank_out_not_a_rank_that_closed(world, culprit):
+    """Three ranks: rank 1 alone against two is named; two: no one (a tie). Before, rank 1 blamed
+    rank 0, which had closed cleanly after its own call completed. Gloo may complete the other
+    ranks' calls, or abort one that receives more than it expects (its enforce: SIGABRT)."""
+    for r in run_ranks(delegated_calls_that_disagree, world, timeout_s=90):
+        if r.rank != 1 and r.exitcode == -signal.SIGABRT:
+            continue
+        assert r.error is None and r.exitcode == 0, (r.rank, r.exitcode, r.error)
+        if r.rank == 1 or r.value != "no error":
+            assert r.value == f"CommError SIZE_MISMATCH culprit={culprit} cause=RuntimeError", (r.rank, r.value)
 
 
 @pytest.mark.timeout(120)

@@ -227,6 +227,12 @@ void register_communicator(py::module_& m) {
            "If a rank in `needed` died or closed its communicator, raises the CommError naming it; else returns. For "
            "collectives run outside the communicator (delegated to gloo); its own failures and peers' notices are not "
            "read. Takes no lock; never blocks on peers.")
+      .def("note_delegated_call", &Communicator::note_delegated_call, py::arg("text"),
+           "Publishes this rank's next delegated collective as `text` (what must agree across ranks) and returns its "
+           "index n among this rank's delegated calls. Takes no lock.")
+      .def("delegated_calls", &Communicator::delegated_calls, py::arg("n"),
+           "Every rank's text of its delegated call n (one per rank; '' where not seen: not made yet, rewritten "
+           "since, or a transport that shares nothing).")
       .def(
           "fail_from_outside",
           [](Communicator& c, const std::string& code, const std::string& message, std::optional<int> culprit) {

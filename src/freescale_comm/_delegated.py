@@ -12,8 +12,10 @@ in the call by gloo's transport (send / recv on a closed connection). What gloo 
 from __future__ import annotations
 
 import datetime
+import hashlib
 import threading
 import time
+from collections.abc import Sequence
 from typing import Any, Callable, NoReturn, Optional
 
 import torch
@@ -21,7 +23,7 @@ import torch.distributed as dist
 
 from freescale_comm import _completions
 from freescale_comm._core import CommError
-from freescale_comm._errors import comm_error, gloo_timed_out
+from freescale_comm._errors import comm_error, gloo_timed_out, ranks_by
 from freescale_comm.work import c10d_wait_limit
 
 # A killed peer's sockets close a moment before /proc shows it gone (a zombie: the last steps of its
@@ -35,10 +37,43 @@ _LOOK_EVERY_S = 0.005
 _OWN_LIMIT = "Operation timed out!"
 
 
-def _is_transport_failure(error: BaseException) -> bool:
+def is_transport_failure(error: BaseException) -> bool:
     """Gloo's own words for a failed connection (its transport's source path), as opposed to a
     refusal of the call's arguments."""
     return "gloo/transport/" in str(error)
+
+
+_CALL_TEXT_BYTES = 119  # what a rank's segment holds of a call's text (host_layout.h: DelegatedCall)
+
+
+def call_text(op: str, tensors: Sequence[torch.Tensor], root: Optional[int] = None) -> str:
+    """What of a delegated collective must agree across ranks, as text: the op, its root, and the
+    dtype and element count of each tensor that gloo matches between ranks (not their shapes:
+    gloo moves a [2, 3] against a [6]). A long one ends in a digest of the whole."""
+    parts = [op] + ([f"root={root}"] if root is not None else [])
+    parts += [",".join(f"{str(t.dtype).removeprefix('torch.')}x{t.numel()}" for t in tensors)]
+    text = " ".join(parts)
+    if len(text.encode()) > _CALL_TEXT_BYTES:
+        text = text[:96] + "..#" + hashlib.blake2b(text.encode(), digest_size=8).hexdigest()
+    return text
+
+
+def odd_call_out(calls: Sequence[str], needed: Sequence[int]) -> Optional[tuple[dict[str, list[int]], Optional[int]]]:
+    """Among the `needed` ranks' texts of one delegated call ('' unseen), None if those seen agree;
+    else (text -> the ranks that called it, the odd rank out: the one rank not calling what two
+    or more others called, alike, or None where that cannot be told: two ranks, a tie, or several
+    odd ones)."""
+    seen = {r: calls[r] for r in needed if 0 <= r < len(calls) and calls[r]}
+    by = ranks_by(list(seen.values()))
+    if len(by) < 2:
+        return None
+    ranks = list(seen)
+    by = {text: [ranks[i] for i in idx] for text, idx in by.items()}
+    sizes = sorted((len(r) for r in by.values()), reverse=True)
+    odd = None
+    if sizes[0] >= 2 and sizes[1] < sizes[0] and sum(sizes[1:]) == 1:
+        odd = next(r[0] for r in by.values() if len(r) == 1)
+    return by, odd
 
 
 def raise_explained(error: BaseException, explained: BaseException) -> NoReturn:
@@ -65,20 +100,29 @@ class FailureSight:
                 self._window_ends = now + DEATH_SIGHT_GRACE_S
             return self._window_ends
 
-    def explain(self, error: BaseException, op: str, needed: list[int], in_the_call: bool = False) -> BaseException:
+    def explain(self, error: BaseException, op: str, needed: list[int], in_the_call: bool = False,
+                call: Optional[int] = None) -> BaseException:
         """The exception to raise for gloo's `error` in `op`: a CommError naming the root cause among
         the group ranks `needed`, looked for until the grace window ends; else a CommError with
-        gloo's words (TIMEOUT if gloo timed out). Returned unchanged: anything but a RuntimeError,
-        and an error raised `in_the_call` that is not gloo's transport failing (a refusal)."""
+        gloo's words (TIMEOUT if gloo timed out). The root cause: ranks that made different calls as
+        this rank's delegated call number `call` (SIZE_MISMATCH, naming the odd rank out where one
+        is; a rank that then closed or died of it is not the cause), else a needed rank that died
+        or closed. Returned unchanged: anything but a RuntimeError, and an error raised
+        `in_the_call` that is not gloo's transport failing (a refusal)."""
         if isinstance(error, CommError) or not isinstance(error, RuntimeError):
             return error
-        if in_the_call and not _is_transport_failure(error):
+        if in_the_call and not is_transport_failure(error):
             return error
         where = f"{op} on freescale group {self._group!r} (run by its inner gloo group)"
         # gloo's own timeout ran the group's whole timeout: one look (the grace is for a socket seen
         # closed before /proc shows its process gone; waiting it out put the error past the timeout)
         deadline = time.monotonic() if gloo_timed_out(error) else self._deadline()
         while True:
+            mismatch = self._calls_disagree(call, needed, final=time.monotonic() >= deadline)
+            if mismatch is not None:
+                message, culprit = mismatch
+                self._core.fail_from_outside("SIZE_MISMATCH", f"{where} failed: {message}", culprit)
+                return comm_error(f"{where} failed: {message}. gloo said: {error}", "SIZE_MISMATCH", culprit)
             try:
                 self._core.raise_peer_failure(needed)
             except CommError as cause:
@@ -93,6 +137,25 @@ class FailureSight:
         return comm_error(f"{where} failed, and no rank it needs is seen dead or closed (a rank on another host, "
                           f"frozen, or calling another collective?). gloo said: {error}",
                           "TIMEOUT" if gloo_timed_out(error) else "COMM_ERROR")
+
+
+    def _calls_disagree(self, call: Optional[int], needed: list[int], final: bool) -> Optional[tuple[str, Optional[int]]]:
+        """(message, culprit) if the needed ranks' texts of delegated call `call` disagree; None if
+        they agree, or if some are unseen and this is not the `final` look (they may still come)."""
+        if call is None:
+            return None
+        calls = self._core.delegated_calls(call)
+        found = odd_call_out(calls, needed)
+        if found is None or (not final and not all(calls[r] for r in needed if 0 <= r < len(calls))):
+            return None
+        by, odd = found
+        said = "; ".join(f"rank{'s' if len(r) > 1 else ''} {r[0] if len(r) == 1 else r} called '{text}'"
+                         for text, r in by.items())
+        who = (f"rank {odd} is the odd one out" if odd is not None else
+               "which rank is wrong cannot be told (two ranks, or no majority)")
+        return (f"the ranks called different collectives as their delegated call #{call} ({said}): {who}; "
+                "every rank must call the same collectives in the same order, with tensors of the same dtype and "
+                "number of elements"), odd
 
 
 class DelegatedWork(dist._Work):

@@ -25,7 +25,8 @@ import torch.distributed as dist
 
 from freescale_comm import _core
 from freescale_comm._bootstrap import StoreBootstrap
-from freescale_comm._delegated import AllOfWork, DelegatedWork, FailureSight, raise_explained
+from freescale_comm._delegated import (AllOfWork, DelegatedWork, FailureSight, call_text, is_transport_failure,
+                                       raise_explained)
 from freescale_comm._errors import comm_error, gloo_timed_out
 from freescale_comm.communicator import Communicator, check_priority
 from freescale_comm.work import Work, c10d_wait_limit
@@ -336,9 +337,12 @@ class ProcessGroupFreescale(dist.ProcessGroup):
 
     # --- delegated (same results as the inner group) ------------------------------------------
     def _delegate(self, op: str, tensors: Sequence[torch.Tensor], call: Callable[[Any], dist.Work],
-                  peers: Optional[Sequence[int]] = None) -> dist.Work:
+                  peers: Optional[Sequence[int]] = None, root: Optional[int] = None,
+                  collective: bool = True) -> dist.Work:
         """call(inner group for `tensors`); a CPU op's failure is raised as a CommError naming its root
-        cause among `peers` (group ranks; default: all) where this group's communicator sees one."""
+        cause among `peers` (group ranks; default: all) where this group's communicator sees one. A
+        `collective` (every rank calls it alike: `tensors`, the ones gloo matches, and `root`) is
+        published first, so a failure can name the rank that called another one."""
         inner = self._inner(tensors)
         if inner is not self._cpu or self._comm is None:
             return call(inner)  # CUDA: NCCL reports its own failures; ranks on several hosts: no sight of them
@@ -346,16 +350,20 @@ class ProcessGroupFreescale(dist.ProcessGroup):
             self._sight = FailureSight(self._comm._core, self._group_name_)
         sight = self._sight
         needed = list(range(self.size())) if peers is None else list(peers)
+        core = self._comm._core
         try:
             work = call(inner)
         except RuntimeError as e:
             if self._detail and _CHECKS_SAY in str(e):
                 raise _checks_failed(op, self._group_name_, e) from e
-            raise_explained(e, sight.explain(e, op, needed, in_the_call=True))
-        return DelegatedWork(work, lambda e: sight.explain(e, op, needed))
+            # a call gloo refused (its arguments) was not made: it takes no number among the calls
+            n = core.note_delegated_call(call_text(op, tensors, root)) if collective and is_transport_failure(e) else None
+            raise_explained(e, sight.explain(e, op, needed, in_the_call=True, call=n))
+        n = core.note_delegated_call(call_text(op, tensors, root)) if collective else None
+        return DelegatedWork(work, lambda e: sight.explain(e, op, needed, call=n))
 
     def broadcast(self, tensors: list[torch.Tensor], opts: Any) -> dist.Work:
-        return self._delegate("broadcast", tensors, lambda g: g.broadcast(tensors, opts))
+        return self._delegate("broadcast", tensors, lambda g: g.broadcast(tensors, opts), root=opts.rootRank)
 
     def allreduce(self, tensors: list[torch.Tensor], opts: Any) -> dist.Work:
         return self._delegate("all_reduce", tensors, lambda g: g.allreduce(tensors, opts))
@@ -364,7 +372,7 @@ class ProcessGroupFreescale(dist.ProcessGroup):
         return self._delegate("all_reduce_coalesced", tensors, lambda g: g.allreduce_coalesced(tensors, opts))
 
     def reduce(self, tensors: list[torch.Tensor], opts: Any) -> dist.Work:
-        return self._delegate("reduce", tensors, lambda g: g.reduce(tensors, opts))
+        return self._delegate("reduce", tensors, lambda g: g.reduce(tensors, opts), root=opts.rootRank)
 
     def allgather(self, output_tensors: list[list[torch.Tensor]], input_tensors: list[torch.Tensor], opts: Any) -> dist.Work:
         return self._delegate("all_gather", input_tensors, lambda g: g.allgather(output_tensors, input_tensors, opts))
@@ -385,10 +393,12 @@ class ProcessGroupFreescale(dist.ProcessGroup):
         return AllOfWork([self.all_gather_single(o, i, opts) for o, i in zip(outputs, inputs)], outputs)
 
     def gather(self, output_tensors: list[list[torch.Tensor]], input_tensors: list[torch.Tensor], opts: Any) -> dist.Work:
-        return self._delegate("gather", input_tensors, lambda g: g.gather(output_tensors, input_tensors, opts))
+        return self._delegate("gather", input_tensors, lambda g: g.gather(output_tensors, input_tensors, opts),
+                              root=opts.rootRank)
 
     def scatter(self, output_tensors: list[torch.Tensor], input_tensors: list[list[torch.Tensor]], opts: Any) -> dist.Work:
-        return self._delegate("scatter", output_tensors, lambda g: g.scatter(output_tensors, input_tensors, opts))
+        return self._delegate("scatter", output_tensors, lambda g: g.scatter(output_tensors, input_tensors, opts),
+                              root=opts.rootRank)
 
     def reduce_scatter(self, output_tensors: list[torch.Tensor], input_tensors: list[list[torch.Tensor]], opts: Any) -> dist.Work:
         return self._delegate("reduce_scatter", output_tensors,
@@ -405,13 +415,13 @@ class ProcessGroupFreescale(dist.ProcessGroup):
         return AllOfWork([self.reduce_scatter_single(o, i, opts) for o, i in zip(outputs, inputs)], outputs)
 
     def send(self, tensors: list[torch.Tensor], dst: int, tag: int) -> dist.Work:
-        return self._delegate("send", tensors, lambda g: g.send(tensors, dst, tag), peers=[dst])
+        return self._delegate("send", tensors, lambda g: g.send(tensors, dst, tag), peers=[dst], collective=False)
 
     def recv(self, tensors: list[torch.Tensor], src: int, tag: int) -> dist.Work:
-        return self._delegate("recv", tensors, lambda g: g.recv(tensors, src, tag), peers=[src])
+        return self._delegate("recv", tensors, lambda g: g.recv(tensors, src, tag), peers=[src], collective=False)
 
     def recv_anysource(self, tensors: list[torch.Tensor], tag: int) -> dist.Work:
-        return self._delegate("recv", tensors, lambda g: g.recv_anysource(tensors, tag))
+        return self._delegate("recv", tensors, lambda g: g.recv_anysource(tensors, tag), collective=False)
 
     def monitored_barrier(self, *args: Any, **kwargs: Any) -> None:
         return self._cpu.monitored_barrier(*args, **kwargs)
