@@ -77,13 +77,16 @@ def delegated_op_timed_out(info) -> str:
 def communicator_over_a_failed_group(info, how: str) -> str:
     """fc.Communicator(group) bootstraps through the group's all_gather_object. how="late": rank 1
     arrives after the (gloo) group's 2 s timeout; how="killed": rank 2 of a freescale group is
-    SIGKILLed first. Each rank but the late or killed one returns its error's type, code and
+    SIGKILLed first; how="exited": rank 2 of a gloo group exits first (it was PEER_DIED naming no
+    rank). Each rank but the late or killed one returns its error's type, code and
     culprit. The setup exchange called every failure PEER_DIED, naming no rank."""
     timeout = datetime.timedelta(seconds=2 if how == "late" else 20)
-    group = dist.new_group(backend="gloo" if how == "late" else "freescale", timeout=timeout)
+    group = dist.new_group(backend="freescale" if how == "killed" else "gloo", timeout=timeout)
     dist.barrier(group=group)
     if how == "late" and info.rank == 1:
         time.sleep(4)
+    if how == "exited" and info.rank == 2:
+        os._exit(0)  # its connections close: the others' setup exchange fails
     if how == "killed" and info.rank == 2:
         os.kill(os.getpid(), signal.SIGKILL)
     time.sleep(0.2)

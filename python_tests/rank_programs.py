@@ -382,7 +382,7 @@ def fail_after(info, seconds: float) -> None:
 def a_peer_leaves_before_building_its_communicator(info) -> str:
     """Rank 0 fails before building its fc.Communicator and exits; rank 1 waits in the setup
     exchange over the (gloo) group. It got gloo's RuntimeError ("Connection closed by peer"), not
-    a CommError. Returns rank 1's error type and code."""
+    a CommError; then one naming no rank. Returns rank 1's error type, code and culprit."""
     import freescale_comm as fc
 
     if info.rank == 0:
@@ -391,7 +391,7 @@ def a_peer_leaves_before_building_its_communicator(info) -> str:
     try:
         fc.Communicator(dist.group.WORLD)
     except Exception as e:  # noqa: BLE001 - the type and code are the result
-        return f"{type(e).__name__} {getattr(e, 'code', None)}"
+        return f"{type(e).__name__} {getattr(e, 'code', None)} culprit={getattr(e, 'culprit', None)}"
     return "built"
 
 

@@ -270,7 +270,7 @@ def test_a_rank_that_never_comes_to_build_a_freescale_group_is_named():
 @pytest.mark.timeout(120)
 def test_a_peer_leaving_before_its_communicator_is_a_commerror():
     results = run_ranks(a_peer_leaves_before_building_its_communicator, 2, timeout_s=60)
-    assert results[1].value == "CommError PEER_DIED", results
+    assert results[1].value == "CommError PEER_DIED culprit=0", results
 
 
 def test_a_rank_frozen_past_the_timeout_then_resumed_follows_the_notice_naming_it():
@@ -315,7 +315,8 @@ def test_a_delegated_collective_that_times_out_is_a_commerror_timeout():
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("how, world, expected", [("late", 2, "CommError TIMEOUT culprit=None"),
-                                                  ("killed", 3, "CommError PEER_DIED culprit=2")])
+                                                  ("killed", 3, "CommError PEER_DIED culprit=2"),
+                                                  ("exited", 3, "CommError PEER_DIED culprit=2")])
 def test_a_communicator_over_a_failed_group_names_how_it_failed(how, world, expected):
     results = run_ranks(communicator_over_a_failed_group, world, how, timeout_s=90)
     assert results[0].value == expected, results
