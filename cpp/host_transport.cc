@@ -249,18 +249,15 @@ bool HostTransport::deliver(int src, const SlotHeader& h, const uint8_t* payload
   uint64_t expected = op.layout.recv_bytes[src];
   if (h.total != expected) {
     const bool all_posted = every_peer_posted(h.seq);  // (read before the sizes, as for the kinds above)
-    std::pair<int, int> pairs;  // (disagreeing, the odd one's)
-    const int odd = odd_size_rank(h.seq, &pairs);
-    if (odd < 0 && world_ > 2 && !all_posted && Clock::now() < op.deadline) return false;  // their sizes will tell
+    const OddSizeRank odd = odd_size_rank_among_posted(h.seq);
+    if (odd.rank < 0 && world_ > 2 && !all_posted && Clock::now() < op.deadline) return false;  // their sizes will tell
     const std::string theirs = h.kind == mine ? "" : " (its " + op_kind_name(h.kind) + ")";
-    const std::string odd_one = odd >= 0 && odd != src ? "; rank " + std::to_string(odd) + " is the odd one out: it is in " +
-                                                             std::to_string(pairs.second) + " of the " + std::to_string(pairs.first) +
-                                                             " (sender, receiver) pairs whose sizes disagree" : "";
     throw CommError(ErrorCode::kSizeMismatch,
                     op_kind_name(mine) + " op #" + std::to_string(h.seq) + ": rank " + std::to_string(rank_) +
                         " expected " + std::to_string(expected) + " bytes from rank " + std::to_string(src) +
-                        ", which sends " + std::to_string(h.total) + " bytes" + theirs + odd_one + ": " + kSizesDisagree,
-                    odd >= 0 ? odd : src);
+                        ", which sends " + std::to_string(h.total) + " bytes" + theirs + odd_size_rank_words(odd, src) +
+                        ": " + kSizesDisagree,
+                    odd.rank >= 0 ? odd.rank : src);
   }
   // recv_done counts accepted bytes (landing may lag: recv_finished says when all landed).
   if (h.offset != op.recv_done[src] || h.bytes > expected - h.offset || op.recv_finished[src] ||
@@ -300,7 +297,7 @@ bool HostTransport::every_peer_posted(uint64_t seq) const {
   return true;
 }
 
-int HostTransport::odd_size_rank(uint64_t seq, std::pair<int, int>* pairs) const {
+OddSizeRank HostTransport::odd_size_rank_among_posted(uint64_t seq) const {
   // Per rank that posted op `seq`: what it sends to and expects from each rank (ours from the op).
   std::vector<std::vector<uint64_t>> send(world_), recv(world_);
   const OpState& op = *posted_.at(seq);
@@ -315,20 +312,7 @@ int HostTransport::odd_size_rank(uint64_t seq, std::pair<int, int>* pairs) const
       recv[p].push_back(sizes.recv(q).load(std::memory_order_relaxed));
     }
   }
-  std::vector<int> in_pairs(world_, 0);
-  int disagreeing = 0;
-  for (int s = 0; s < world_; ++s) {
-    for (int r = 0; r < world_; ++r) {
-      if (s == r || send[s].empty() || recv[r].empty() || send[s][r] == recv[r][s]) continue;
-      ++in_pairs[s];
-      ++in_pairs[r];
-      ++disagreeing;
-    }
-  }
-  const int most = static_cast<int>(std::max_element(in_pairs.begin(), in_pairs.end()) - in_pairs.begin());
-  const bool alone = std::count(in_pairs.begin(), in_pairs.end(), in_pairs[most]) == 1;
-  *pairs = {disagreeing, in_pairs[most]};
-  return alone && in_pairs[most] >= 2 ? most : -1;
+  return odd_size_rank(send, recv);
 }
 
 bool HostTransport::confirm_received() {

@@ -19,6 +19,7 @@
 #include "cpp/host_layout.h"
 #include "cpp/peer_liveness.h"
 #include "cpp/shm_segment.h"
+#include "cpp/size_blame.h"
 #include "cpp/transport.h"
 
 namespace freescale {
@@ -135,12 +136,9 @@ class HostTransport : public Transport {
   // rank alone in its kind against at least two others among the ranks that posted it (this one
   // or src), or -1 if that cannot be told (two ranks; a tie; peers yet to post).
   int odd_rank_out(uint64_t seq, int src, uint32_t theirs) const;
-  // Op `seq` (posted here) disagrees in size with rank `src`'s chunk: among the ranks that posted
-  // it, the one in the most disagreeing (sender, receiver) pairs if it is alone there and in at
-  // least two (a rank with wrong output splits or dtype disagrees with every peer; a sender with
-  // one wrong input split with one), else -1. `pairs`: the disagreeing pairs, and how many of
-  // them the rank returned is in.
-  int odd_size_rank(uint64_t seq, std::pair<int, int>* pairs) const;
+  // Op `seq` (posted here) disagrees in size with a peer's chunk: the odd one out among the ranks
+  // that posted it (cpp/size_blame.h).
+  OddSizeRank odd_size_rank_among_posted(uint64_t seq) const;
   // Every other rank has posted op `seq` (its kind and sizes are in its segment).
   bool every_peer_posted(uint64_t seq) const;
   bool drain_from(int src);

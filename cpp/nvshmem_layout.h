@@ -14,12 +14,19 @@
 //   audit   [src][window]     uint64       seq + 1 once src's byte count for op seq landed here
 //   recvd   [src][window]     uint64       seq + 1 once src received all of op seq (from everyone)
 //   audit_bytes [src][window] uint64       the bytes src sends us in op seq (put before audit)
+//   sized   [src][window]     uint64       seq + 1 once src's posted sizes for op seq landed here
 //   audit_out   [dst][lane]   uint64       our byte count for dst, staged as that put's source
 //                                          (reused in the pair-lane's stream order)
 //   notice  [src]             uint64       src's state, written by src: 0 running, 1 closed,
 //                                          2 + ErrorCode aborted
 //   kept    [src]             uint64       1 once src closed and kept its NVSHMEM reference
 //                                          (it stopped waiting for the group's close)
+//   (the words above, from ready on, are what the host mirror copies; those below are read on demand)
+//   posted_sizes [window][src] [send x world][recv x world] uint64
+//                                          what src sends to and expects from each rank in op seq
+//                                          (put before sized; one op's records are contiguous)
+//   sizes_out    [dst][lane]   [send x world][recv x world] uint64
+//                                          our sizes staged as that put's source (as audit_out)
 // Every signal word has one writer, and each SET to it is issued only after its reader saw the
 // previous one (a slot is refilled only once freed, freed again only once refilled; an op's
 // window entry is reused only once every rank confirmed the op before it): no two signals to one
@@ -94,17 +101,29 @@ struct NvshmemArenaLayout {
   uint64_t audit_bytes(int src, uint64_t seq) const {
     return words_offset() + 8 * (2 * window_words() + window_word(src, seq));
   }
-  uint64_t audit_out(int dst, int lane) const {
-    return words_offset() + 8 * (3 * window_words() + lane_word(dst, lane));
+  uint64_t sized(int src, uint64_t seq) const {
+    return words_offset() + 8 * (3 * window_words() + window_word(src, seq));
   }
-  uint64_t notice(int src) const { return words_offset() + 8 * (3 * window_words() + lane_words() + src); }
+  uint64_t audit_out(int dst, int lane) const {
+    return words_offset() + 8 * (4 * window_words() + lane_word(dst, lane));
+  }
+  uint64_t notice(int src) const { return words_offset() + 8 * (4 * window_words() + lane_words() + src); }
   uint64_t kept(int src) const { return notice(world) + 8 * static_cast<uint64_t>(src); }  // after the notices
-  uint64_t num_bytes() const { return words_offset() + 8 * (3 * window_words() + lane_words() + 2 * world); }
-  // Every word from ready on: what the transport's host mirror copies.
-  uint64_t signal_bytes() const { return num_bytes() - signals_offset(); }
+  // Bytes of one rank's sizes for one op: [send x world][recv x world].
+  uint64_t sizes_bytes() const { return 8 * 2 * static_cast<uint64_t>(world); }
+  uint64_t posted_sizes(int src, uint64_t seq) const {
+    return sizes_offset() + sizes_bytes() * ((seq % window) * static_cast<uint64_t>(world) + static_cast<uint64_t>(src));
+  }
+  uint64_t sizes_out(int dst, int lane) const {
+    return sizes_offset() + sizes_bytes() * (window_words() + lane_word(dst, lane));
+  }
+  uint64_t num_bytes() const { return sizes_offset() + sizes_bytes() * (window_words() + lane_words()); }
+  // Every word from ready to the kept words: what the transport's host mirror copies.
+  uint64_t signal_bytes() const { return sizes_offset() - signals_offset(); }
 
  private:
   uint64_t words_offset() const { return signals_offset() + 8 * 2 * slots_per_region(); }
+  uint64_t sizes_offset() const { return words_offset() + 8 * (4 * window_words() + lane_words() + 2 * world); }
   uint64_t lane_words() const { return static_cast<uint64_t>(world) * kNvshmemLanes; }
   uint64_t window_words() const { return static_cast<uint64_t>(world) * window; }
   uint64_t lane_word(int peer, int lane) const { return static_cast<uint64_t>(peer) * kNvshmemLanes + lane; }

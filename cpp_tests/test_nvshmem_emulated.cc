@@ -206,6 +206,67 @@ TEST(NvshmemEmulatedFailures, OnASlowDeviceTheCulpritsNoticeStillBeatsItsDeath) 
   expect_all_ok(outcomes);
 }
 
+// Issue 68: a receiver whose sizes disagree with every peer's (its output splits, or its dtype:
+// then its sends too) named the sender whose byte count it checked first, on every rank. As on
+// the host transport, the rank alone in the most disagreeing (sender, receiver) pairs, and in two
+// or more, is named: over P2P and over the network (each rank's sizes travel by NVSHMEM puts).
+TEST(NvshmemEmulatedFailures, ARankWhoseSizesDisagreeWithEveryPeerIsNamedNotTheSenderItCheckedFirst) {
+  for (bool network : {false, true}) {
+    for (bool sends_too : {false, true}) {
+      SCOPED_TRACE(std::string(network ? "network" : "P2P") + (sends_too ? ", sends too" : ""));
+      auto outcomes = run_forked_ranks(4, [network, sends_too](int rank, Bootstrap& bootstrap) -> std::string {
+        EmulatedDevice device(kSmallQueue);
+        EmulatedShmemOptions o;
+        for (int p = 0; p < 4 && network; ++p)
+          if (p != rank) o.network_pes.push_back(p);
+        EmulatedShmem shmem(device, o);
+        auto counts = uniform_counts(4, 16);
+        if (rank == 1) {
+          for (int p = 0; p < 4; ++p) {
+            if (p == 1) continue;
+            counts[p][1] = 32;                 // expects 32 bytes from each peer, which send 16
+            if (sends_too) counts[1][p] = 32;  // and sends each 32 where they expect 16 (a wider dtype)
+          }
+        }
+        Exchange x(counts, rank);  // outlives the transport's queued device work
+        auto comm = nvshmem_communicator(bootstrap, small_config(/*timeout_ms=*/20000), device, shmem);
+        try {
+          comm->wait(comm->all_to_all(x.send.data(), x.recv.data(), x.layout, 0, true), kForever);
+          return "no error";
+        } catch (const CommError& e) {
+          const std::string what = e.what();
+          // Only rank 1 sees a mismatch when its sends agree: it says why. With its sends wrong
+          // too, a peer may see one first and tell it by notice (culprit 1 there too).
+          const bool said = rank != 1 || sends_too || what.find("rank 1 is the odd one out: it is in ") != std::string::npos;
+          return e.culprit() == 1 && said ? "" : "rank " + std::to_string(rank) + " (culprit " + std::to_string(e.culprit()) + "): " + what;
+        }
+      });
+      expect_all_ok(outcomes);
+    }
+  }
+}
+
+// Two ranks tie (each is in every disagreeing pair): the sender is named, as on the host transport.
+TEST(NvshmemEmulatedFailures, OfTwoRanksWhoseSizesDisagreeTheSenderIsNamed) {
+  auto outcomes = run_forked_ranks(2, [](int rank, Bootstrap& bootstrap) -> std::string {
+    EmulatedDevice device(kSmallQueue);
+    EmulatedShmem shmem(device);
+    auto counts = uniform_counts(2, 16);
+    if (rank == 1) counts[0][1] = 32;  // expects 32 bytes from rank 0, which sends 16
+    Exchange x(counts, rank);  // outlives the transport's queued device work
+    auto comm = nvshmem_communicator(bootstrap, small_config(/*timeout_ms=*/20000), device, shmem);
+    try {
+      comm->wait(comm->all_to_all(x.send.data(), x.recv.data(), x.layout, 0, true), kForever);
+      return "no error";
+    } catch (const CommError& e) {
+      const std::string what = e.what();
+      const bool plain = what.find("odd one out") == std::string::npos;
+      return e.culprit() == 0 && plain ? "" : "rank " + std::to_string(rank) + " (culprit " + std::to_string(e.culprit()) + "): " + what;
+    }
+  });
+  expect_all_ok(outcomes);
+}
+
 TEST(NvshmemEmulatedFailures, KilledRankFailsEverySurvivorWithPeerDied) {
   auto outcomes = run_forked_ranks(3, [](int rank, Bootstrap& bootstrap) -> std::string {
     EmulatedDevice device(kSmallQueue);

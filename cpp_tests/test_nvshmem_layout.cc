@@ -27,7 +27,7 @@ TEST(NvshmemLayout, SlotsAndSignalsAreAlignedDisjointAndInside) {
     NvshmemArenaLayout l = NvshmemArenaLayout::plan(world, 1000, 16);
     EXPECT_EQ(l.slot_bytes % NvshmemArenaLayout::kSlotAlign, 0u);
     EXPECT_GE(l.slot_bytes, 1000u);
-    std::set<uint64_t> slots, words;
+    std::set<uint64_t> slots, words, records;
     for (int peer = 0; peer < world; ++peer) {
       for (int lane = 0; lane < kNvshmemLanes; ++lane) {
         for (uint64_t n = 0; n < kNvshmemSlotsPerLane; ++n) {
@@ -39,11 +39,15 @@ TEST(NvshmemLayout, SlotsAndSignalsAreAlignedDisjointAndInside) {
           EXPECT_EQ(l.ready(peer, lane, n), l.ready(peer, lane, n + kNvshmemSlotsPerLane));
         }
         EXPECT_TRUE(words.insert(l.audit_out(peer, lane)).second);
+        EXPECT_TRUE(records.insert(l.sizes_out(peer, lane)).second);
       }
       for (uint64_t seq = 0; seq < l.window; ++seq) {
         EXPECT_TRUE(words.insert(l.audit(peer, seq)).second);
         EXPECT_TRUE(words.insert(l.recvd(peer, seq)).second);
         EXPECT_TRUE(words.insert(l.audit_bytes(peer, seq)).second);
+        EXPECT_TRUE(words.insert(l.sized(peer, seq)).second);
+        EXPECT_TRUE(records.insert(l.posted_sizes(peer, seq)).second);
+        EXPECT_EQ(l.posted_sizes(peer, seq), l.posted_sizes(0, seq) + l.sizes_bytes() * peer);  // an op's: contiguous
         EXPECT_EQ(l.audit(peer, seq), l.audit(peer, seq + l.window));
       }
       EXPECT_TRUE(words.insert(l.notice(peer)).second);
@@ -57,9 +61,15 @@ TEST(NvshmemLayout, SlotsAndSignalsAreAlignedDisjointAndInside) {
     for (uint64_t at : words) {
       EXPECT_EQ(at % 8, 0u);
       EXPECT_GE(at, l.signals_offset());
-      EXPECT_LE(at + 8, l.num_bytes());
+      EXPECT_LE(at + 8, l.signals_offset() + l.signal_bytes());
     }
     EXPECT_EQ(words.size() * 8, l.signal_bytes());
+    for (uint64_t at : records) {  // after the mirrored words, record by record
+      EXPECT_EQ(at % 8, 0u);
+      EXPECT_GE(at, l.signals_offset() + l.signal_bytes());
+      EXPECT_LE(at + l.sizes_bytes(), l.num_bytes());
+    }
+    EXPECT_EQ(l.signals_offset() + l.signal_bytes() + records.size() * l.sizes_bytes(), l.num_bytes());
   }
 }
 

@@ -6,6 +6,7 @@
 #include <vector>
 
 #include "cpp/root_cause.h"
+#include "cpp/size_blame.h"
 
 namespace freescale {
 namespace {
@@ -157,6 +158,29 @@ TEST(RootCause, ThisRanksOwnEntryAndOutOfRangeCulpritsAreIgnored) {
   RootCause c = find_root_cause(peers, 0);
   EXPECT_EQ(c.kind, Kind::kNotice);
   EXPECT_EQ(c.rank, 1);
+}
+
+// The size rule the transports share (their forked tests: HostTransportRootCause, NvshmemEmulatedFailures).
+TEST(OddSizeRank, TheRankAloneInTheMostDisagreeingPairsAndInTwoOrMoreElseNone) {
+  using Sizes = std::vector<std::vector<uint64_t>>;
+  Sizes send{{0, 16, 16}, {16, 0, 16}, {16, 16, 0}};
+  Sizes recv = send;
+  recv[1] = {32, 0, 32};  // rank 1 expects 32 from each peer: in both disagreeing pairs
+  OddSizeRank odd = odd_size_rank(send, recv);
+  EXPECT_EQ(odd.rank, 1);
+  EXPECT_EQ(odd.disagreeing, 2);
+  EXPECT_EQ(odd.pairs_of_rank, 2);
+  EXPECT_EQ(odd_size_rank_words(odd, 0),
+            "; rank 1 is the odd one out: it is in 2 of the 2 (sender, receiver) pairs whose sizes disagree");
+  EXPECT_EQ(odd_size_rank_words(odd, 1), "");  // the sender: named by the message already
+  Sizes unknown_send = send, unknown_recv = recv;
+  unknown_send[2].clear();  // rank 2's sizes not known: its pairs are not counted, one is left
+  unknown_recv[2].clear();
+  EXPECT_EQ(odd_size_rank(unknown_send, unknown_recv).rank, -1);
+  recv[1] = {32, 0, 16};  // one wrong input split: a tie
+  odd = odd_size_rank(send, recv);
+  EXPECT_EQ(odd.rank, -1);
+  EXPECT_EQ(odd_size_rank_words(odd, 0), "");
 }
 
 }  // namespace

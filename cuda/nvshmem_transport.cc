@@ -6,14 +6,19 @@
 // later step (ours or a peer's) would satisfy (design.md §4). Per chunk n of a pair-lane, slot
 // k = n % S:
 //
-//   sender, once freed[dst][lane][k] >= n + 1 - S (dst copied chunk n - S out), on the send
-//   stream (dst, lane): copy input piece(s) -> staging slot (copy engines); putmem_signal staging
-//   -> dst's recv slot k, SET ready[me][lane][k] = n + 1. After an op's last chunk, same stream:
-//   audit_out[dst][lane] = bytes; put it to dst's audit_bytes[me][seq], SET audit[me][seq] = seq + 1.
+//   sender, before an op's first chunk to dst, on the send stream (dst, lane): our sizes for the
+//   op (what we send to and expect from every rank) -> sizes_out[dst][lane]; put them to dst's
+//   posted_sizes[seq][me], SET sized[me][seq] = seq + 1. Once freed[dst][lane][k] >= n + 1 - S
+//   (dst copied chunk n - S out), same stream: copy input piece(s) -> staging slot (copy
+//   engines); putmem_signal staging -> dst's recv slot k, SET ready[me][lane][k] = n + 1. After
+//   an op's last chunk, same stream: audit_out[dst][lane] = bytes; put it to dst's
+//   audit_bytes[me][seq], SET audit[me][seq] = seq + 1.
 //   receiver, once ready[src][lane][k] >= n + 1, on the recv stream (src, lane): copy slot ->
-//   output piece(s); SET freed[me][lane][k] = n + 1 at src. Once audit[src][seq] >= seq + 1 (and
-//   a later mirror copy, which sees the bytes that landed before that signal): compare
-//   audit_bytes with our own count (kSizeMismatch otherwise).
+//   output piece(s); SET freed[me][lane][k] = n + 1 at src. Once audit[src][seq] and
+//   sized[src][seq] >= seq + 1 (and a later mirror copy, which sees the bytes that landed before
+//   that signal): compare audit_bytes with our own count. If they differ, kSizeMismatch naming the
+//   odd rank out among those whose sizes landed (cpp/size_blame.h: a copy of posted_sizes started
+//   after the mirror showed their sized words), waiting for the rest while that names none.
 //   receipts, once every receive part of op seq landed (an event after its last copy) and
 //   matched: SET recvd[me][seq] = seq + 1 at every rank; the op is confirmed once the mirror
 //   shows recvd[p][seq] >= seq + 1 for every p.
@@ -53,6 +58,7 @@
 #include "cpp/op_state.h"
 #include "cpp/peer_liveness.h"
 #include "cpp/root_cause.h"
+#include "cpp/size_blame.h"
 #include "cpp/transfer.h"
 #include "cuda/device_util.h"
 #include "cuda/submit_gate.h"
@@ -158,6 +164,12 @@ class NvshmemTransport final : public Transport {
   // once every part is, our receipt goes to every rank (as with the host transport, an op
   // completes only when every rank received all of it and found the byte counts right).
   void part_checked(const std::shared_ptr<OpState>& op, int src);
+  // On `s` before op's first chunk to `dst`: our sizes for op into dst's posted_sizes, then its
+  // sized word.
+  void publish_sizes(const OpState& op, int dst, int lane, Stream s);
+  // Op's sizes disagree with a peer's: the odd rank out among ours and the peers' whose sizes the
+  // mirror shows landed; *all_landed: every peer's had.
+  OddSizeRank odd_size_rank_among_landed(const OpState& op, bool* all_landed);
   // closing: a clean close, whose signals all land before and with the notice.
   void notify_peers(uint64_t notice, bool closing = false);
   // Before a closed peer that an op still needs is blamed: runs our streams out and acts on fresh
@@ -238,6 +250,10 @@ class NvshmemTransport final : public Transport {
   Stream notice_stream_ = 0;         // our notices to peers
   uint64_t* signal_mirror_ = nullptr;  // mapped host: our arena's signal words (layout_.signal_bytes())
   uint64_t* notice_mirror_ = nullptr;  // mapped host: [2][world] notices, then kept words, from the arena
+  // Mapped host: [window][send x world][recv x world], our sizes for op seq in entry seq % window
+  // (written at its start, read by its publish_sizes copies: reused only after it completed).
+  uint64_t* sizes_out_host_ = nullptr;
+  uint64_t* sizes_seen_ = nullptr;  // mapped host: one op's posted_sizes, read back on a size mismatch
   DevicePtr mirror_device_ = 0, notice_mirror_device_ = 0;
   std::atomic<bool> notified_{false};
   bool closed_cleanly_ = false;  // close() sent our closed notice (no abort before)
@@ -349,6 +365,9 @@ NvshmemTransport::NvshmemTransport(Bootstrap& bootstrap, const Config& config, D
     std::fill(signal_mirror_, signal_mirror_ + layout_.signal_bytes() / sizeof(uint64_t), 0);
     notice_mirror_ = static_cast<uint64_t*>(ops_.host_alloc_mapped(sizeof(uint64_t) * 2 * world_, &notice_mirror_device_));
     std::fill(notice_mirror_, notice_mirror_ + 2 * world_, 0);
+    DevicePtr unused = 0;  // copies address mapped host memory by its host pointer (unified addressing)
+    sizes_out_host_ = static_cast<uint64_t*>(ops_.host_alloc_mapped(layout_.sizes_bytes() * layout_.window, &unused));
+    sizes_seen_ = static_cast<uint64_t*>(ops_.host_alloc_mapped(layout_.sizes_bytes() * world_, &unused));
   } catch (const std::exception& e) {
     error = e.what();
   }
@@ -490,8 +509,8 @@ NvshmemTransport::~NvshmemTransport() {
   if (watching_) quietly([&] { ops_.destroy_event(*watching_); });
   if (health_) quietly([&] { ops_.destroy_event(*health_); });
   if (settled) {
-    if (signal_mirror_ != nullptr) quietly([&] { ops_.host_free(signal_mirror_); });
-    if (notice_mirror_ != nullptr) quietly([&] { ops_.host_free(notice_mirror_); });
+    for (uint64_t* mapped : {signal_mirror_, notice_mirror_, sizes_out_host_, sizes_seen_})
+      if (mapped != nullptr) quietly([&] { ops_.host_free(mapped); });
   } else {
     gate_.leak();  // a failed stream may still hold work that reads them
   }
@@ -571,7 +590,7 @@ void NvshmemTransport::release_setup() noexcept {
     } catch (...) {
     }
   }
-  for (uint64_t** mirror : {&signal_mirror_, &notice_mirror_}) {
+  for (uint64_t** mirror : {&signal_mirror_, &notice_mirror_, &sizes_out_host_, &sizes_seen_}) {
     if (*mirror == nullptr) continue;
     try {
       ops_.host_free(*mirror);
@@ -613,6 +632,9 @@ void NvshmemTransport::post(const std::shared_ptr<OpState>& op) {
 
 void NvshmemTransport::start(const std::shared_ptr<OpState>& op) {
   started_[op->seq] = op;
+  uint64_t* sizes = sizes_out_host_ + (op->seq % layout_.window) * 2 * world_;
+  std::copy(op->layout.send_bytes.begin(), op->layout.send_bytes.end(), sizes);
+  std::copy(op->layout.recv_bytes.begin(), op->layout.recv_bytes.end(), sizes + world_);
   const int lane = nvshmem_lane(op->priority);
   for (int src = 0; src < world_; ++src) {
     const auto index = static_cast<size_t>(pair(src, lane));
@@ -651,6 +673,7 @@ void NvshmemTransport::send_chunk(const Transfer& t, const Chunk& c) {
   if (c.bytes > chunk_bytes_) throw Error(ErrorCode::kInternal, "chunk larger than an nvshmem slot");
   const Stream s = stream_of(send_, index);
   uint8_t* mapped = mapped_arena_[dst];
+  if (c.offset == 0 && dst != rank_) publish_sizes(*op, dst, lane, s);  // the transfer's first chunk
   if (c.bytes > 0) {
     const uint64_t n = sent_chunks_[index]++;
     CopyList copies;
@@ -757,7 +780,8 @@ bool NvshmemTransport::act_on_signals() {
   for (auto it = audits_.begin(); it != audits_.end();) {
     const uint64_t seq = it->op->seq;
     if (it->seen_in == 0) {
-      if (seen(layout_.audit(it->src, seq)) >= seq + 1) {
+      const bool sized = it->src == rank_ || seen(layout_.sized(it->src, seq)) >= seq + 1;
+      if (sized && seen(layout_.audit(it->src, seq)) >= seq + 1) {
         it->seen_in = mirror_copies_;
         flush_before_copy_ = flush_before_copy_ || flush_network_writes_;
       }
@@ -768,19 +792,27 @@ bool NvshmemTransport::act_on_signals() {
       ++it;
       continue;
     }
+    const OpState& op = *it->op;
+    const uint64_t bytes = op.layout.recv_bytes[it->src];
+    const uint64_t announced = seen(layout_.audit_bytes(it->src, seq));
+    if (!op.is_completed() && announced != bytes) {  // (an op that failed meanwhile is dropped below)
+      bool all_landed = false;
+      const OddSizeRank odd = odd_size_rank_among_landed(op, &all_landed);
+      if (odd.rank < 0 && world_ > 2 && !all_landed && Clock::now() < op.deadline) {  // their sizes will tell
+        ++it;
+        continue;
+      }
+      throw CommError(ErrorCode::kSizeMismatch,
+                      "all_to_all op #" + std::to_string(seq) + ": rank " + std::to_string(rank_) + " expected " +
+                          std::to_string(bytes) + " bytes from rank " + std::to_string(it->src) + ", which sends " +
+                          std::to_string(announced) + " bytes" + odd_size_rank_words(odd, it->src) + ": " +
+                          kSizesDisagree,
+                      odd.rank >= 0 ? odd.rank : it->src);
+    }
     Audit a = std::move(*it);
     it = audits_.erase(it);
     moved = true;
     if (a.op->is_completed()) continue;  // failed meanwhile
-    const uint64_t bytes = a.op->layout.recv_bytes[a.src];
-    const uint64_t announced = seen(layout_.audit_bytes(a.src, seq));
-    if (announced != bytes) {
-      throw CommError(ErrorCode::kSizeMismatch,
-                      "all_to_all op #" + std::to_string(seq) + ": rank " + std::to_string(rank_) + " expected " +
-                          std::to_string(bytes) + " bytes from rank " + std::to_string(a.src) + ", which sends " +
-                          std::to_string(announced) + " bytes: " + kSizesDisagree,
-                      a.src);
-    }
     recv_parts_[{seq, a.src}].audited = true;
     part_checked(a.op, a.src);
   }
@@ -808,6 +840,56 @@ void NvshmemTransport::part_checked(const std::shared_ptr<OpState>& op, int src)
   for (int p = 0; p < world_; ++p) {
     set_signal(layout_.recvd(rank_, op->seq), op->seq + 1, p, receipt_stream_);
   }
+}
+
+void NvshmemTransport::publish_sizes(const OpState& op, int dst, int lane, Stream s) {
+  const uint64_t* ours = sizes_out_host_ + (op.seq % layout_.window) * 2 * world_;
+  const uint64_t record = layout_.posted_sizes(rank_, op.seq);
+  CopyBatch copy;
+  if (uint8_t* mapped = mapped_arena_[dst]; mapped != nullptr) {  // straight into dst's record, then its word
+    copy.add(mapped + record, ours, layout_.sizes_bytes());
+    ops_.copy_batch(s, copy);
+    set_signal(layout_.sized(rank_, op.seq), op.seq + 1, dst, s);
+    return;
+  }
+  uint8_t* staging = arena_ + layout_.sizes_out(dst, lane);
+  copy.add(staging, ours, layout_.sizes_bytes());
+  ops_.copy_batch(s, copy);
+  throw_if_context_faulted(s);
+  shmem_.put_signal_on_stream(arena_ + record, staging, layout_.sizes_bytes(), word(layout_.sized(rank_, op.seq)),
+                              op.seq + 1, ShmemSignalOp::kSet, dst, s);
+}
+
+OddSizeRank NvshmemTransport::odd_size_rank_among_landed(const OpState& op, bool* all_landed) {
+  std::vector<std::vector<uint64_t>> send(static_cast<size_t>(world_)), recv(static_cast<size_t>(world_));
+  send[rank_] = op.layout.send_bytes;
+  recv[rank_] = op.layout.recv_bytes;
+  // The peers whose sizes the last mirror copy shows landed; a copy started after it sees them
+  // (a network peer's once flushed). Health stream: copies of our own arena only, so it runs out.
+  std::vector<int> landed;
+  for (int p = 0; p < world_; ++p) {
+    if (p != rank_ && seen(layout_.sized(p, op.seq)) >= op.seq + 1) landed.push_back(p);
+  }
+  *all_landed = static_cast<int>(landed.size()) == world_ - 1;
+  if (!landed.empty()) {
+    if (flush_network_writes_) ops_.flush_remote_writes();
+    CopyBatch copy;
+    copy.add(sizes_seen_, arena_ + layout_.posted_sizes(0, op.seq), layout_.sizes_bytes() * world_);
+    ops_.copy_batch(health_stream_, copy);
+    bool failed = false;
+    if (!drain_streams(ops_, {health_stream_}, settle_deadline(), &failed).empty() || failed) {
+      *all_landed = false;
+      landed.clear();  // not read: as if none had landed
+    }
+  }
+  for (int p : landed) {
+    const uint64_t* theirs = sizes_seen_ + static_cast<uint64_t>(p) * 2 * world_;
+    for (int q = 0; q < world_; ++q) {
+      send[p].push_back(read_mapped_word(theirs + q));
+      recv[p].push_back(read_mapped_word(theirs + world_ + q));
+    }
+  }
+  return odd_size_rank(send, recv);
 }
 
 std::vector<PeerSight> NvshmemTransport::sight_with(const std::vector<bool>& died) const {
