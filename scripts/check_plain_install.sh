@@ -1,15 +1,20 @@
 #!/usr/bin/env bash
 # Builds the package once the way a user does: a fresh venv, `pip install .` with build isolation
 # and without the NVSHMEM wheel in the build environment (NVSHMEM_HOME unset), then imports it and
-# prints fc.build_info(); the module must not carry the emulated device (test equipment). torch comes from the machine's site-packages (--no-deps keeps pip from
-# resolving a CUDA torch of several GB).
+# prints fc.build_info(); the module must not carry the emulated device (test equipment). torch and
+# numpy come from the environment this script runs in (the system Python, a venv or a conda env:
+# its site-packages follow the new venv's own on its path), and --no-deps keeps pip from resolving
+# a CUDA torch of several GB.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 venv="$(mktemp -d)/plain-venv"
 trap 'rm -rf "$(dirname "$venv")"' EXIT
-python3 -m venv --system-site-packages "$venv"
+python3 -m venv "$venv"
+# (--system-site-packages would see the base interpreter's packages, not an active venv's)
+python3 -c 'import sys; print("\n".join(p for p in sys.path if p.endswith(("site-packages", "dist-packages"))))' \
+  > "$("$venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/outer-environment.pth"
 env -u NVSHMEM_HOME -u FREESCALE_TEST_SUPPORT "$venv/bin/python" -m pip install -q --disable-pip-version-check --no-deps \
-  -C build-dir="$(dirname "$venv")/build" . > plain-install.log 2>&1 \
+  --config-settings=build-dir="$(dirname "$venv")/build" . > plain-install.log 2>&1 \
   || { cat plain-install.log; rm -f plain-install.log; exit 1; }
 rm -f plain-install.log
 cd "$(dirname "$venv")"  # import the installed package, not the source tree

@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Builds and runs the C++ tests (GoogleTest via ctest; the CUDA transports run there on the emulated
-# device), then again under ASan + UBSan and TSan, checks that a plain `pip install .` builds and imports, then runs the Python tests
-# (pytest) against the installed package. Run scripts/setup.sh first on a fresh machine.
+# device), then again under ASan + UBSan and TSan, checks that a plain `pip install .` builds and
+# imports (from this Python's environment, and from inside a venv holding torch itself), then runs
+# the Python tests (pytest) against the installed package. Run scripts/setup.sh first on a fresh
+# machine.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 phase() { echo "[test.sh +${SECONDS}s] $*"; }  # where CI's minutes go
@@ -52,6 +54,8 @@ TSAN_OPTIONS=halt_on_error=1 ctest --test-dir build/tsan -j2 --output-on-failure
   -E 'RandomSplitsFromZeroTo256MiB|Moves64MiBPerPeer|LaterUrgentOp|AnUrgentOpDuringABulkOp|NvshmemEmulatedStreams.ManyChunks|Emulated.EveryOpHasAllItsBytesWhenItCompletes/[34]$|AStalledNetworkPeer|CeEmulatedStreams.BackToBackSynchronousOps|HundredsOfOpsInFlightWithAFourDeepStreamQueue|AComputeKernelHoldingEverySmStallsOnlySmCopies|AHeaderClaimingMoreThanTheSlotHolds'
 phase "plain pip install"
 bash scripts/check_plain_install.sh
+phase "plain pip install inside a venv"
+bash scripts/check_plain_install_in_venv.sh
 phase "CUDA 12.8 headers"
 bash scripts/check_cuda_12_8.sh
 phase "pytest"
